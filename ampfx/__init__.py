@@ -1,0 +1,15 @@
+"""ampfx: automatic mixed precision for PyTorch as a torch.fx graph rewrite.
+
+>>> import torch, ampfx
+>>> amp = ampfx.convert(torch.nn.Linear(4, 2), torch.bfloat16)
+>>> amp.ampfx_report.by_node("linear").dtype
+torch.bfloat16
+"""
+from .measure import count_casts
+from .ops import Category
+from .pipeline import convert
+from .policy import Policy, PolicyError
+from .report import CastInfo, Decision, Report
+
+__all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts"]
+__version__ = "0.1.0"

@@ -1,0 +1,386 @@
+"""The op tables: which list every op is on, and why.
+
+This module is data. No pass names an op; passes ask :func:`lookup` for the
+:class:`OpRule` of a node and read its fields.
+
+One op has one canonical name however it is reached: ``nn.Linear``,
+``F.linear`` and ``aten.linear`` are all ``linear``; ``nn.Softmax``,
+``F.softmax``, ``torch.softmax`` and ``Tensor.softmax`` are all ``softmax``.
+Keys are the torch callables themselves, ``Tensor`` method names (the strings
+``torch.fx`` records for ``call_method`` nodes), ``nn.Module`` types and ATen
+op-packet names (so graphs captured at the ATen level map to the same names
+and the same policy).
+
+>>> from ampfx.ops import lookup_name, RULES
+>>> import torch.nn.functional as F, torch.nn as nn
+>>> lookup_name(F.softmax), lookup_name(nn.Softmax), lookup_name("softmax")
+('softmax', 'softmax', 'softmax')
+>>> RULES["softmax"].category
+<Category.DENY: 'deny'>
+"""
+from __future__ import annotations
+
+import builtins
+import enum
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Category(str, enum.Enum):
+    """What an op's list says about its precision.
+
+    ``ALLOW``, ``INFER``, ``CLEAR`` and ``DENY`` are TF-AMP's lists and take part
+    in painting (see ``ampfx.passes.paint``). ``FP32`` and ``PASS`` do not.
+    """
+
+    ALLOW = "allow"  #: worth running in low precision (GEMMs, convolutions)
+    INFER = "infer"  #: safe either way; low when between low-precision ops
+    CLEAR = "clear"  #: numerically neutral; follows its neighbours
+    DENY = "deny"  #: needs float32, and float32 flows forward through infer/clear
+    FP32 = "fp32"  #: float32 here only, no propagation (unlisted ops, fp32 modules, missing kernels)
+    PASS = "pass"  #: left as written (no float data, explicit casts, factories)
+
+
+LISTS = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
+"""The four lists a policy can edit, in the order the env variables name them."""
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One op's entry: its list and the reason, plus what the rewrite must know.
+
+    ``fp16`` / ``bf16`` replace ``(category, reason)`` under that dtype, where
+    range matters (bfloat16 has float32's exponent range; float16 overflows at
+    65504). ``fp32_args`` name argument slots that stay float32 whatever the
+    op's dtype (batch-norm statistics, affine parameters). ``index_args`` are
+    integer or boolean slots that are never cast. ``accum_dtype`` is the name of
+    the op's own accumulation-dtype argument, used instead of a cast.
+    ``result`` says what a ``PASS`` op returns: ``"nonfloat"``, ``"cast"``
+    (an explicit conversion), ``"same"`` (the dtype of its first argument),
+    ``"fp32"`` or ``None`` (unknown until run).
+    """
+
+    name: str
+    category: Category
+    reason: str
+    fp16: tuple[Category, str] | None = None
+    bf16: tuple[Category, str] | None = None
+    fp32_args: tuple[int | str, ...] = ()
+    index_args: tuple[int | str, ...] = ()
+    accum_dtype: str | None = None
+    result: str | None = None
+    probe: str | None = None
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
+        """The ``(category, reason)`` that applies when converting to ``dtype``."""
+        variant = {torch.float16: self.fp16, torch.bfloat16: self.bf16}.get(dtype)
+        return variant if variant is not None else (self.category, self.reason)
+
+
+RULES: dict[str, OpRule] = {}
+_ALIASES: dict[Any, str] = {}  # callable | module type | method name | "aten::name" -> canonical name
+
+
+def _op(
+    name: str,
+    category: Category,
+    reason: str,
+    *,
+    fns: Iterable[Callable] = (),
+    methods: Iterable[str] = (),
+    modules: Iterable[type] = (),
+    aten: Iterable[str] = (),
+    **fields: Any,
+) -> None:
+    assert name not in RULES, f"duplicate op table entry {name!r}"
+    RULES[name] = OpRule(name, category, reason, **fields)
+    keys = [*fns, *methods, *modules, *(f"aten::{a}" for a in aten)]
+    for key in keys:
+        assert _ALIASES.get(key, name) == name, f"{key!r} is both {_ALIASES[key]!r} and {name!r}"
+        _ALIASES[key] = name
+    # the canonical name itself is always accepted where names are typed
+    _ALIASES.setdefault(name, name)
+
+
+def _torch_fns(*names: str) -> list[Callable]:
+    """``torch.X``, ``torch.nn.functional.X`` and ``torch.special.X`` where they exist."""
+    out = []
+    for ns in (torch, F, torch.special, torch.linalg):
+        for n in names:
+            fn = getattr(ns, n, None)
+            if fn is not None and fn not in out:
+                out.append(fn)
+    return out
+
+
+def _mods(*names: str) -> list[type]:
+    return [getattr(nn, n) for n in names if hasattr(nn, n)]
+
+
+A, I, C, D, P = Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY, Category.PASS
+
+# --------------------------------------------------------------------------- ALLOW
+_GEMM = "GEMM: tensor-core friendly, low-precision inputs with float32 accumulation halve the bytes moved"
+_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear", "addmm"])
+_op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"])
+_op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"])
+_op("mm", A, _GEMM, fns=[torch.mm], methods=["mm"], aten=["mm"])
+_op("mv", A, _GEMM, fns=[torch.mv], methods=["mv"], aten=["mv"])
+_op("bmm", A, _GEMM, fns=[torch.bmm], methods=["bmm"], aten=["bmm"])
+_op("baddbmm", A, _GEMM, fns=[torch.baddbmm], methods=["baddbmm"], aten=["baddbmm"])
+_op("addmm", A, _GEMM, fns=[torch.addmm], methods=["addmm"])
+_op("addbmm", A, _GEMM, fns=[torch.addbmm], methods=["addbmm"], aten=["addbmm"])
+_op("einsum", A, _GEMM + " (einsum contracts like a batched matmul)", fns=[torch.einsum], aten=["einsum"])
+_CONV = "convolution: tensor-core friendly, low-precision inputs with float32 accumulation"
+for _d in (1, 2, 3):
+    _op(f"conv{_d}d", A, _CONV, fns=_torch_fns(f"conv{_d}d"), modules=_mods(f"Conv{_d}d", f"LazyConv{_d}d"), aten=[f"conv{_d}d"])
+    _op(f"conv_transpose{_d}d", A, _CONV, fns=_torch_fns(f"conv_transpose{_d}d"),
+        modules=_mods(f"ConvTranspose{_d}d", f"LazyConvTranspose{_d}d"), aten=[f"conv_transpose{_d}d"])
+_op("convolution", A, _CONV, aten=["convolution", "_convolution"])
+_op("scaled_dot_product_attention", A,
+    "fused attention: GEMMs inside, the kernel keeps softmax statistics in float32",
+    fns=[F.scaled_dot_product_attention], aten=["scaled_dot_product_attention"])
+_op("multi_head_attention", A,
+    "projections and attention are GEMMs; runs as one leaf with low-precision copies of its weights",
+    fns=[F.multi_head_attention_forward], modules=_mods("MultiheadAttention"))
+_RNN = "recurrent cell: its gates are GEMMs; runs as a leaf with low-precision copies of its weights"
+_op("lstm", A, _RNN, modules=_mods("LSTM"), aten=["lstm"], probe="lstm")
+_op("gru", A, _RNN, modules=_mods("GRU"), aten=["gru"], probe="gru")
+_op("rnn", A, _RNN, modules=_mods("RNN"), aten=["rnn_tanh", "rnn_relu"], probe="rnn")
+_op("lstm_cell", A, _RNN, modules=_mods("LSTMCell"), aten=["lstm_cell"], probe="lstm_cell")
+_op("gru_cell", A, _RNN, modules=_mods("GRUCell"), aten=["gru_cell"], probe="gru_cell")
+_op("rnn_cell", A, _RNN, modules=_mods("RNNCell"), aten=["rnn_tanh_cell", "rnn_relu_cell"], probe="rnn_cell")
+
+# --------------------------------------------------------------------------- CLEAR
+_NEUTRAL = "numerically neutral: moves or selects values without arithmetic"
+_views = ["view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze",
+          "chunk", "split", "tensor_split", "unbind", "contiguous", "expand", "expand_as", "repeat", "narrow",
+          "select", "flip", "roll", "movedim", "swapaxes", "view_as", "reshape_as", "clone", "detach",
+          "tril", "triu", "index_select", "gather", "take_along_dim", "repeat_interleave", "diagonal",
+          "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "topk", "sort", "unfold"]
+for _name in _views:
+    _op(_name, C, _NEUTRAL, fns=[f for f in _torch_fns(_name) if _name != "unfold"],
+        methods=[_name], aten=[_name],
+        index_args=(("index", 2) if _name in ("index_select", "gather") else ()))
+_op("getitem", C, _NEUTRAL + "; a slice is cast after it is taken (fewer bytes)", fns=[operator.getitem])
+_op("cat", C, _NEUTRAL, fns=_torch_fns("cat", "concat", "concatenate"), aten=["cat"])
+_op("stack", C, _NEUTRAL, fns=_torch_fns("stack", "hstack", "vstack"), aten=["stack"])
+_op("pad", C, "pads with a constant: neutral", fns=[F.pad], aten=["constant_pad_nd"], modules=_mods(
+    "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
+    "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d"))
+_op("identity", C, _NEUTRAL, modules=_mods("Identity", "Flatten", "Unflatten"))
+_op("dropout", C, "zeroes and rescales: no range or precision risk",
+    fns=_torch_fns("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"),
+    modules=_mods("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"),
+    aten=["dropout", "native_dropout"])
+_op("relu", C, "max(x, 0) is exact in any float format", fns=_torch_fns("relu", "relu_"), methods=["relu"],
+    modules=_mods("ReLU"), aten=["relu"])
+_op("relu6", C, "clamps: exact in any float format", fns=_torch_fns("relu6", "hardtanh"), modules=_mods("ReLU6", "Hardtanh"),
+    aten=["hardtanh"])
+_op("clamp", C, "clamps: exact in any float format", fns=_torch_fns("clamp", "clip"), methods=["clamp", "clip"],
+    aten=["clamp"])
+for _name in ("max", "min", "amax", "amin", "maximum", "minimum", "abs", "neg", "sign"):
+    _op(_name, C, "selects or negates: exact in any float format", fns=_torch_fns(_name), methods=[_name],
+        aten=[_name])
+_op("where", C, "selects between values: exact", fns=[torch.where], methods=["where"], aten=["where"])
+_op("masked_fill", C, "fills selected values: exact", fns=[torch.masked_fill], methods=["masked_fill"],
+    aten=["masked_fill"], index_args=(1, "mask"))
+_op("max_pool", C, "max over windows: exact in any float format",
+    fns=_torch_fns("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+                   "adaptive_max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"),
+    modules=_mods("MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d"),
+    aten=["max_pool2d", "max_pool2d_with_indices", "max_pool1d", "max_pool3d", "adaptive_max_pool2d"])
+
+# --------------------------------------------------------------------------- INFER
+_ELEMENTWISE = "elementwise: as accurate as its inputs; low precision when its neighbours are"
+for _name, _extra_fns, _methods, _mod in [
+    ("add", [operator.add], ["add", "__add__", "__radd__"], ()),
+    ("sub", [operator.sub], ["sub", "__sub__", "__rsub__", "rsub"], ()),
+    ("mul", [operator.mul], ["mul", "__mul__", "__rmul__"], ()),
+    ("div", [operator.truediv], ["div", "__truediv__", "__rtruediv__", "true_divide"], ()),
+    ("addcmul", [], ["addcmul"], ()),
+    ("addcdiv", [], ["addcdiv"], ()),
+    ("lerp", [], ["lerp"], ()),
+    ("gelu", [], ["gelu"], ("GELU",)),
+    ("silu", [], ["silu"], ("SiLU",)),
+    ("tanh", [], ["tanh"], ("Tanh",)),
+    ("sigmoid", [], ["sigmoid"], ("Sigmoid",)),
+    ("elu", [], ["elu"], ("ELU",)),
+    ("selu", [], ["selu"], ("SELU",)),
+    ("celu", [], ["celu"], ("CELU",)),
+    ("leaky_relu", [], ["leaky_relu"], ("LeakyReLU",)),
+    ("prelu", [], ["prelu"], ("PReLU",)),
+    ("hardswish", [], ["hardswish"], ("Hardswish",)),
+    ("hardsigmoid", [], ["hardsigmoid"], ("Hardsigmoid",)),
+    ("softplus", [], ["softplus"], ("Softplus",)),
+    ("softsign", [], ["softsign"], ("Softsign",)),
+    ("mish", [], ["mish"], ("Mish",)),
+    ("logsigmoid", [], [], ("LogSigmoid",)),
+    ("sqrt", [], ["sqrt"], ()),
+    ("erf", [], ["erf"], ()),
+]:
+    _op(_name, I, _ELEMENTWISE, fns=[*_torch_fns(_name), *_extra_fns], methods=_methods, modules=_mods(*_mod),
+        aten=[_name])
+_op("avg_pool", I, "window mean: the kernel accumulates in float32",
+    fns=_torch_fns("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                   "adaptive_avg_pool3d"),
+    modules=_mods("AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d"),
+    aten=["avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d", "avg_pool3d"])
+_op("interpolate", I, "weighted sums of a few neighbours: as accurate as its inputs",
+    fns=[F.interpolate, F.upsample], modules=_mods("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"),
+    aten=["upsample_nearest2d", "upsample_bilinear2d"])
+_NORM = ("normalisation: low-precision data in and out, statistics and affine parameters stay float32 "
+         "(the kernel accumulates in float32)")
+_op("batch_norm", I, _NORM, fns=[F.batch_norm, torch.batch_norm],
+    modules=_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d", "LazyBatchNorm2d"),
+    aten=["batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+          "_native_batch_norm_legit_functional", "cudnn_batch_norm"],
+    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm")
+_op("instance_norm", I, _NORM, fns=[F.instance_norm, torch.instance_norm],
+    modules=_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"), aten=["instance_norm"],
+    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm")
+_op("layer_norm", I, _NORM, fns=[F.layer_norm, torch.layer_norm], modules=_mods("LayerNorm"),
+    aten=["layer_norm", "native_layer_norm"], fp32_args=(2, 3, "weight", "bias"), probe="layer_norm")
+_op("group_norm", I, _NORM, fns=[F.group_norm, torch.group_norm], modules=_mods("GroupNorm"),
+    aten=["group_norm", "native_group_norm"], fp32_args=(2, 3, "weight", "bias"), probe="group_norm")
+_op("rms_norm", I, _NORM, fns=_torch_fns("rms_norm"), modules=_mods("RMSNorm"), aten=["rms_norm"],
+    fp32_args=(2, "weight"), probe="rms_norm")
+_RANGE16 = "large outputs for small inputs overflow float16's range (max 65504)"
+_op("rsqrt", I, _ELEMENTWISE + " (bfloat16 has float32's range)", fns=_torch_fns("rsqrt"), methods=["rsqrt"],
+    aten=["rsqrt"], fp16=(D, "1/sqrt(x) " + _RANGE16))
+_op("reciprocal", I, _ELEMENTWISE + " (bfloat16 has float32's range)", fns=_torch_fns("reciprocal"),
+    methods=["reciprocal"], aten=["reciprocal"], fp16=(D, "1/x " + _RANGE16))
+_SUM16 = ("reduction: a sum of many values " + _RANGE16 + " and loses low bits; kept float32 "
+          "(accumulating in the op's own dtype= argument)")
+_SUMBF = "reduction: bfloat16 has float32's range and the kernel accumulates in float32"
+_op("sum", I, _SUMBF, fns=[torch.sum, torch.nansum], methods=["sum", "nansum"], aten=["sum"],
+    accum_dtype="dtype", fp16=(D, _SUM16))
+_op("mean", I, _SUMBF, fns=[torch.mean, torch.nanmean], methods=["mean", "nanmean"], aten=["mean"],
+    accum_dtype="dtype", fp16=(D, _SUM16))
+
+# --------------------------------------------------------------------------- DENY
+_op("softmax", D, "exp of its inputs overflows low precision and the normaliser needs float32 (softmax(..., dtype=float32))",
+    fns=[F.softmax, torch.softmax, torch.special.softmax], methods=["softmax"], modules=_mods("Softmax", "Softmax2d"),
+    aten=["softmax", "_softmax"], accum_dtype="dtype")
+_op("log_softmax", D, "exp/log of its inputs: needs float32 (log_softmax(..., dtype=float32))",
+    fns=[F.log_softmax, torch.log_softmax, torch.special.log_softmax], methods=["log_softmax"],
+    modules=_mods("LogSoftmax"), aten=["log_softmax", "_log_softmax"], accum_dtype="dtype")
+_op("softmin", D, "exp of its inputs: needs float32", fns=[F.softmin], methods=["softmin"], modules=_mods("Softmin"),
+    accum_dtype="dtype")
+_EXP = "|f(x)| >> |x|: overflows low precision"
+for _name in ("exp", "expm1", "exp2", "pow", "square", "float_power"):
+    _op(_name, D, _EXP, fns=[*_torch_fns(_name), *([operator.pow] if _name == "pow" else [])],
+        methods=[_name, *(["__pow__", "__rpow__"] if _name == "pow" else [])], aten=[_name])
+_LOG = "log near 0 needs float32's precision and range"
+for _name in ("log", "log1p", "log2", "log10"):
+    _op(_name, D, _LOG, fns=_torch_fns(_name), methods=[_name], aten=[_name])
+_PERIODIC = "periodic function of a possibly large argument: low precision loses the argument"
+for _name in ("sin", "cos", "tan"):
+    _op(_name, D, _PERIODIC, fns=_torch_fns(_name), methods=[_name], aten=[_name])
+_REDUCE = "reduction: loses precision summing many low-precision values; kept float32"
+_op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"])
+_op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"])
+_op("norm", D, _REDUCE + " (squares overflow float16)",
+    fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, F.normalize, torch.cdist, F.pairwise_distance,
+         F.cosine_similarity],
+    methods=["norm"], aten=["norm", "linalg_vector_norm"])
+_op("cumsum", D, "running sum: every output carries the rounding of all before it",
+    fns=_torch_fns("cumsum", "cumprod"), methods=["cumsum", "cumprod"], aten=["cumsum", "cumprod"],
+    accum_dtype="dtype")
+_op("prod", D, "product of many values overflows/underflows low precision", fns=[torch.prod], methods=["prod"],
+    aten=["prod"], accum_dtype="dtype")
+_op("logsumexp", D, "exp then sum: needs float32", fns=[torch.logsumexp], methods=["logsumexp"], aten=["logsumexp"])
+_LOSS = "loss: a reduction of logs/squares over the batch; computed in float32"
+for _name, _mod in [
+    ("cross_entropy", "CrossEntropyLoss"), ("nll_loss", "NLLLoss"), ("mse_loss", "MSELoss"), ("l1_loss", "L1Loss"),
+    ("smooth_l1_loss", "SmoothL1Loss"), ("huber_loss", "HuberLoss"), ("binary_cross_entropy", "BCELoss"),
+    ("binary_cross_entropy_with_logits", "BCEWithLogitsLoss"), ("kl_div", "KLDivLoss"),
+    ("poisson_nll_loss", "PoissonNLLLoss"), ("gaussian_nll_loss", "GaussianNLLLoss"),
+    ("cosine_embedding_loss", "CosineEmbeddingLoss"), ("margin_ranking_loss", "MarginRankingLoss"),
+    ("triplet_margin_loss", "TripletMarginLoss"), ("ctc_loss", "CTCLoss"), ("multi_margin_loss", "MultiMarginLoss"),
+    ("soft_margin_loss", "SoftMarginLoss"), ("hinge_embedding_loss", "HingeEmbeddingLoss"),
+]:
+    _op(_name, D, _LOSS, fns=_torch_fns(_name), modules=_mods(_mod), aten=[_name])
+
+# --------------------------------------------------------------------------- PASS
+_NONFLOAT = "no float data: sizes, comparisons and indices are left as written"
+for _name, _fns, _methods in [
+    ("size", [], ["size", "dim", "numel", "nelement", "stride", "is_contiguous", "is_floating_point"]),
+    ("getattr", [builtins.getattr], []),
+    ("compare", [operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.not_,
+                 operator.and_, operator.or_, operator.xor, operator.invert, torch.eq, torch.ne, torch.lt, torch.le,
+                 torch.gt, torch.ge, torch.logical_and, torch.logical_or, torch.logical_not, torch.logical_xor,
+                 torch.isnan, torch.isinf, torch.isfinite, torch.isclose, torch.equal],
+     ["eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "isnan", "isinf", "isfinite",
+      "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__", "__invert__", "bool"]),
+    ("argmax", [torch.argmax, torch.argmin, torch.argsort, torch.nonzero, torch.any, torch.all, torch.bucketize,
+                torch.searchsorted, F.one_hot],
+     ["argmax", "argmin", "argsort", "nonzero", "any", "all", "long", "int", "item", "tolist"]),
+    ("assert", [torch._assert, *([torch.fx._symbolic_trace._assert_is_none]
+                                 if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
+]:
+    _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result="nonfloat")
+_op("to", P, "explicit dtype or device conversion written in the model: kept as written",
+    methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
+    aten=["_to_copy", "to"], result="cast")
+_op("factory", P, "creates a tensor; its dtype is set by its arguments",
+    fns=[f for f in _torch_fns("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor",
+                               "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+                               "linspace", "eye", "as_tensor")],
+    methods=["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"], result=None)
+_op("embedding", P,
+    "gathers rows of a float32 table: the table stays float32 and consumers that want low precision cast "
+    "the gathered rows (cheaper than casting the whole table every step)",
+    fns=[F.embedding, F.embedding_bag], modules=_mods("Embedding", "EmbeddingBag"), aten=["embedding"],
+    result="fp32")
+
+del A, I, C, D, P
+
+
+# --------------------------------------------------------------------------- lookup
+def lookup_name(key: Any) -> str | None:
+    """The canonical op name for a torch callable, ``Tensor`` method name,
+    module type or ATen op; ``None`` if it is in no table.
+
+    In-place spellings (``add_``, ``F.relu_``) name the same op as their
+    out-of-place form. Module types match through their base classes, so a
+    subclass of ``nn.Linear`` is ``linear``.
+    """
+    if isinstance(key, type):
+        for base in key.__mro__:
+            if base in _ALIASES:
+                return _ALIASES[base]
+        return None
+    if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = key.overloadpacket if isinstance(key, torch._ops.OpOverload) else key
+        name = packet.__name__
+        return _ALIASES.get(f"aten::{name}") or _ALIASES.get(f"aten::{name.rstrip('_')}")
+    try:
+        hit = _ALIASES.get(key)
+    except TypeError:  # unhashable
+        return None
+    if hit is None and isinstance(key, str) and key.endswith("_") and not key.endswith("__"):
+        hit = _ALIASES.get(key[:-1])
+    return hit
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a function or class, as users type it in env variables."""
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return f"{module}.{qual}"
+
+
+def known_names() -> list[str]:
+    """Every name accepted where an op is typed: canonical names and method names."""
+    return sorted({k for k in _ALIASES if isinstance(k, str) and not k.startswith("aten::")} | set(RULES))
+
+
+def aliases_of(name: str) -> list[Any]:
+    """Every key (callable, method name, module type, ATen name) that maps to ``name``."""
+    return [k for k, v in _ALIASES.items() if v == name and k != name]

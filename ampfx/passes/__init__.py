@@ -1,0 +1,36 @@
+"""Graph passes, one per file, each a function ``pass_(gm, ctx) -> None`` that
+reads and writes ``node.meta``. Internal: the public entry point is
+:func:`ampfx.convert`.
+
+The order is :data:`PIPELINE`; shapes (``shapes.propagate``) run before it
+when example inputs are given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from ..policy import Policy
+
+
+@dataclass
+class PassContext:
+    """What the passes share: the policy and facts about this conversion."""
+
+    policy: Policy
+    device: str = "cpu"
+    prefix: str = ""  # module path of the converted region inside the user's model
+    leaves: dict[str, str] = field(default_factory=dict)  # module path -> why it is a leaf
+    has_shapes: bool = False
+
+
+from . import casts, classify, paint  # noqa: E402
+
+PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
+    classify.classify,  # category per node from the tables, policy, module names, probes
+    paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
+    # pad.pad goes here (issue: shape-aware decisions): GEMM padding riding on the casts
+    casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
+]

@@ -1,0 +1,154 @@
+"""Pass: insert the casts the decisions call for. Reads ``node.meta['ampfx']``
+and rewrites; decides nothing new.
+
+- one cast per (value, dtype), shared by every consumer that needs it, placed
+  before the first of them; never a cast of a cast (casts are always of the
+  original value);
+- parameters are never changed: they are cast after ``get_attr``, so the
+  optimizer keeps updating float32 masters;
+- ops with their own accumulation-dtype argument get it instead of a cast
+  (``softmax(x, dim, dtype=torch.float32)``);
+- slots the tables pin to float32 (batch-norm statistics, affine
+  parameters) and integer slots are not cast to the low dtype;
+- an ALLOW leaf module runs through :func:`ampfx.runtime.call_module_low`
+  with low-precision copies of its parameters;
+- in-place ops get no casts (a cast copy would take the mutation);
+- graph outputs return in the dtype they had before conversion.
+
+Before::
+
+    linear = torch._C._nn.linear(x, fc_weight, fc_bias)
+    softmax = torch.nn.functional.softmax(linear, dim=-1)
+
+After::
+
+    x_bf16 = ampfx.runtime.cast(x, torch.bfloat16)
+    fc_weight_bf16 = ampfx.runtime.cast(fc_weight, torch.bfloat16)
+    fc_bias_bf16 = ampfx.runtime.cast(fc_bias, torch.bfloat16)
+    linear = torch._C._nn.linear(x_bf16, fc_weight_bf16, fc_bias_bf16)
+    softmax = torch.nn.functional.softmax(linear, dim=-1, dtype=torch.float32)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import ops, runtime
+from ..ops import Category
+from ..report import COMPUTE, CastInfo, Decision
+from ..runtime import CASTABLE
+from . import PassContext
+from .classify import META
+from .paint import DYNAMIC
+
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _original_dtype(n: fx.Node) -> torch.dtype:
+    infos = n.meta.get("ampfx_out")
+    floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
+    return floats[0] if floats else torch.float32
+
+
+class _Casts:
+    """The cast cache: (value, dtype, mutation epoch) -> cast node."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.cache: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
+        self.epoch = 0
+
+    def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
+        src = value.meta[META].out if isinstance(value.meta.get(META), Decision) else None
+        if src is None or src == dtype:
+            return value
+        is_param = value.op == "get_attr" and isinstance(_attr(self.gm, str(value.target)), torch.nn.Parameter)
+        key = (value, dtype, 0 if is_param else self.epoch)
+        cast = self.cache.get(key)
+        if cast is None:
+            with self.gm.graph.inserting_before(consumer):
+                cast = self.gm.graph.create_node("call_function", runtime.cast, (value, dtype), {},
+                                                 name=f"{value.name}_{_SHORT[dtype]}")
+            cast.meta[META] = CastInfo(node=cast.name, value=value.name, source=src, to=dtype, consumers=(),
+                                       weight=value.op == "get_attr", reason=why)
+            self.cache[key] = cast
+        info: CastInfo = cast.meta[META]
+        if consumer.name not in info.consumers:
+            cast.meta[META] = dataclasses.replace(info, consumers=info.consumers + (consumer.name,))
+        return cast
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
+              casts: _Casts) -> Any:
+    if rule is not None and slot in rule.index_args:
+        return arg
+    dtype = torch.float32 if rule is not None and slot in rule.fp32_args else want
+    why = (f"{node.name} pins this slot to float32" if dtype != want
+           else f"{node.name} computes in {str(dtype)[6:]}")
+    return fx.map_arg(arg, lambda n: casts.get(n, dtype, node, why))
+
+
+def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Rewrite ``gm.graph`` so every op sees its inputs in its decided dtype."""
+    low = ctx.policy.dtype
+    graph = gm.graph
+    casts = _Casts(gm)
+    leaf_params = 0
+    for node in list(graph.nodes):
+        d = node.meta.get(META)
+        if not isinstance(d, Decision):
+            continue
+        if d.kind == "output":
+            if ctx.policy.keep_output_dtype:
+                node.args = fx.map_arg(node.args, lambda n: casts.get(n, _original_dtype(n), node,
+                                                                      "outputs keep their original dtype"))
+            continue
+        if d.kind not in COMPUTE:
+            continue
+        if d.inplace:
+            casts.epoch += 1  # casts made before this mutation are not reused after it
+            continue
+        if d.category is Category.PASS or d.dtype is None or d.rule == "select":
+            continue
+        rule = ops.RULES.get(d.op)
+        want = d.dtype
+        args = list(node.args)
+        kwargs = dict(node.kwargs)
+        if (rule is not None and rule.accum_dtype and want == torch.float32 and args
+                and isinstance(args[0], fx.Node) and kwargs.get(rule.accum_dtype) is None and len(args) < 4
+                and args[0].meta[META].out in (torch.float16, torch.bfloat16)):
+            kwargs[rule.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
+            start = 1
+        else:
+            start = 0
+        for i in range(start, len(args)):
+            args[i] = _map_slot(args[i], i, node, rule, want, casts)
+        for k in list(kwargs):
+            if k != (rule.accum_dtype if rule else None):
+                kwargs[k] = _map_slot(kwargs[k], k, node, rule, want, casts)
+        node.args, node.kwargs = tuple(args), kwargs
+        if node.op == "call_module" and want == low and d.category is Category.ALLOW:
+            module = gm.get_submodule(str(node.target))
+            leaf_params += sum(1 for p in module.parameters() if p.dtype in CASTABLE)
+            with graph.inserting_before(node):
+                ref = graph.get_attr(str(node.target))
+                ref.meta[META] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
+                                          category=Category.PASS, dtype=None, rule="structure",
+                                          reason="the leaf module, run with low-precision parameter copies",
+                                          kind="get_attr")
+                new = graph.create_node("call_function", runtime.call_module_low, (ref, low, *node.args),
+                                        dict(node.kwargs), name=f"{node.name}_low")
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+    gm.meta["ampfx_leaf_param_casts"] = leaf_params

@@ -1,0 +1,182 @@
+"""Pass: TF-AMP's painting, then the dtype of every value after conversion.
+
+Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
+
+1. every ALLOW node is low precision;
+2. deny propagation: from each DENY node walk forward into INFER/CLEAR nodes
+   that lead (through CLEAR nodes) to an INFER or DENY node; paint them float32;
+3. between-allow: INFER/CLEAR nodes on a path from one low node to another
+   (not through float32 nodes) go low;
+4. bfloat16 only: an INFER node fed by a low node and by no deny node goes low;
+5. clear propagation: CLEAR nodes next to low nodes go low, both directions.
+
+Unpainted INFER/CLEAR nodes stay float32. Then, in graph order, every node
+gets ``out``: the dtype of the value it produces once converted. An in-place
+op computes in the dtype of the tensor it mutates, whatever its paint.
+
+Before (categories)::  linear[allow] -> add[infer] -> relu[clear] -> linear_1[allow] -> softmax[deny]
+After (dtypes)::       bf16          -> bf16       -> bf16        -> bf16              -> float32
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from .. import ops
+from ..ops import Category
+from ..report import Decision
+from ..runtime import CASTABLE
+from . import PassContext
+from .classify import META
+
+PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
+DYNAMIC = "dynamic"
+
+
+def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
+          ok: Callable[[fx.Node], bool]) -> dict[fx.Node, fx.Node]:
+    """Breadth-first from ``starts`` through nodes passing ``ok``; maps each
+    reached node to the start it was reached from."""
+    seen: dict[fx.Node, fx.Node] = {}
+    queue = deque((s, s) for s in starts)
+    while queue:
+        node, origin = queue.popleft()
+        for nxt in step(node):
+            if nxt not in seen and ok(nxt):
+                seen[nxt] = origin
+                queue.append((nxt, origin))
+    return seen
+
+
+def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision."""
+    low = ctx.policy.dtype
+    low_name = str(low).replace("torch.", "")
+    nodes = list(gm.graph.nodes)
+    cat = {n: n.meta[META].category for n in nodes}
+    paintable = {n for n in nodes if cat[n] in PAINTABLE}
+
+    def ins(n: fx.Node) -> list[fx.Node]:
+        return [p for p in n.all_input_nodes if p in paintable]
+
+    def outs(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if u in paintable]
+
+    color: dict[fx.Node, tuple[torch.dtype, str, str]] = {}
+    allow = [n for n in nodes if cat[n] is Category.ALLOW]
+    for n in allow:
+        color[n] = (low, n.meta[META].rule, n.meta[META].reason)
+
+    # 2. deny propagation into U = infer/deny nodes and the clear nodes leading to them
+    seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
+    feeders = _walk(seeds, ins, lambda p: cat[p] is Category.CLEAR)
+    u_set = set(seeds) | set(feeders)
+    deny = [n for n in nodes if cat[n] is Category.DENY]
+    for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
+        color[n] = (torch.float32, "paint:deny",
+                    f"follows deny op {origin.name!r} ({origin.meta[META].op}) through infer/clear ops: float32")
+    denied = {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
+
+    # 3. between-allow
+    def passable(n: fx.Node) -> bool:
+        return cat[n] in (Category.INFER, Category.CLEAR) and n not in denied
+
+    forward = _walk(allow, outs, passable)
+    for n, origin in _walk(allow, ins, lambda p: p in forward).items():
+        if n not in color:
+            color[n] = (low, "paint:between-allow",
+                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {low_name}")
+
+    # 4. bfloat16: infer ops fed by a low op and no deny op follow it
+    if low == torch.bfloat16:
+        for n in nodes:
+            if cat[n] is Category.INFER and n not in color:
+                feeds = ins(n)
+                lows = [p for p in feeds if color.get(p, (None,))[0] == low]
+                if lows and not any(p in denied for p in feeds):
+                    color[n] = (low, "paint:follow-allow",
+                                f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
+
+    # 5. clear propagation, both directions
+    lows = [n for n, c in color.items() if c[0] == low]
+    both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
+    for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
+        color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
+
+    for n in nodes:
+        d: Decision = n.meta[META]
+        if n in color:
+            dtype, rule, reason = color[n]
+            d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason)
+        elif cat[n] in (Category.INFER, Category.CLEAR):
+            d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
+                                    reason=f"{cat[n].value} op with no low-precision neighbour path: float32")
+        n.meta[META] = d
+    _values(gm, low)
+
+
+def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
+    """The dtype a PASS node (explicit cast, factory, table gather) produces."""
+    rule = ops.RULES.get(d.op)
+    infos = n.meta.get("ampfx_out")
+    meta_dtype = None
+    if infos is not None:
+        floats = [i.dtype for i in infos if i.dtype in CASTABLE]
+        meta_dtype = floats[0] if floats else None
+        if not floats:
+            return None
+    kind = rule.result if rule is not None else None
+    if d.rule == "non-float" or kind == "nonfloat":
+        return None
+    if kind == "fp32":
+        return torch.float32
+    first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if kind == "cast":
+        name = str(n.target)
+        fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": None}
+        if name in fixed:
+            return fixed[name]
+        for a in (*n.args[1:], *n.kwargs.values()):
+            if isinstance(a, torch.dtype):
+                return a if a in CASTABLE else None
+            if isinstance(a, fx.Node):
+                return out.get(a, DYNAMIC) if name in ("type_as",) or out.get(a) in CASTABLE else DYNAMIC
+        return first  # .to(device), .cpu(): same dtype
+    if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
+        return meta_dtype  # factories: dtype fixed by constant arguments
+    return DYNAMIC
+
+
+def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
+    """Fill ``out`` for every node, in graph order; in-place ops follow their target."""
+    out: dict[fx.Node, object] = {}
+    for n in gm.graph.nodes:
+        d: Decision = n.meta[META]
+        if d.kind in ("placeholder", "get_attr"):
+            out[n] = d.out
+        elif d.kind == "output":
+            out[n] = None
+        elif d.inplace and n.args and isinstance(n.args[0], fx.Node):
+            target = out.get(n.args[0])
+            dtype = target if isinstance(target, torch.dtype) else None
+            if d.category is not Category.PASS:
+                d = dataclasses.replace(d, dtype=dtype, rule="inplace",
+                                        reason=f"in-place op keeps the dtype of {n.args[0].name} "
+                                               f"({'run-time' if target == DYNAMIC else str(target)[6:]})")
+            out[n] = target
+        elif d.op == "getitem" and n.args and isinstance(n.args[0], fx.Node):
+            out[n] = out.get(n.args[0])
+            src = out[n]
+            d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule="select",
+                                    reason="selects from its input; keeps the input's dtype (consumers cast the "
+                                           "selection, which is smaller)")
+        elif d.category is Category.PASS:
+            out[n] = _pass_result(n, d, out)
+        else:
+            infos = n.meta.get("ampfx_out")
+            out[n] = d.dtype if infos is None or any(i.dtype in CASTABLE for i in infos) else None
+        n.meta[META] = dataclasses.replace(d, out=out[n])

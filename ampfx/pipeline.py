@@ -1,0 +1,226 @@
+"""``ampfx.convert``: policy, trace, shapes, passes, report."""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import policy as policy_mod
+from .passes import PIPELINE, PassContext, shapes
+from .policy import Policy, PolicyError
+from .report import CastInfo, Decision, Region, Report
+from .tracing import RootUntraceable, copy_tree, graph_module, trace
+
+log = logging.getLogger(__name__)
+
+
+def convert(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    example_inputs: Any = None,
+    policy: Policy | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **policy_options: Any,
+) -> nn.Module:
+    """Return a mixed-precision version of ``model`` with a decision log.
+
+    ``dtype`` is ``torch.bfloat16`` (default), ``torch.float16``, ``"bf16"`` or
+    ``"fp16"``. ``example_inputs`` (a tuple of positional inputs, a dict of
+    keyword inputs, or one tensor) gives exact dtypes and shapes; without it,
+    graph inputs are assumed float32 and casts check dtypes at run time.
+    ``policy`` or keyword options (the fields of :class:`ampfx.Policy`) choose
+    the lists; the ``AMPFX_*`` environment variables are read once, here, and
+    applied on top (``environ`` replaces ``os.environ``, for tests).
+
+    The model is not changed. The result shares its parameters and buffers
+    (float32 master weights: an optimizer on either trains both), has the
+    same ``state_dict()`` keys, shapes and dtypes, and carries the log as
+    ``result.ampfx_report``.
+
+    >>> import torch, ampfx
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> amp = ampfx.convert(net, torch.bfloat16)
+    >>> amp(torch.randn(4, 8)).dtype, net[0].weight.dtype
+    (torch.float32, torch.float32)
+    >>> print(amp.ampfx_report.summary())
+    ampfx: converted 3/3 nodes to bfloat16 using 6 casts (4 of weights)
+    """
+    if policy is None:
+        policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)
+    else:
+        if policy_options:
+            raise TypeError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
+        if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
+            raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
+    policy = policy_mod.from_env(policy, os.environ if environ is None else environ)
+    _check_module_names(model, policy)
+    if policy.disable:
+        copy = copy_tree(model)
+        copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(policy),
+                                   notes=("conversion disabled: the model is an unconverted copy",))
+        log.info("ampfx disabled: returning an unconverted copy")
+        return copy
+    result, report = _convert(copy_tree(model), policy, example_inputs, prefix="")
+    report = Report.merge(policy.dtype, [report], policy=_policy_log(policy), shapes=report.shapes,
+                          notes=report.notes)
+    result.ampfx_report = report
+    if policy.log_path:
+        report.save(policy.log_path)
+    return result
+
+
+def _device_of(model: nn.Module, example_inputs: Any) -> str:
+    for p in model.parameters():
+        return p.device.type
+    for t in torch.utils._pytree.tree_leaves(example_inputs):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _given_args(model: nn.Module, example_inputs: Any) -> set[str] | None:
+    if example_inputs is None:
+        return None
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)
+    if isinstance(example_inputs, dict):
+        return set(example_inputs)
+    n = len(example_inputs) if isinstance(example_inputs, (tuple, list)) else 1
+    return set(params[:n])
+
+
+def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) -> tuple[nn.Module, Report]:
+    """Convert ``work`` (already a private copy); falls back region by region."""
+    try:
+        capture = trace(work, policy, _given_args(work, example_inputs))
+    except RootUntraceable as e:
+        return _convert_children(work, policy, example_inputs, prefix, e)
+    gm = graph_module(work, capture.graph)
+    before = gm.code
+    ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
+                      leaves=dict(capture.leaves))
+    shape_note = Report.__dataclass_fields__["shapes"].default
+    notes: list[str] = []
+    if example_inputs is not None:
+        _, shape_note = shapes.propagate(gm, example_inputs)
+        ctx.has_shapes = True
+    for pass_ in PIPELINE:
+        pass_(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    records, casts = [], []
+    for node in gm.graph.nodes:
+        rec = node.meta.get("ampfx")
+        if isinstance(rec, CastInfo):
+            casts.append(rec)
+        elif isinstance(rec, Decision):
+            records.append(rec)
+        for k in ("val", "tensor_meta"):  # fake tensors: not for keeping (deepcopy, pickling)
+            node.meta.pop(k, None)
+    if capture.fixed_args:
+        notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
+                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
+    region = Region(path=prefix.rstrip("."), method=capture.method, steps=tuple(capture.steps),
+                    leaves=tuple(capture.leaves.items()))
+    report = Report(dtype=policy.dtype, records=tuple(records), casts=tuple(casts), regions=(region,),
+                    leaf_param_casts=gm.meta.get("ampfx_leaf_param_casts", 0), shapes=shape_note,
+                    code_before={prefix.rstrip("."): before}, code_after={prefix.rstrip("."): gm.code},
+                    notes=tuple(notes))
+    return gm, report
+
+
+def _child_inputs(work: nn.Module, example_inputs: Any) -> dict[str, Any]:
+    """Run the model once (eval, no grad) and record what each child receives."""
+    if example_inputs is None:
+        return {}
+    seen: dict[str, Any] = {}
+    hooks = []
+    for name, child in work.named_children():
+        def hook(mod, args, kwargs, name=name):
+            seen.setdefault(name, (args, kwargs))
+        hooks.append(child.register_forward_pre_hook(hook, with_kwargs=True))
+    modes = {m: m.training for m in work.modules()}
+    work.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(example_inputs, dict):
+                work(**example_inputs)
+            elif isinstance(example_inputs, (tuple, list)):
+                work(*example_inputs)
+            else:
+                work(example_inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, flag in modes.items():
+            m.training = flag
+    return {name: (args if not kwargs else {**dict(zip(_param_names(getattr(work, name)), args)), **kwargs})
+            for name, (args, kwargs) in seen.items()}
+
+
+def _param_names(m: nn.Module) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(m.forward).parameters)
+
+
+def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
+                      error: RootUntraceable) -> tuple[nn.Module, Report]:
+    """The root's ``forward`` cannot be traced: keep it eager, convert each child."""
+    where = prefix.rstrip(".") or "<root>"
+    log.info("ampfx: %s cannot be traced (%s); converting its children separately", where, error)
+    inputs = _child_inputs(work, example_inputs)
+    parts = []
+    for name, child in list(work.named_children()):
+        if example_inputs is not None and name not in inputs:
+            continue  # not called on the example inputs: left as is (reported below)
+        from .tracing import TRACE_THROUGH, AmpTracer
+
+        if not list(child.children()) and AmpTracer(policy).is_leaf_module(child, name) and \
+                type(child) not in TRACE_THROUGH:
+            parts.append(Report(dtype=policy.dtype, regions=(Region(
+                f"{prefix}{name}", "left as is: a single torch.nn leaf module whose parent is eager",),)))
+            continue
+        converted, rep = _convert(child, policy, inputs.get(name), prefix=f"{prefix}{name}.")
+        setattr(work, name, converted)
+        parts.append(rep)
+    untouched = [n for n, _ in work.named_children() if example_inputs is not None and n not in inputs]
+    regions = [Region(where if prefix else "", "eager (children converted separately)", tuple(error.steps))]
+    regions += [Region(f"{prefix}{n}", "left as is: not called on the example inputs") for n in untouched]
+    return work, Report.merge(policy.dtype, parts, regions=tuple(regions))
+
+
+def _check_module_names(model: nn.Module, policy: Policy) -> None:
+    names = [n for n, _ in model.named_modules() if n]
+    for prefix in policy.fp32_modules:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            close = difflib.get_close_matches(prefix, names, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {prefix!r}, which is not a module of "
+                              f"{type(model).__name__}.{hint}")
+    for leaf in policy.leaf_modules:
+        if isinstance(leaf, str) and leaf not in names:
+            close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
+                              f"of {type(model).__name__} nor an importable module type.{hint}")
+
+
+def _policy_log(policy: Policy) -> dict[str, Any]:
+    edits = {}
+    for f in ("allowlist", "inferlist", "clearlist", "denylist"):
+        for a in ("add", "remove"):
+            v = getattr(policy, f"{f}_{a}")
+            if v:
+                edits[f"{f}_{a}"] = list(v)
+    return {"dtype": str(policy.dtype), "edits": edits, "fp32_modules": list(policy.fp32_modules),
+            "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
+            "env": dict(policy.env),
+            "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

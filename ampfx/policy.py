@@ -1,0 +1,312 @@
+"""The policy: which dtype, which ops on which list, which modules stay float32.
+
+A :class:`Policy` is a small frozen dataclass, validated when it is built and
+varied with :func:`dataclasses.replace`. The same options come from Python
+arguments and from environment variables; the environment is read once, by
+:func:`from_env`, when :func:`ampfx.convert` starts.
+
+Precedence, lowest first (each record in the report names the rule that won):
+
+1. ``table``: the default op tables in :mod:`ampfx.ops` for the chosen dtype;
+2. ``argument``: list edits given as ``Policy(...)`` arguments;
+3. ``env:AMPFX_...``: list edits from the environment, applied after the arguments;
+4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name;
+5. ``probe``: a kernel that cannot run in the low dtype on this device;
+6. structural facts: non-float values, in-place ops.
+
+Within one source, ADD is applied before REMOVE (as in TF-AMP); an op that
+ends on two lists is an error, so moving an op takes an ADD and a REMOVE.
+
+>>> import torch, ampfx
+>>> p = ampfx.Policy("fp16", denylist_add=("gelu",), inferlist_remove=("gelu",))
+>>> p.dtype, p.category_of("gelu")
+(torch.float16, (<Category.DENY: 'deny'>, 'argument', 'named in denylist_add'))
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from . import ops
+from .ops import LISTS, Category
+
+ENV_PREFIX = "AMPFX_"
+LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",
+              Category.DENY: "denylist"}
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16}
+
+
+class PolicyError(ValueError):
+    """A bad policy value: the message names the option or variable, the value and a close match."""
+
+
+def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
+    """``torch.bfloat16``, ``torch.float16`` or one of their names.
+
+    >>> parse_dtype("fp16")
+    torch.float16
+    """
+    if value in (torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _DTYPES:
+        return _DTYPES[value.strip().lower()]
+    raise PolicyError(f"{where}={value!r} is not a low-precision dtype; use one of "
+                      "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
+
+
+def _close(word: str, options: Iterable[str]) -> str:
+    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
+
+
+def _import_object(path: str) -> Any:
+    """Import ``pkg.module.attr.attr`` by trying ever shorter module prefixes."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            return None
+    return None
+
+
+def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
+    """An op as a user names it -> ``(canonical name, user object or None)``.
+
+    ``spec`` is a torch callable, a module type, a canonical name or method name
+    (``"gelu"``, ``"softmax"``), or a qualified name (``"torch.nn.GELU"``,
+    ``"mypkg.layers.MyBlock"``). A user function or module type that is in no
+    table gets its qualified name, and the object is returned so that nodes
+    calling it can be matched.
+    """
+    if not isinstance(spec, str):
+        name = ops.lookup_name(spec)
+        if name is not None:
+            return name, None
+        if callable(spec):
+            return ops.qualified_name(spec), spec
+        raise PolicyError(f"{where}: {spec!r} is not an op, function or module type")
+    text = spec.strip()
+    name = ops.lookup_name(text)
+    if name is not None:
+        return name, None
+    if "." in text:
+        obj = _import_object(text)
+        if obj is not None and callable(obj):
+            name = ops.lookup_name(obj)
+            return (name, None) if name is not None else (ops.qualified_name(obj), obj)
+    raise PolicyError(f"{where}: unknown op {text!r}.{_close(text, ops.known_names())} "
+                      "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu) or by a qualified "
+                      "name of a function or module type (e.g. mypkg.layers.MyBlock).")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to convert: the low dtype, list edits, modules kept float32.
+
+    List edits take op names, torch callables or module types; strings are
+    resolved through :func:`resolve_op` and stored as canonical names.
+    ``module_filter_fn(module, fqn) -> bool`` is the one escape hatch: return
+    ``False`` to keep a module (and everything traced inside it) float32.
+    """
+
+    dtype: torch.dtype | str = torch.bfloat16
+    allowlist_add: tuple = ()
+    allowlist_remove: tuple = ()
+    inferlist_add: tuple = ()
+    inferlist_remove: tuple = ()
+    clearlist_add: tuple = ()
+    clearlist_remove: tuple = ()
+    denylist_add: tuple = ()
+    denylist_remove: tuple = ()
+    fp32_modules: tuple[str, ...] = ()
+    leaf_modules: tuple = ()
+    keep_output_dtype: bool = True
+    probe: bool = True
+    log_path: str | None = None
+    disable: bool = False
+    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
+    #: where each list entry came from: ((field, op name), source) pairs; "argument" unless an env var
+    origins: tuple[tuple[tuple[str, str], str], ...] = ()
+    #: the AMPFX_* environment values that were read, for the log
+    env: tuple[tuple[str, str], ...] = ()
+    #: user functions / module types named in lists: (object, qualified name)
+    user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "dtype", parse_dtype(self.dtype))
+        user = dict((name, obj) for obj, name in self.user_ops)
+        for cat in LISTS:
+            for action in ("add", "remove"):
+                fname = f"{LIST_NAMES[cat]}_{action}"
+                raw = getattr(self, fname)
+                if isinstance(raw, (str, type)) or callable(raw):
+                    raw = (raw,)
+                names = []
+                for spec in raw:
+                    name, obj = resolve_op(spec, where=f"Policy({fname}=...)")
+                    if obj is not None:
+                        user[name] = obj
+                    if name not in names:
+                        names.append(name)
+                set_(self, fname, tuple(names))
+        if isinstance(self.fp32_modules, str):
+            set_(self, "fp32_modules", (self.fp32_modules,))
+        set_(self, "fp32_modules", tuple(m.strip() for m in self.fp32_modules if m.strip()))
+        if isinstance(self.leaf_modules, (str, type)):
+            set_(self, "leaf_modules", (self.leaf_modules,))
+        set_(self, "leaf_modules", tuple(self.leaf_modules))
+        set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))
+        self.lists()  # validates: no op on two lists, removals name listed ops
+
+    # ------------------------------------------------------------------ effective lists
+    def _origin(self, fname: str, name: str) -> str:
+        return dict(self.origins).get((fname, name), "argument")
+
+    def lists(self) -> dict[str, tuple[Category, str, str]]:
+        """The effective lists: op name -> ``(category, source, reason)``.
+
+        Ops on no list are absent (they stay float32, counted as unlisted).
+        Raises :class:`PolicyError` when an edit leaves an op on two lists or
+        removes an op from a list it is not on.
+        """
+        members: dict[Category, dict[str, tuple[str, str]]] = {c: {} for c in LISTS}
+        for name, rule in ops.RULES.items():
+            cat, reason = rule.for_dtype(self.dtype)
+            if cat in members:
+                members[cat][name] = ("table", reason)
+        for cat in LISTS:
+            fname = f"{LIST_NAMES[cat]}_add"
+            for name in getattr(self, fname):
+                members[cat][name] = (self._origin(fname, name), f"named in {fname}")
+        for cat in LISTS:
+            fname = f"{LIST_NAMES[cat]}_remove"
+            for name in getattr(self, fname):
+                if name not in members[cat]:
+                    where = [LIST_NAMES[c] for c in LISTS if name in members[c]] or ["no list"]
+                    raise PolicyError(
+                        f"{self._origin(fname, name).replace('argument', 'Policy argument')} {fname}: "
+                        f"{name!r} is not on the {LIST_NAMES[cat]} (it is on {', '.join(where)}).")
+                del members[cat][name]
+        out: dict[str, tuple[Category, str, str]] = {}
+        for cat in LISTS:
+            for name, (source, reason) in members[cat].items():
+                if name in out:
+                    other = out[name]
+                    raise PolicyError(
+                        f"op lists have conflicting entries: {name!r} is on the {LIST_NAMES[other[0]]} "
+                        f"({other[1]}) and on the {LIST_NAMES[cat]} ({source}). Moving an op takes an ADD "
+                        f"and a REMOVE, e.g. AMPFX_{LIST_NAMES[cat].upper()}_ADD={name} with "
+                        f"AMPFX_{LIST_NAMES[other[0]].upper()}_REMOVE={name}.")
+                out[name] = (cat, source, reason)
+        return out
+
+    def category_of(self, name: str) -> tuple[Category, str, str] | None:
+        """``(category, source, reason)`` for a canonical op name, or ``None`` if unlisted."""
+        return self._lists_cached().get(name)
+
+    def _lists_cached(self) -> dict[str, tuple[Category, str, str]]:
+        cache = self.__dict__.get("_lists")
+        if cache is None:
+            cache = self.lists()
+            object.__setattr__(self, "_lists", cache)
+        return cache
+
+    def op_name(self, key: Any) -> str | None:
+        """The name a node's target has under this policy (user ops included)."""
+        name = ops.lookup_name(key)
+        if name is not None:
+            return name
+        for obj, uname in self.user_ops:
+            if key is obj or (isinstance(key, type) and isinstance(obj, type) and issubclass(key, obj)):
+                return uname
+        return None
+
+    def is_user_leaf(self, module_type: type) -> bool:
+        """A module type named on a list or in ``leaf_modules`` is traced as one opaque op."""
+        for obj, _ in self.user_ops:
+            if isinstance(obj, type) and issubclass(module_type, obj):
+                return True
+        return any(isinstance(t, type) and issubclass(module_type, t) for t in self.leaf_modules)
+
+
+# ---------------------------------------------------------------------- environment
+_LIST_VARS = {f"{ENV_PREFIX}{LIST_NAMES[c].upper()}_{a.upper()}": f"{LIST_NAMES[c]}_{a}"
+              for c in LISTS for a in ("add", "remove")}
+ENV_VARS: dict[str, str] = {
+    **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
+    "AMPFX_FP32_MODULES": "comma-separated module-name prefixes kept float32 (e.g. head,encoder.layers.0)",
+    "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
+    "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
+    "AMPFX_DISABLE": "1 to return an unconverted copy (the report says so)",
+}
+
+
+def _split(var: str, value: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(","))
+    if any(not v for v in items) and value.strip():
+        raise PolicyError(f"{var}={value!r}: empty entry in comma-separated list")
+    return tuple(v for v in items if v)
+
+
+def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
+    """``base`` with the ``AMPFX_*`` variables of ``environ`` applied on top.
+
+    Unknown ``AMPFX_*`` variables are an error (a typo must not be ignored).
+
+    >>> p = from_env(Policy(), {"AMPFX_DENYLIST_ADD": "gelu", "AMPFX_INFERLIST_REMOVE": "gelu"})
+    >>> p.category_of("gelu")[:2]
+    (<Category.DENY: 'deny'>, 'env:AMPFX_DENYLIST_ADD')
+    """
+    environ = os.environ if environ is None else environ
+    seen = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    for var in seen:
+        if var not in ENV_VARS:
+            raise PolicyError(f"unknown environment variable {var}.{_close(var, ENV_VARS)} "
+                              f"Known: {', '.join(sorted(ENV_VARS))}.")
+    if not seen:
+        return base
+    changes: dict[str, Any] = {}
+    origins = dict(base.origins)
+    for var, fname in _LIST_VARS.items():
+        if var in seen:
+            names = []
+            for spec in _split(var, seen[var]):
+                name, _ = resolve_op(spec, where=f"{var}={seen[var]!r}")
+                names.append(name)
+                origins[(fname, name)] = f"env:{var}"
+            changes[fname] = tuple(getattr(base, fname)) + tuple(names)
+    if "AMPFX_FP32_MODULES" in seen:
+        changes["fp32_modules"] = base.fp32_modules + _split("AMPFX_FP32_MODULES", seen["AMPFX_FP32_MODULES"])
+    if "AMPFX_LEAF_MODULES" in seen:
+        extra = []
+        for spec in _split("AMPFX_LEAF_MODULES", seen["AMPFX_LEAF_MODULES"]):
+            obj = _import_object(spec) if "." in spec else None
+            extra.append(obj if isinstance(obj, type) else spec)
+        changes["leaf_modules"] = base.leaf_modules + tuple(extra)
+    if "AMPFX_LOG_PATH" in seen:
+        changes["log_path"] = seen["AMPFX_LOG_PATH"] or None
+    if "AMPFX_DISABLE" in seen:
+        flag = seen["AMPFX_DISABLE"].strip().lower()
+        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise PolicyError(f"AMPFX_DISABLE={seen['AMPFX_DISABLE']!r}: use 1 or 0")
+        changes["disable"] = flag in ("1", "true", "yes")
+    try:
+        return dataclasses.replace(base, origins=tuple(origins.items()), env=tuple(sorted(seen.items())),
+                                   user_ops=base.user_ops, **changes)
+    except PolicyError as e:
+        raise PolicyError(f"{e} (environment: {', '.join(f'{k}={v}' for k, v in sorted(seen.items()))})") from None

@@ -1,0 +1,205 @@
+"""Capturing a model as a ``torch.fx`` graph, with a fallback ladder.
+
+:class:`AmpTracer` differs from ``torch.fx.Tracer`` in which modules it keeps
+opaque (leaves):
+
+- traced *through*: ``nn.Linear``, convolutions, ``nn.Softmax`` and the
+  ``nn.Transformer*`` layers, so their parameters appear as ``get_attr``
+  nodes that the cast pass can cast once, and attention internals are
+  visible to the policy;
+- leaves: every other ``torch.nn`` module (as in ``torch.fx``: modules whose
+  behaviour depends on ``training`` stay switchable), DGL modules (by their
+  ``__module__``, without importing dgl), module types named on a policy
+  list or in ``leaf_modules``, and modules named by path.
+
+:func:`trace` tries, in order: the whole model with every argument symbolic;
+the whole model with optional arguments fixed at their defaults (the
+converted module asserts they keep them); then, each time tracing fails
+inside a submodule, that innermost submodule becomes a leaf and tracing
+starts again. Every step is recorded with its error. If the root's own
+``forward`` cannot be traced, :class:`RootUntraceable` tells the caller to
+convert the children one by one.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .policy import Policy
+
+TRACE_THROUGH: tuple[type, ...] = tuple(
+    getattr(nn, n) for n in (
+        "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+        "ConvTranspose3d", "Softmax", "LogSoftmax", "Softmin", "Identity", "Flatten", "Unflatten",
+        "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder",
+        "Transformer") if hasattr(nn, n))
+"""``torch.nn`` types traced through: their ``forward`` has no ``training``-dependent Python."""
+
+MAX_LEAF_RETRIES = 64
+
+
+class RootUntraceable(RuntimeError):
+    """The root module's own ``forward`` cannot be traced; ``steps`` says what was tried."""
+
+    def __init__(self, error: BaseException, steps: list[str]):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+        self.steps = steps
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def is_dgl_module(m: nn.Module) -> bool:
+    return type(m).__module__.split(".")[0] == "dgl"
+
+
+class AmpTracer(fx.Tracer):
+    """``torch.fx.Tracer`` with ampfx's leaf rules (see the module docstring)."""
+
+    def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset()) -> None:
+        super().__init__()
+        self.policy = policy = policy if policy is not None else Policy()
+        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)}
+        self.failed_path: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_paths or is_dgl_module(m) or self.policy.is_user_leaf(type(m)):
+            return True
+        if type(m) in TRACE_THROUGH:
+            return False
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_path is None:  # the innermost module sees the error first
+                self.failed_path = self.path_of_module(m)
+            raise
+
+
+@dataclass
+class Capture:
+    """What :func:`trace` produced and how."""
+
+    graph: fx.Graph
+    method: str  # "fx" | "fx, optional arguments fixed"
+    leaves: dict[str, str] = field(default_factory=dict)  # module path -> trace error that made it a leaf
+    fixed_args: dict[str, Any] = field(default_factory=dict)
+    steps: list[str] = field(default_factory=list)
+
+
+def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
+    """Parameters of ``model.forward`` that have defaults and are not given."""
+    out = {}
+    for name, p in inspect.signature(model.forward).parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in given:
+            continue
+        if p.default is not p.empty:
+            out[name] = p.default
+    return out
+
+
+@contextlib.contextmanager
+def _fast_paths_off():
+    """``nn.MultiheadAttention`` / ``TransformerEncoderLayer`` fast-path checks
+    branch on tensor properties; with the fast path off they are skipped."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)
+
+
+def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) -> Capture:
+    """Trace ``model`` with the fallback ladder; raises :class:`RootUntraceable`.
+
+    ``given_args`` names the forward arguments the caller supplies (from
+    ``example_inputs``); the others may be fixed at their defaults.
+    """
+    steps: list[str] = []
+    leaves: dict[str, str] = {}
+    fixed: dict[str, Any] = {}
+    mode = "fx"
+    with _fast_paths_off():
+        for _ in range(MAX_LEAF_RETRIES):
+            tracer = AmpTracer(policy, set(leaves))
+            try:
+                graph = tracer.trace(model, concrete_args=fixed or None)
+            except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
+                path = tracer.failed_path
+                if mode == "fx":
+                    fixed = _default_args(model, given_args or set())
+                    steps.append(f"whole model, all arguments symbolic: {_short(e)}")
+                    mode = "fx, optional arguments fixed"
+                    if fixed:
+                        continue
+                if path and path not in leaves:
+                    leaves[path] = _short(e)
+                    steps.append(f"module {path!r} made a leaf: {_short(e)}")
+                    continue
+                steps.append(f"root forward: {_short(e)}")
+                raise RootUntraceable(e, steps) from e
+            steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
+            return Capture(graph, mode, leaves, fixed if mode != "fx" else {}, steps)
+    raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def node_module_path(node: fx.Node) -> str:
+    """The qualified name of the module a node was traced in ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    key, value = list(stack.items())[-1]
+    if isinstance(value, tuple):  # torch >= 2.3: key -> (path, type)
+        return str(value[0])
+    return str(key)
+
+
+# ---------------------------------------------------------------------- module tree copies
+def copy_tree(m: nn.Module) -> nn.Module:
+    """A copy of every module object in the tree that shares parameters and buffers.
+
+    Training flags, hooks and submodule slots of the copy are its own, so the
+    original model is never changed by what is done to the copy.
+    """
+    new = m.__class__.__new__(m.__class__)
+    new.__dict__.update(m.__dict__)
+    for k, v in list(new.__dict__.items()):
+        if isinstance(v, (dict, list, set)):
+            new.__dict__[k] = v.copy()
+    new._modules = {k: (copy_tree(v) if v is not None else None) for k, v in m._modules.items()}
+    return new
+
+
+def graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` that keeps the *whole* module tree of
+    ``root`` (unused parameters and buffers too), so ``state_dict()`` keys
+    are the same as the model's."""
+    gm = fx.GraphModule(root, graph, class_name=type(root).__name__)
+    for name, child in root.named_children():
+        setattr(gm, name, child)
+    for name, p in root._parameters.items():
+        if name not in gm._parameters:
+            gm.register_parameter(name, p)
+    for name, b in root._buffers.items():
+        if name not in gm._buffers:
+            gm.register_buffer(name, b, persistent=name not in root._non_persistent_buffers_set)
+    gm.train(root.training)
+    return gm
