@@ -101,11 +101,23 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) 
     try:
         capture = trace(work, policy, _given_args(work, example_inputs))
     except RootUntraceable as e:
-        return _convert_children(work, policy, example_inputs, prefix, e)
+        return _convert_children(work, policy, example_inputs, prefix, e.steps)
+    # modules that failed to trace run their own Python, with their children converted
+    inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
+    inner_inputs = _submodule_inputs(work, example_inputs, inner)
+    parts = []
+    for path in inner:
+        sub = work.get_submodule(path)
+        if example_inputs is not None and path not in inner_inputs:
+            continue
+        converted, rep = _convert_children(sub, policy, inner_inputs.get(path), f"{prefix}{path}.",
+                                           [f"traced as a leaf: {capture.leaves[path]}"])
+        parts.append(rep)
     gm = graph_module(work, capture.graph)
     before = gm.code
     ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
-                      leaves=dict(capture.leaves))
+                      leaves=dict(capture.leaves), regions={p for p in inner if p in inner_inputs or
+                                                            example_inputs is None})
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = []
     if example_inputs is not None:
@@ -133,19 +145,22 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) 
                     leaf_param_casts=gm.meta.get("ampfx_leaf_param_casts", 0), shapes=shape_note,
                     code_before={prefix.rstrip("."): before}, code_after={prefix.rstrip("."): gm.code},
                     notes=tuple(notes))
+    if parts:
+        report = Report.merge(policy.dtype, [report, *parts], shapes=shape_note, notes=tuple(notes))
     return gm, report
 
 
-def _child_inputs(work: nn.Module, example_inputs: Any) -> dict[str, Any]:
-    """Run the model once (eval, no grad) and record what each child receives."""
-    if example_inputs is None:
+def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) -> dict[str, Any]:
+    """Run the model once (eval, no grad) and record what each named submodule
+    receives first, as positional tuples or keyword dicts."""
+    if example_inputs is None or not paths:
         return {}
     seen: dict[str, Any] = {}
     hooks = []
-    for name, child in work.named_children():
-        def hook(mod, args, kwargs, name=name):
-            seen.setdefault(name, (args, kwargs))
-        hooks.append(child.register_forward_pre_hook(hook, with_kwargs=True))
+    for path in paths:
+        def hook(mod, args, kwargs, path=path):
+            seen.setdefault(path, (args, kwargs))
+        hooks.append(work.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     modes = {m: m.training for m in work.modules()}
     work.eval()
     try:
@@ -161,8 +176,8 @@ def _child_inputs(work: nn.Module, example_inputs: Any) -> dict[str, Any]:
             h.remove()
         for m, flag in modes.items():
             m.training = flag
-    return {name: (args if not kwargs else {**dict(zip(_param_names(getattr(work, name)), args)), **kwargs})
-            for name, (args, kwargs) in seen.items()}
+    return {p: (args if not kwargs else {**dict(zip(_param_names(work.get_submodule(p)), args)), **kwargs})
+            for p, (args, kwargs) in seen.items()}
 
 
 def _param_names(m: nn.Module) -> list[str]:
@@ -172,11 +187,11 @@ def _param_names(m: nn.Module) -> list[str]:
 
 
 def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
-                      error: RootUntraceable) -> tuple[nn.Module, Report]:
-    """The root's ``forward`` cannot be traced: keep it eager, convert each child."""
+                      steps: list[str]) -> tuple[nn.Module, Report]:
+    """``work``'s own ``forward`` cannot be traced: keep it eager, convert each child."""
     where = prefix.rstrip(".") or "<root>"
-    log.info("ampfx: %s cannot be traced (%s); converting its children separately", where, error)
-    inputs = _child_inputs(work, example_inputs)
+    log.info("ampfx: %s cannot be traced (%s); converting its children separately", where, steps[-1:])
+    inputs = _submodule_inputs(work, example_inputs, [n for n, _ in work.named_children()])
     parts = []
     for name, child in list(work.named_children()):
         if example_inputs is not None and name not in inputs:
@@ -192,7 +207,7 @@ def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, pref
         setattr(work, name, converted)
         parts.append(rep)
     untouched = [n for n, _ in work.named_children() if example_inputs is not None and n not in inputs]
-    regions = [Region(where if prefix else "", "eager (children converted separately)", tuple(error.steps))]
+    regions = [Region(prefix.rstrip("."), "eager (children converted separately)", tuple(steps))]
     regions += [Region(f"{prefix}{n}", "left as is: not called on the example inputs") for n in untouched]
     return work, Report.merge(policy.dtype, parts, regions=tuple(regions))
 

@@ -39,11 +39,13 @@ RULES_DOC: dict[str, str] = {
     "probe": "the low-precision kernel failed a tiny test run on this device",
     "paint:deny": "follows a deny op through infer/clear ops (TF-AMP deny propagation)",
     "paint:between-allow": "on a path between low-precision ops (TF-AMP)",
-    "paint:follow-allow": "an infer op fed by a low-precision op and no deny op (bfloat16 only)",
+    "paint:follow-allow": "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)",
     "paint:clear": "a clear op next to a low-precision op (TF-AMP clear propagation)",
     "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
     "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
+    "bias-fp32": "a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
     "inplace": "an in-place op keeps the dtype of the tensor it mutates",
+    "region": "a module that could not be traced runs eagerly; its children were converted one by one",
     "structure": "graph inputs, parameters and outputs",
 }
 

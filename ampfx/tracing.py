@@ -143,10 +143,11 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
                 path = tracer.failed_path
                 if mode == "fx":
+                    mode = "fx, whole model failed"
                     fixed = _default_args(model, given_args or set())
-                    steps.append(f"whole model, all arguments symbolic: {_short(e)}")
-                    mode = "fx, optional arguments fixed"
                     if fixed:
+                        steps.append(f"whole model, all arguments symbolic: {_short(e)}")
+                        mode = "fx, optional arguments fixed"
                         continue
                 if path and path not in leaves:
                     leaves[path] = _short(e)
@@ -154,8 +155,9 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                     continue
                 steps.append(f"root forward: {_short(e)}")
                 raise RootUntraceable(e, steps) from e
+            mode = "fx" if mode == "fx, whole model failed" else mode
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
-            return Capture(graph, mode, leaves, fixed if mode != "fx" else {}, steps)
+            return Capture(graph, mode, leaves, fixed, steps)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 

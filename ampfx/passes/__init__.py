@@ -23,6 +23,7 @@ class PassContext:
     device: str = "cpu"
     prefix: str = ""  # module path of the converted region inside the user's model
     leaves: dict[str, str] = field(default_factory=dict)  # module path -> why it is a leaf
+    regions: set[str] = field(default_factory=set)  # leaves that run eager with converted children
     has_shapes: bool = False
 
 

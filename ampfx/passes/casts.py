@@ -13,6 +13,9 @@ and rewrites; decides nothing new.
 - an ALLOW leaf module runs through :func:`ampfx.runtime.call_module_low`
   with low-precision copies of its parameters;
 - in-place ops get no casts (a cast copy would take the mutation);
+- a low-precision ``linear`` whose consumers all want float32 leaves its bias
+  out and adds it after the float32 cast: the bias is never cast (two casts
+  fewer per step, forward and backward) and is added in float32;
 - graph outputs return in the dtype they had before conversion.
 
 Before::
@@ -31,6 +34,7 @@ After::
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -59,12 +63,15 @@ class _Casts:
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.cache: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
+        self.fixed: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}  # values with a bespoke conversion
         self.epoch = 0
 
     def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
         src = value.meta[META].out if isinstance(value.meta.get(META), Decision) else None
         if src is None or src == dtype:
             return value
+        if (value, dtype) in self.fixed:
+            return self.fixed[(value, dtype)]
         is_param = value.op == "get_attr" and isinstance(_attr(self.gm, str(value.target)), torch.nn.Parameter)
         key = (value, dtype, 0 if is_param else self.epoch)
         cast = self.cache.get(key)
@@ -86,6 +93,50 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
+    """Does every consumer of ``node`` take it in float32?"""
+    for user in node.users:
+        d = user.meta.get(META)
+        if not isinstance(d, Decision):
+            return False
+        if d.kind == "output":
+            if not ctx.policy.keep_output_dtype or _original_dtype(node) != torch.float32:
+                return False
+        elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule == "select":
+            return False
+    return bool(node.users)
+
+
+def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
+    """The float32 bias of a low-precision ``linear`` consumed in float32 only
+    (then taken out of the call), else ``None``."""
+    args = list(node.args)
+    bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+    if not isinstance(bias, fx.Node) or bias.meta[META].out != torch.float32 or not _wants_fp32(node, ctx):
+        return None
+    node.args = tuple(args[:2])
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    return bias
+
+
+def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
+    """``linear(x, w)`` -> ``cast(linear(x, w), float32) + bias``."""
+    graph = casts.gm.graph
+    with graph.inserting_after(node):
+        y32 = graph.create_node("call_function", runtime.cast, (node, torch.float32), {}, name=f"{node.name}_fp32")
+    with graph.inserting_after(y32):
+        out = graph.create_node("call_function", operator.add, (y32, bias), {}, name=f"{node.name}_bias")
+    d: Decision = node.meta[META]
+    y32.meta[META] = CastInfo(node=y32.name, value=node.name, source=d.dtype, to=torch.float32,
+                              consumers=(out.name,), reason="consumers of this linear want float32")
+    out.meta[META] = Decision(node=out.name, op="add", target="_operator.add", module=d.module,
+                              category=Category.INFER, dtype=torch.float32, rule="bias-fp32", kind="call_function",
+                              reason=f"bias of {node.name} added after its float32 cast (the bias is never cast)",
+                              out=torch.float32)
+    node.meta[META] = dataclasses.replace(d, reason=d.reason + "; bias added in float32 after the cast")
+    casts.fixed[(node, torch.float32)] = out
 
 
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
@@ -122,6 +173,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         rule = ops.RULES.get(d.op)
         want = d.dtype
+        split = _bias_to_split(node, ctx) if d.op == "linear" and node.op == "call_function" and want == low else None
         args = list(node.args)
         kwargs = dict(node.kwargs)
         if (rule is not None and rule.accum_dtype and want == torch.float32 and args
@@ -137,6 +189,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             if k != (rule.accum_dtype if rule else None):
                 kwargs[k] = _map_slot(kwargs[k], k, node, rule, want, casts)
         node.args, node.kwargs = tuple(args), kwargs
+        if split is not None:
+            _add_bias_after(node, split, casts)
         if node.op == "call_module" and want == low and d.category is Category.ALLOW:
             module = gm.get_submodule(str(node.target))
             leaf_params += sum(1 for p in module.parameters() if p.dtype in CASTABLE)

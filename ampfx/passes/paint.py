@@ -7,7 +7,10 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
    that lead (through CLEAR nodes) to an INFER or DENY node; paint them float32;
 3. between-allow: INFER/CLEAR nodes on a path from one low node to another
    (not through float32 nodes) go low;
-4. bfloat16 only: an INFER node fed by a low node and by no deny node goes low;
+4. follow-allow, in graph order: a CLEAR node fed by a low node and no deny
+   node goes low; so does an INFER node under bfloat16 (TF-AMP's bf16 rule),
+   and under float16 when *all* its float inputs are low (it then runs in its
+   inputs' dtype, as autocast would; range-risky ops are on the fp16 deny list);
 5. clear propagation: CLEAR nodes next to low nodes go low, both directions.
 
 Unpainted INFER/CLEAR nodes stay float32. Then, in graph order, every node
@@ -31,7 +34,7 @@ from ..ops import Category
 from ..report import Decision
 from ..runtime import CASTABLE
 from . import PassContext
-from .classify import META
+from .classify import META, carries_float
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
@@ -91,15 +94,26 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             color[n] = (low, "paint:between-allow",
                         f"between low-precision ops ({forward[n].name} ... {origin.name}): {low_name}")
 
-    # 4. bfloat16: infer ops fed by a low op and no deny op follow it
-    if low == torch.bfloat16:
-        for n in nodes:
-            if cat[n] is Category.INFER and n not in color:
-                feeds = ins(n)
-                lows = [p for p in feeds if color.get(p, (None,))[0] == low]
-                if lows and not any(p in denied for p in feeds):
-                    color[n] = (low, "paint:follow-allow",
-                                f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
+    # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
+    #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
+    #    low (then it runs in its inputs' dtype, as under autocast; range-risky ops are on the float16
+    #    deny list)
+    decided = {n: n.meta[META] for n in nodes}
+    for n in nodes:
+        if n in color or n in denied or cat[n] not in (Category.INFER, Category.CLEAR):
+            continue
+        feeds = [p for p in n.all_input_nodes if carries_float(p, decided)]
+        lows = [p for p in feeds if color.get(p, (None,))[0] == low]
+        if not lows or any(p in denied for p in feeds):
+            continue
+        if cat[n] is Category.CLEAR:
+            color[n] = (low, "paint:clear", f"clear op fed by low-precision {lows[0].name}: {low_name}")
+        elif low == torch.bfloat16:
+            color[n] = (low, "paint:follow-allow",
+                        f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
+        elif len(lows) == len(feeds):
+            color[n] = (low, "paint:follow-allow",
+                        f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
 
     # 5. clear propagation, both directions
     lows = [n for n, c in color.items() if c[0] == low]

@@ -1,0 +1,81 @@
+"""Small models shared by the tests: each a builder returning (model, example inputs, loss fn)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = h + torch.tanh(self.fc2(h))
+        return self.fc3(h)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.pool = nn.MaxPool2d(2)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.pool(self.relu(self.bn1(self.conv1(x))))
+        x = self.relu(self.bn2(self.conv2(x)))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 30, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(1, 16, d) * 0.02)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
+                                    for _ in range(2))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos[:, : ids.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h).mean(dim=1))
+
+
+class RNNClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.rnn = nn.GRU(16, 16, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        out, _ = self.rnn(self.emb(ids))
+        return self.head(out[:, -1])
+
+
+def build(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP(), (torch.randn(8, 12),), lambda y: F.cross_entropy(y, torch.arange(8) % 5)
+    if name == "cnn":
+        return CNN(), (torch.randn(4, 3, 8, 8),), lambda y: F.cross_entropy(y, torch.arange(4) % 4)
+    if name == "transformer":
+        return (TinyTransformer(), (torch.randint(0, 30, (4, 10)),),
+                lambda y: F.cross_entropy(y, torch.arange(4) % 3))
+    if name == "encoder_layer":
+        return (nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), (torch.randn(2, 5, 64),),
+                lambda y: y.float().pow(2).mean())
+    if name == "rnn":
+        return RNNClassifier(), (torch.randint(0, 20, (4, 7)),), lambda y: F.cross_entropy(y, torch.arange(4) % 3)
+    raise KeyError(name)
+
+
+MODELS = ["mlp", "cnn", "transformer", "encoder_layer", "rnn"]
