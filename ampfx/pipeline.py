@@ -49,7 +49,7 @@ def convert(
     >>> amp(torch.randn(4, 8)).dtype, net[0].weight.dtype
     (torch.float32, torch.float32)
     >>> print(amp.ampfx_report.summary())
-    ampfx: converted 3/3 nodes to bfloat16 using 6 casts (4 of weights)
+    ampfx: converted 3/3 nodes to bfloat16 using 5 casts (3 of weights)
     """
     if policy is None:
         policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)

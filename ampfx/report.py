@@ -9,8 +9,8 @@ kept in a side table) and holds no reference to the graph, so it pickles.
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
 >>> rep = ampfx.convert(m, "bf16").ampfx_report
->>> [(r.op, r.dtype) for r in rep.records if r.kind != "get_attr"][1:3]
-[('linear', torch.bfloat16), ('softmax', torch.float32)]
+>>> [(r.op, str(r.dtype), r.rule) for r in rep.compute]
+[('linear', 'torch.bfloat16', 'table'), ('softmax', 'torch.float32', 'table')]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 from .ops import Category
 
 COMPUTE = ("call_function", "call_method", "call_module")
+INSERTED = ("bias-fp32",)  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
 
 RULES_DOC: dict[str, str] = {
     "table": "the default op tables (ampfx.ops) for this dtype",
@@ -138,7 +139,8 @@ class Report:
     @property
     def compute(self) -> list[Decision]:
         """Records of nodes that compute on float data (what "nodes" counts in the summary)."""
-        return [r for r in self.records if r.kind in COMPUTE and r.category is not Category.PASS]
+        return [r for r in self.records
+                if r.kind in COMPUTE and r.category is not Category.PASS and r.rule not in INSERTED]
 
     def fp32(self) -> list[Decision]:
         return [r for r in self.compute if r.dtype == torch.float32]

@@ -57,3 +57,13 @@ def call_module_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **k
               for name, p in module.named_parameters()}
     return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
 
+
+
+def assert_is_none(value: Any, message: str) -> None:
+    """Guard for an argument that tracing fixed at ``None``: passing one now is an error."""
+    if isinstance(value, torch.fx.Proxy):
+        return value.tracer.create_proxy("call_function", assert_is_none, (value, message), {})
+    if value is not None:
+        raise ValueError(f"{message}; ampfx traced this model with it fixed. Convert again with an "
+                         "example input that includes it (example_inputs=dict(...)).")
+    return None

@@ -23,6 +23,7 @@ convert the children one by one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,9 +157,20 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                 steps.append(f"root forward: {_short(e)}")
                 raise RootUntraceable(e, steps) from e
             mode = "fx" if mode == "fx, whole model failed" else mode
+            _importable_asserts(graph)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
             return Capture(graph, mode, leaves, fixed, steps)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def _importable_asserts(graph: fx.Graph) -> None:
+    """fx's ``_assert_is_none`` guards (for arguments fixed at ``None``) do not
+    survive pickling; use ampfx's importable equivalent."""
+    from . import runtime
+
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
+            node.target = runtime.assert_is_none
 
 
 def node_module_path(node: fx.Node) -> str:
@@ -190,18 +202,55 @@ def copy_tree(m: nn.Module) -> nn.Module:
     return new
 
 
-def graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """``fx.GraphModule(root, graph)`` that keeps the *whole* module tree of
-    ``root`` (unused parameters and buffers too), so ``state_dict()`` keys
-    are the same as the model's."""
-    gm = fx.GraphModule(root, graph, class_name=type(root).__name__)
-    for name, child in root.named_children():
-        setattr(gm, name, child)
+def _keep_tree(gm: fx.GraphModule, root: nn.Module, training: bool) -> None:
+    """Put ``root``'s whole module tree (unused parameters and buffers too) on ``gm``."""
+    for name, child in root._modules.items():
+        gm._modules[name] = child
     for name, p in root._parameters.items():
-        if name not in gm._parameters:
-            gm.register_parameter(name, p)
+        gm._parameters[name] = p
     for name, b in root._buffers.items():
-        if name not in gm._buffers:
-            gm.register_buffer(name, b, persistent=name not in root._non_persistent_buffers_set)
-    gm.train(root.training)
+        gm._buffers[name] = b
+    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+    gm.training = training
+
+
+class AmpGraphModule(fx.GraphModule):
+    """A ``GraphModule`` that keeps the *whole* module tree of the model it was
+    traced from, so ``state_dict()`` keys equal the model's, also after
+    ``copy.deepcopy`` and pickling (plain ``GraphModule`` keeps only what the
+    graph references), and keeps its ``ampfx_report``."""
+
+    def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
+        res = super().__deepcopy__(memo)
+        tree = copy.deepcopy({"_modules": self._modules, "_parameters": self._parameters,
+                              "_buffers": self._buffers}, memo)
+        holder = nn.Module()
+        holder._modules, holder._parameters, holder._buffers = tree["_modules"], tree["_parameters"], tree["_buffers"]
+        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        _keep_tree(res, holder, self.training)
+        if "ampfx_report" in self.__dict__:
+            res.ampfx_report = self.ampfx_report  # frozen: safe to share
+        return res
+
+    def __reduce__(self):  # noqa: ANN204
+        fn, args = super().__reduce__()
+        holder = nn.Module()
+        holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
+        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report")))
+
+
+def _rebuild(fn, args, holder: nn.Module, training: bool, report) -> AmpGraphModule:  # noqa: ANN001
+    plain = fn(*args)
+    gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
+    _keep_tree(gm, holder, training)
+    if report is not None:
+        gm.ampfx_report = report
+    return gm
+
+
+def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
+    """An :class:`AmpGraphModule` running ``graph`` over ``root``'s module tree."""
+    gm = AmpGraphModule(root, graph, class_name=type(root).__name__)
+    _keep_tree(gm, root, root.training)
     return gm

@@ -5,7 +5,8 @@ arithmetic, no activation memory) and each node gets
 ``node.meta['ampfx_out'] = (TensorInfo, ...)``, one entry per tensor in its
 output. If fake propagation fails (a leaf that cannot run on fake tensors),
 the graph runs for real on the example inputs in eval mode under
-``no_grad`` (so no running statistics change), and the report says so.
+``no_grad``, and the report says so. Buffers are restored afterwards either
+way (a batch-norm leaf counts its batches even on fake tensors).
 Without example inputs no node gets ``ampfx_out`` and the passes use the
 conservative defaults (graph inputs are assumed float32; casts check the
 dtype at run time).
@@ -58,6 +59,16 @@ def propagate(gm: fx.GraphModule, example_inputs: Any) -> tuple[str, str]:
     """Annotate every node; returns ``(method, note)`` with method
     ``"fake"`` or ``"real"``."""
     args = bind_inputs(gm, example_inputs)
+    saved = [(b, b.detach().clone()) for b in gm.buffers()]
+    try:
+        return _propagate(gm, args)
+    finally:  # leaves may update buffers in place (batch-norm counters): undo it
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _propagate(gm: fx.GraphModule, args: list[Any]) -> tuple[str, str]:
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp

@@ -1,0 +1,418 @@
+"""convert(): structure of the rewritten graph, decisions, numerics, casts vs autocast, contracts."""
+import collections
+import copy
+import io
+import json
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+from ampfx import CastInfo, Category, Decision
+from ampfx.runtime import cast as runtime_cast
+from conftest import DTYPES
+from models import MODELS, build
+
+
+def casts_in(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime_cast]
+
+
+def record(rep, **match):
+    hits = [r for r in rep.records if all(getattr(r, k) == v for k, v in match.items())]
+    assert hits, f"no record with {match}"
+    return hits
+
+
+# ------------------------------------------------------------------ structure
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_cast_per_value_and_dtype_and_no_cast_of_a_cast(name, dtype):
+    """Casts are shared by all consumers, and never applied to another cast."""
+    m, ex, _ = build(name)
+    gm = ampfx.convert(m, dtype, example_inputs=ex)
+    keys = [(c.args[0], c.args[1]) for c in casts_in(gm)]
+    assert len(keys) == len(set(keys))
+    assert not any(src.op == "call_function" and src.target is runtime_cast for src, _ in keys)
+    assert all(isinstance(c.meta["ampfx"], CastInfo) for c in casts_in(gm))
+
+
+def test_shared_cast_for_several_consumers():
+    class Fan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) + self.c(x)
+
+    gm = ampfx.convert(Fan(), "bf16", example_inputs=(torch.randn(2, 4),))
+    x_casts = [c for c in casts_in(gm) if c.args[0].op == "placeholder"]
+    assert len(x_casts) == 1 and len(x_casts[0].users) == 3
+    assert x_casts[0].meta["ampfx"].consumers == ("linear", "linear_1", "linear_2")
+
+
+def test_parameters_are_cast_after_get_attr_never_changed():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    gm = ampfx.convert(m, "fp16")
+    weight_casts = [c for c in casts_in(gm) if c.args[0].op == "get_attr"]
+    assert {c.args[0].target for c in weight_casts} == {"0.weight", "0.bias", "2.weight"}
+    assert all(c.meta["ampfx"].weight for c in weight_casts)
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+
+
+def test_accumulation_dtype_argument_instead_of_a_cast():
+    """softmax after a low-precision op gets dtype=float32 rather than a separate cast."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    gm = ampfx.convert(m, "bf16", example_inputs=(torch.randn(2, 4),))
+    sm = [n for n in gm.graph.nodes if getattr(n.meta["ampfx"], "op", "") == "softmax"][0]
+    assert sm.kwargs["dtype"] == torch.float32
+    assert sm.args[0].op == "call_function" and sm.args[0].target is not runtime_cast
+
+
+def test_outputs_return_in_their_original_dtype_unless_the_policy_says_otherwise():
+    m, ex, _ = build("mlp")
+    assert ampfx.convert(m, "bf16")(*ex).dtype == torch.float32
+    assert ampfx.convert(m, "bf16", keep_output_dtype=False)(*ex).dtype == torch.bfloat16
+
+
+def test_bias_is_added_in_float32_when_the_gemm_output_goes_to_float32():
+    m = nn.Sequential(nn.Linear(4, 4))
+    gm = ampfx.convert(m, "bf16", example_inputs=(torch.randn(2, 4),))
+    bias = record(gm.ampfx_report, rule="bias-fp32")[0]
+    assert bias.dtype == torch.float32
+    assert not [c for c in casts_in(gm) if c.args[0].target == "0.bias"]
+
+
+# ------------------------------------------------------------------ decisions
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemms_and_convs_low_softmax_losses_norm_stats_fp32(dtype):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 5)
+
+        def forward(self, x, y):
+            h = F.relu(self.bn(self.conv(x)))
+            logits = self.fc(h.mean((2, 3)))
+            return F.cross_entropy(logits, y), F.log_softmax(logits, -1)
+
+    rep = ampfx.convert(Net(), dtype, example_inputs=(torch.randn(2, 3, 6, 6), torch.tensor([1, 2]))).ampfx_report
+    assert {r.dtype for r in record(rep, op="conv2d") + record(rep, op="linear")} == {dtype}
+    assert record(rep, op="batch_norm")[0].dtype == dtype  # data low ...
+    for op in ("cross_entropy", "log_softmax"):
+        assert record(rep, op=op)[0].dtype == torch.float32
+        assert record(rep, op=op)[0].category is Category.DENY
+
+
+def test_batch_norm_statistics_stay_fp32_buffers_through_training():
+    m, ex, loss = build("cnn")
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = m.bn1.running_mean.clone()
+    for _ in range(3):
+        opt.zero_grad()
+        loss(gm(*ex)).backward()
+        opt.step()
+    assert m.bn1.running_mean.dtype == torch.float32 and m.bn1.num_batches_tracked.item() == 3
+    assert not torch.equal(before, m.bn1.running_mean)
+    assert gm.bn1.running_mean is m.bn1.running_mean  # shared: the model sees the same statistics
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deny_propagates_forward_through_infer_and_clear(dtype):
+    """TF-AMP: deny -> infer -> clear -> infer ... stays float32 up to the next allow op."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            e = torch.exp(x)
+            h = (e * 2).reshape(2, 4) + 1
+            return self.fc(h)
+
+    rep = ampfx.convert(Net(), dtype, example_inputs=(torch.randn(2, 4),)).ampfx_report
+    for op in ("mul", "reshape", "add"):
+        r = record(rep, op=op)[0]
+        assert (r.dtype, r.rule) == (torch.float32, "paint:deny"), r
+    assert record(rep, op="linear")[0].dtype == dtype
+
+
+def test_infer_between_allows_goes_low_and_records_the_rule():
+    m, ex, _ = build("mlp")
+    rep = ampfx.convert(m, "fp16", example_inputs=ex).ampfx_report
+    gelu = record(rep, op="gelu")[0]
+    assert (gelu.dtype, gelu.rule) == (torch.float16, "paint:between-allow")
+
+
+def test_unlisted_ops_stay_fp32_and_are_counted():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.special.i0(self.fc(x))
+
+    rep = ampfx.convert(Net(), "bf16").ampfx_report
+    r = [r for r in rep.records if r.rule == "unlisted"][0]
+    assert r.dtype == torch.float32 and "not in any list" in rep.summary()
+
+
+def test_non_float_values_are_untouched():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, ids, x64):
+            n = ids.shape[1] * 2
+            mask = ids > 3
+            return self.fc(self.emb(ids)).sum() + x64.sum() + n, mask
+
+    ids, x64 = torch.randint(0, 10, (2, 3)), torch.randn(3, dtype=torch.float64)
+    gm = ampfx.convert(Net(), "bf16", example_inputs=(ids, x64))
+    casted = {c.args[0].name for c in casts_in(gm)}
+    assert "ids" not in casted and "x64" not in casted and "mask" not in casted
+    out, mask = gm(ids, x64)
+    assert mask.dtype == torch.bool and out.dtype == torch.float64
+
+
+def test_inplace_ops_keep_the_dtype_of_the_tensor_they_mutate():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            h.add_(1.0)
+            y = torch.exp(x)
+            y.mul_(h)  # mutates a float32 tensor with a low-precision one
+            return self.fc2(h) + y
+
+    m = Net()
+    x = torch.randn(3, 4)
+    gm = ampfx.convert(m, "bf16", example_inputs=(x,))
+    rep = gm.ampfx_report
+    add_ = [r for r in rep.records if r.inplace and r.op == "add"][0]
+    mul_ = [r for r in rep.records if r.inplace and r.op == "mul"][0]
+    assert (add_.dtype, add_.rule) == (torch.bfloat16, "inplace")
+    assert (mul_.dtype, mul_.rule) == (torch.float32, "inplace")
+    torch.testing.assert_close(gm(x), m(x), atol=0.05, rtol=0.05)
+
+
+def test_every_record_has_a_rule_and_a_reason():
+    for name in MODELS:
+        m, ex, _ = build(name)
+        for r in ampfx.convert(m, "fp16", example_inputs=ex).ampfx_report.records:
+            assert isinstance(r, Decision) and r.rule and r.reason, r
+
+
+# ------------------------------------------------------------------ numerics
+TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_shapes", [True, False])
+def test_outputs_and_gradients_close_to_fp32(name, dtype, with_shapes):
+    m, ex, loss = build(name)
+    m.eval()  # dropout off, batch-norm running statistics: compare like with like
+    gm = ampfx.convert(m, dtype, example_inputs=ex if with_shapes else None)
+    ref, out = m(*ex), gm(*ex)
+    assert out.dtype == ref.dtype
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() <= TOL[dtype] * scale + 1e-3
+    g_ref = torch.autograd.grad(loss(ref), [p for p in m.parameters()], allow_unused=True)
+    g_out = torch.autograd.grad(loss(out), [p for p in m.parameters()], allow_unused=True)
+    for a, b in zip(g_ref, g_out):
+        if a is not None:
+            assert b is not None and b.dtype == torch.float32
+            assert (a - b).abs().max() <= 10 * TOL[dtype] * a.abs().max() + 1e-3
+
+
+# ------------------------------------------------------------------ casts vs autocast
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fewer_casts_than_autocast_per_training_step(name, dtype):
+    """Counted at the ATen level (dtype-changing _to_copy), forward + backward, loss inside
+    the autocast region as PyTorch's recipe writes it."""
+    m, ex, loss = build(name)
+    gm = ampfx.convert(m, dtype, example_inputs=ex)
+
+    def ours():
+        loss(gm(*ex)).backward()
+
+    def autocast():
+        with torch.autocast("cpu", dtype):
+            value = loss(m(*ex))
+        value.backward()
+
+    assert ampfx.count_casts(ours) < ampfx.count_casts(autocast)
+
+
+def test_transformer_encoder_layer_reference_case():
+    """The issue's reference: one TransformerEncoderLayer(64, 4, 128) step under CPU autocast."""
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    x = torch.randn(2, 5, 64)
+    gm = ampfx.convert(layer, torch.bfloat16)
+    ours = ampfx.count_casts(lambda: gm(x).float().sum().backward())
+
+    def autocast():
+        with torch.autocast("cpu", torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+
+    assert ours < ampfx.count_casts(autocast)
+
+
+# ------------------------------------------------------------------ contracts
+def test_convert_never_mutates_the_model():
+    m, ex, _ = build("cnn")
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    modes = [mod.training for mod in m.modules()]
+    gm = ampfx.convert(m, "fp16", example_inputs=ex)
+    gm.eval()
+    assert all(torch.equal(state[k], v) for k, v in m.state_dict().items())
+    assert [mod.training for mod in m.modules()] == modes and not gm.training
+    assert not hasattr(m, "ampfx_report")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_state_dict_keys_shapes_dtypes_unchanged_and_load_both_ways(name):
+    m, ex, _ = build(name)
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    a, b = m.state_dict(), gm.state_dict()
+    assert list(a) == list(b) or sorted(a) == sorted(b)
+    assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+    fresh, _, _ = build(name, seed=1)
+    fresh.load_state_dict(gm.state_dict())
+    gm.load_state_dict(fresh.state_dict())
+
+
+def test_result_shares_parameters_so_one_optimizer_trains_both():
+    m, ex, loss = build("mlp")
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in m.parameters()}
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    w = m.fc1.weight.detach().clone()
+    loss(gm(*ex)).backward()
+    assert m.fc1.weight.grad is not None and m.fc1.weight.grad.dtype == torch.float32
+    opt.step()
+    assert not torch.equal(w, gm.fc1.weight.detach())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pickles_deep_copies_saves_and_switches_train_eval(name):
+    m, ex, _ = build(name)
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    gm.eval()
+    ref = gm(*ex)
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm)), torch.load(buf, weights_only=False)):
+        other.eval()
+        torch.testing.assert_close(other(*ex), ref)
+        assert other.ampfx_report.summary() == gm.ampfx_report.summary()
+    gm.train()
+    assert all(mod.training for mod in gm.modules())
+
+
+# ------------------------------------------------------------------ tracing ladder
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: torch.fx cannot trace this
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), Branchy(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(self.a(x))))
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = Outer(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.enc(x)
+        if y.max() > 100:
+            y = y / 2
+        return self.head(y)
+
+
+@pytest.mark.parametrize("with_shapes", [True, False])
+def test_failing_submodule_becomes_a_leaf_whose_children_are_converted(with_shapes):
+    m, x = Outer(), torch.randn(3, 8)
+    gm = ampfx.convert(m, "bf16", example_inputs=(x,) if with_shapes else None)
+    rep = gm.ampfx_report
+    assert record(rep, node="b")[0].rule == "region"
+    assert record(rep, module="b.lin", op="linear")[0].dtype == torch.bfloat16
+    assert "made a leaf" in " ".join(s for reg in rep.regions for s in reg.steps)
+    torch.testing.assert_close(gm(x), m(x), atol=0.05, rtol=0.05)
+
+
+def test_untraceable_root_keeps_its_python_and_converts_each_child():
+    m, x = Root(), torch.randn(3, 8)
+    out = ampfx.convert(m, "bf16", example_inputs=(x,))
+    rep = out.ampfx_report
+    assert type(out) is Root and isinstance(out.enc, torch.fx.GraphModule)
+    assert {r.module for r in rep.records if r.op == "linear"} == {"enc.a", "enc.b.lin", "enc.c", "head"}
+    assert any(reg.path == "" and "eager" in reg.method for reg in rep.regions)
+    torch.testing.assert_close(out(x), m(x), atol=0.05, rtol=0.05)
+    assert sorted(out.state_dict()) == sorted(m.state_dict())
+
+
+def test_user_named_leaf_module_runs_low_with_functional_call_when_allowed():
+    m, x = Outer(), torch.randn(3, 8)
+    gm = ampfx.convert(m, "bf16", leaf_modules=("b",), allowlist_add=(Branchy,))
+    r = record(gm.ampfx_report, node="b")[0]
+    assert (r.category, r.dtype) == (Category.ALLOW, torch.bfloat16)
+    assert gm.ampfx_report.leaf_param_casts == 2
+    gm(x).sum().backward()
+    assert m.b.lin.weight.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ report
+def test_report_summary_table_and_save(tmp_path):
+    m, ex, _ = build("transformer")
+    rep = ampfx.convert(m, "fp16", example_inputs=ex).ampfx_report
+    line = rep.summary().splitlines()[0]
+    assert line.startswith("ampfx: converted ") and "to float16 using" in line and "casts" in line
+    table = rep.table(width=200)
+    assert "layer_norm" in table and "reason" in table
+    rep.save(tmp_path)
+    rows = [json.loads(l) for l in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert {"node", "op", "target", "module", "category", "dtype", "rule", "reason"} <= set(rows[0])
+    assert len(rows) == len(rep.records)
+    assert (tmp_path / "graph_before.py").read_text() != (tmp_path / "graph_after.py").read_text()
+    assert len((tmp_path / "casts.jsonl").read_text().splitlines()) == len(rep.casts)
+
+
+def test_log_path_env_saves_the_report(tmp_path):
+    m, ex, _ = build("mlp")
+    ampfx.convert(m, "bf16", environ={"AMPFX_LOG_PATH": str(tmp_path / "log")})
+    assert (tmp_path / "log" / "summary.txt").read_text().startswith("ampfx: converted")
+
+
+def test_summary_counts_fp32_ops_by_op_and_reason():
+    m, ex, _ = build("transformer")
+    rep = ampfx.convert(m, "fp16", example_inputs=ex).ampfx_report
+    counts = collections.Counter(r.op for r in rep.fp32())
+    assert "float32:" in rep.summary() and all(op in rep.summary() for op in counts)

@@ -1,0 +1,108 @@
+"""Policy: validation, env overrides read once at convert(), precedence, clear errors."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ampfx
+from ampfx import Category, Policy, PolicyError
+from ampfx.policy import from_env
+
+
+def net():
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4), nn.Softmax(-1))
+
+
+def test_dtype_names_and_errors():
+    assert Policy("fp16").dtype is torch.float16 and Policy(torch.bfloat16).dtype is torch.bfloat16
+    with pytest.raises(PolicyError, match="float64"):
+        Policy(torch.float64)
+
+
+def test_policy_is_frozen_and_varied_with_replace():
+    p = Policy("bf16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.dtype = torch.float16
+    assert dataclasses.replace(p, dtype="fp16").dtype is torch.float16
+
+
+def test_table_entries_report_their_source():
+    assert Policy("bf16").category_of("softmax")[:2] == (Category.DENY, "table")
+    assert Policy("bf16").category_of("frobnicate") is None
+
+
+def test_move_an_op_takes_add_and_remove():
+    """ADD before REMOVE; an op left on two lists is an error that says how to move it."""
+    with pytest.raises(PolicyError, match="conflicting.*gelu.*AMPFX_INFERLIST_REMOVE=gelu"):
+        Policy(denylist_add=["gelu"])
+    p = Policy(denylist_add=["gelu"], inferlist_remove=["gelu"])
+    assert p.category_of("gelu")[:2] == (Category.DENY, "argument")
+
+
+def test_removing_an_op_not_on_that_list_is_an_error():
+    with pytest.raises(PolicyError, match="'softmax' is not on the allowlist.*denylist"):
+        Policy(allowlist_remove=["softmax"])
+
+
+def test_callables_and_module_types_are_accepted():
+    p = Policy(denylist_add=[nn.GELU], inferlist_remove=[torch.nn.functional.gelu])
+    assert p.category_of("gelu")[0] is Category.DENY
+
+
+def test_env_variables_apply_on_top_of_arguments():
+    base = Policy(allowlist_add=["gelu"], inferlist_remove=["gelu"])
+    p = from_env(base, {"AMPFX_ALLOWLIST_REMOVE": "gelu", "AMPFX_DENYLIST_ADD": "gelu"})
+    assert p.category_of("gelu")[:2] == (Category.DENY, "env:AMPFX_DENYLIST_ADD")
+    assert dict(p.env) == {"AMPFX_ALLOWLIST_REMOVE": "gelu", "AMPFX_DENYLIST_ADD": "gelu"}
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"AMPFX_DENYLIST_ADD": "gelux"}, r"AMPFX_DENYLIST_ADD='gelux'.*unknown op 'gelux'.*Did you mean 'gelu'"),
+    ({"AMPFX_DENYLST_ADD": "gelu"}, r"unknown environment variable AMPFX_DENYLST_ADD.*AMPFX_DENYLIST_ADD"),
+    ({"AMPFX_DISABLE": "maybe"}, r"AMPFX_DISABLE='maybe'"),
+    ({"AMPFX_DENYLIST_ADD": "gelu,,silu"}, r"AMPFX_DENYLIST_ADD='gelu,,silu': empty entry"),
+    ({"AMPFX_DENYLIST_ADD": "gelu"}, r"conflicting entries: 'gelu'.*env:AMPFX_DENYLIST_ADD"),
+    ({"AMPFX_FP32_MODULES": "3,heda"}, r"AMPFX_FP32_MODULES names 'heda'"),
+])
+def test_env_errors_name_the_variable_value_and_close_match(env, match):
+    m = nn.Sequential()
+    m.add_module("head", nn.Linear(2, 2))
+    m.add_module("3", nn.Linear(2, 2))
+    with pytest.raises(PolicyError, match=match):
+        ampfx.convert(m, "bf16", environ=env)
+
+
+def test_env_is_read_from_os_environ_at_convert(monkeypatch):
+    monkeypatch.setenv("AMPFX_DENYLIST_ADD", "linear")
+    monkeypatch.setenv("AMPFX_ALLOWLIST_REMOVE", "linear")
+    rep = ampfx.convert(net(), "bf16").ampfx_report
+    linears = [r for r in rep.records if r.op == "linear"]
+    assert linears and all(r.dtype == torch.float32 for r in linears)
+    assert rep.policy["env"]["AMPFX_DENYLIST_ADD"] == "linear"
+
+
+def test_user_functions_by_qualified_name():
+    """Functions and module types of the user's own code can be put on a list by qualified name."""
+    p = from_env(Policy(), {"AMPFX_ALLOWLIST_ADD": "tests_helpers_ops.scaled_tanh"})
+    assert p.category_of("tests_helpers_ops.scaled_tanh")[0] is Category.ALLOW
+
+
+def test_fp32_modules_beat_the_lists():
+    """Precedence: module names win over list entries; the record names the rule."""
+    rep = ampfx.convert(net(), "bf16", fp32_modules=("2",)).ampfx_report
+    second = [r for r in rep.records if r.op == "linear" and r.module == "2"][0]
+    assert (second.dtype, second.rule) == (torch.float32, "fp32_modules")
+
+
+def test_module_filter_fn_is_the_escape_hatch():
+    rep = ampfx.convert(net(), "bf16", module_filter_fn=lambda m, fqn: fqn != "0").ampfx_report
+    first = [r for r in rep.records if r.op == "linear" and r.module == "0"][0]
+    assert (first.dtype, first.rule) == (torch.float32, "module_filter_fn")
+
+
+def test_disable_returns_an_unconverted_copy_and_says_so():
+    m = net()
+    out = ampfx.convert(m, "fp16", environ={"AMPFX_DISABLE": "1"})
+    assert out is not m and type(out) is type(m) and out[0].weight is m[0].weight
+    assert out.ampfx_report.disabled and "disabled" in out.ampfx_report.summary()
