@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import runtime
+
 
 class Category(str, enum.Enum):
     """What an op's list says about its precision.
@@ -321,8 +323,9 @@ for _name, _fns, _methods in [
     ("argmax", [torch.argmax, torch.argmin, torch.argsort, torch.nonzero, torch.any, torch.all, torch.bucketize,
                 torch.searchsorted, F.one_hot],
      ["argmax", "argmin", "argsort", "nonzero", "any", "all", "long", "int", "item", "tolist"]),
-    ("assert", [torch._assert, *([torch.fx._symbolic_trace._assert_is_none]
-                                 if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
+    ("assert", [torch._assert, runtime.assert_is_none,
+                *([torch.fx._symbolic_trace._assert_is_none]
+                  if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
     _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result="nonfloat")
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",

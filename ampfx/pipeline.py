@@ -91,9 +91,14 @@ def _given_args(model: nn.Module, example_inputs: Any) -> set[str] | None:
 
     params = list(inspect.signature(model.forward).parameters)
     if isinstance(example_inputs, dict):
-        return set(example_inputs)
-    n = len(example_inputs) if isinstance(example_inputs, (tuple, list)) else 1
-    return set(params[:n])
+        given = example_inputs
+    elif isinstance(example_inputs, (tuple, list)):
+        given = dict(zip(params, example_inputs))
+    else:
+        given = {params[0]: example_inputs} if params else {}
+    # only tensor-valued arguments stay symbolic; None, flags and sizes may be fixed at their defaults
+    return {k for k, v in given.items()
+            if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(v))}
 
 
 def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) -> tuple[nn.Module, Report]:
@@ -188,27 +193,36 @@ def _param_names(m: nn.Module) -> list[str]:
 
 def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
                       steps: list[str]) -> tuple[nn.Module, Report]:
-    """``work``'s own ``forward`` cannot be traced: keep it eager, convert each child."""
-    where = prefix.rstrip(".") or "<root>"
-    log.info("ampfx: %s cannot be traced (%s); converting its children separately", where, steps[-1:])
-    inputs = _submodule_inputs(work, example_inputs, [n for n, _ in work.named_children()])
-    parts = []
-    for name, child in list(work.named_children()):
-        if example_inputs is not None and name not in inputs:
-            continue  # not called on the example inputs: left as is (reported below)
-        from .tracing import TRACE_THROUGH, AmpTracer
+    """``work``'s own ``forward`` cannot be traced: keep it eager and convert
+    each child it calls. Containers (``ModuleList``, ``ModuleDict``, or
+    children never called themselves) are entered and their children
+    converted instead."""
+    from .tracing import TRACE_THROUGH, AmpTracer
 
-        if not list(child.children()) and AmpTracer(policy).is_leaf_module(child, name) and \
-                type(child) not in TRACE_THROUGH:
-            parts.append(Report(dtype=policy.dtype, regions=(Region(
-                f"{prefix}{name}", "left as is: a single torch.nn leaf module whose parent is eager",),)))
-            continue
-        converted, rep = _convert(child, policy, inputs.get(name), prefix=f"{prefix}{name}.")
-        setattr(work, name, converted)
-        parts.append(rep)
-    untouched = [n for n, _ in work.named_children() if example_inputs is not None and n not in inputs]
+    log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>", steps[-1:])
+    inputs = _submodule_inputs(work, example_inputs, [n for n, _ in work.named_modules() if n])
+    parts: list[Report] = []
     regions = [Region(prefix.rstrip("."), "eager (children converted separately)", tuple(steps))]
-    regions += [Region(f"{prefix}{n}", "left as is: not called on the example inputs") for n in untouched]
+
+    def visit(parent: nn.Module, path: str) -> None:
+        for name, child in list(parent.named_children()):
+            sub = f"{path}{name}"
+            called = sub in inputs if example_inputs is not None else not isinstance(
+                child, (nn.ModuleList, nn.ModuleDict))
+            if not called and list(child.children()):
+                visit(child, f"{sub}.")
+            elif not called:
+                regions.append(Region(f"{prefix}{sub}", "left as is: not called on the example inputs"))
+            elif (not list(child.children()) and AmpTracer(policy).is_leaf_module(child, sub)
+                  and type(child) not in TRACE_THROUGH):
+                regions.append(Region(f"{prefix}{sub}", "left as is: a single torch.nn leaf module called "
+                                                        "from eager code"))
+            else:
+                converted, rep = _convert(child, policy, inputs.get(sub), prefix=f"{prefix}{sub}.")
+                setattr(parent, name, converted)
+                parts.append(rep)
+
+    visit(work, "")
     return work, Report.merge(policy.dtype, parts, regions=tuple(regions))
 
 

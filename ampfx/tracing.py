@@ -100,7 +100,7 @@ class Capture:
 
 
 def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
-    """Parameters of ``model.forward`` that have defaults and are not given."""
+    """Parameters of ``model.forward`` that have defaults and are not given a tensor."""
     out = {}
     for name, p in inspect.signature(model.forward).parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in given:
@@ -157,18 +157,23 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                 steps.append(f"root forward: {_short(e)}")
                 raise RootUntraceable(e, steps) from e
             mode = "fx" if mode == "fx, whole model failed" else mode
-            _importable_asserts(graph)
+            _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
             return Capture(graph, mode, leaves, fixed, steps)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
-def _importable_asserts(graph: fx.Graph) -> None:
-    """fx's ``_assert_is_none`` guards (for arguments fixed at ``None``) do not
-    survive pickling; use ampfx's importable equivalent."""
+def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
+    """Arguments fixed while tracing keep their names in the converted module's
+    signature (fx renames them ``name_1``, which breaks keyword calls), and
+    fx's ``_assert_is_none`` guards, which do not survive pickling, become
+    ampfx's importable equivalent."""
     from . import runtime
 
     for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
+                and node.target[:-2] in fixed:
+            node.target = node.target[:-2]
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
             node.target = runtime.assert_is_none
 

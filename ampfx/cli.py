@@ -1,0 +1,155 @@
+"""The ``ampfx`` command: ``demo``, ``lists``, ``explain``.
+
+    ampfx demo [--dtype bf16|fp16] [--steps N]
+    ampfx lists [--dtype bf16|fp16]
+    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json] [--out DIR]
+
+``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
+callable returns the model (an ``nn.Module`` instance or class).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .ops import LISTS
+from .policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
+
+_TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
+                  "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64, "long": torch.int64,
+                  "int32": torch.int32, "bool": torch.bool}
+
+
+class CLIError(Exception):
+    """A bad command-line argument; the message names it."""
+
+
+def _dtype_arg(value: str) -> torch.dtype:
+    try:
+        return parse_dtype(value, where="--dtype")
+    except PolicyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_input(spec: str) -> torch.Tensor:
+    """``8,3,32,32`` or ``8,128:int64`` -> a random tensor of that shape and dtype."""
+    shape_text, _, dtype_text = spec.partition(":")
+    try:
+        shape = tuple(int(s) for s in shape_text.split(",") if s.strip())
+    except ValueError:
+        raise CLIError(f"--input {spec!r}: the shape must be comma-separated integers, e.g. 8,3,32,32") from None
+    dtype = _TENSOR_DTYPES.get(dtype_text or "float32")
+    if dtype is None:
+        raise CLIError(f"--input {spec!r}: unknown dtype {dtype_text!r}; use one of {', '.join(_TENSOR_DTYPES)}")
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    if dtype is torch.bool:
+        return torch.rand(shape) > 0.5
+    return torch.randint(0, 2, shape, dtype=dtype)
+
+
+def load_target(target: str) -> torch.nn.Module:
+    """``pkg.mod:fn`` or ``file.py:fn`` -> the model it builds."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise CLIError(f"TARGET {target!r}: use module.path:callable or file.py:callable")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.exists():
+            raise CLIError(f"TARGET {target!r}: no file {where}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise CLIError(f"TARGET {target!r}: cannot import {where} ({e})") from None
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise CLIError(f"TARGET {target!r}: {where} has no attribute {name!r}")
+    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"TARGET {target!r}: {name} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def cmd_lists(args: argparse.Namespace) -> int:
+    policy = from_env(Policy(args.dtype))
+    lists = policy.lists()
+    for cat in LISTS:
+        print(f"{LIST_NAMES[cat]} ({cat.value}):")
+        for name, (c, source, reason) in sorted(lists.items()):
+            if c is cat:
+                print(f"  {name:<34} [{source}] {reason}")
+    if policy.env:
+        print("environment: " + ", ".join(f"{k}={v}" for k, v in policy.env))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .pipeline import convert
+
+    model = load_target(args.target)
+    inputs = tuple(parse_input(s) for s in args.input) or None
+    amp = convert(model, args.dtype, example_inputs=inputs)
+    rep = amp.ampfx_report
+    if args.format == "json":
+        for r in rep.records:
+            print(json.dumps(r.as_json(), default=str))
+    else:
+        print(rep.summary())
+        print(rep.table(color=sys.stdout.isatty()))
+    if args.out:
+        print(f"report saved to {rep.save(args.out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo
+
+    demo(str(args.dtype), steps=args.steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ampfx", description="Automatic mixed precision as a torch.fx graph rewrite.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="convert the built-in example, show the report, train it side by side")
+    d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
+    d.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    d.set_defaults(func=cmd_demo)
+    ls = sub.add_parser("lists", help="the effective allow/infer/clear/deny lists after AMPFX_* overrides")
+    ls.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
+    ls.set_defaults(func=cmd_lists)
+    e = sub.add_parser("explain", help="convert a model and print the decision log")
+    e.add_argument("target", help="module.path:callable or file.py:callable returning the model")
+    e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
+    e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
+    e.add_argument("--format", choices=["table", "json"], default="table")
+    e.add_argument("--out", help="directory to save the full report in")
+    e.set_defaults(func=cmd_explain)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CLIError, PolicyError) as e:
+        print(f"ampfx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
