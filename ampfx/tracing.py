@@ -10,7 +10,8 @@ opaque (leaves):
 - leaves: every other ``torch.nn`` module (as in ``torch.fx``: modules whose
   behaviour depends on ``training`` stay switchable), DGL modules (by their
   ``__module__``, without importing dgl), module types named on a policy
-  list or in ``leaf_modules``, and modules named by path.
+  list or in ``leaf_modules``, and modules named by path. User functions
+  named on a policy list stay one ``call_function`` node.
 
 :func:`trace` tries, in order: the whole model with every argument symbolic;
 the whole model with optional arguments fixed at their defaults (the
@@ -25,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +70,25 @@ class AmpTracer(fx.Tracer):
     """``torch.fx.Tracer`` with ampfx's leaf rules (see the module docstring)."""
 
     def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset()) -> None:
-        super().__init__()
-        self.policy = policy = policy if policy is not None else Policy()
+        policy = policy if policy is not None else Policy()
+        # user functions named on a list stay one node (fx would trace into them)
+        functions = tuple(obj for obj, _ in policy.user_ops if isinstance(obj, types.FunctionType))
+        super().__init__(autowrap_functions=functions)
+        self.policy = policy
+        self.user_functions = functions
         self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)}
         self.failed_path: str | None = None
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """``fx.Tracer.trace``; user functions on a list are also kept whole when
+        called as ``module.function`` (``autowrap_functions`` covers only globals)."""
+        with contextlib.ExitStack() as stack:
+            for fn in self.user_functions:
+                home = sys.modules.get(fn.__module__)
+                if home is not None and getattr(home, fn.__name__, None) is fn:
+                    setattr(home, fn.__name__, _one_node(fn))
+                    stack.callback(setattr, home, fn.__name__, fn)
+            return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_paths or is_dgl_module(m) or self.policy.is_user_leaf(type(m)):
@@ -86,6 +104,16 @@ class AmpTracer(fx.Tracer):
             if self.failed_path is None:  # the innermost module sees the error first
                 self.failed_path = self.path_of_module(m)
             raise
+
+
+def _one_node(fn: Any) -> Any:
+    """``fn`` that records itself as one ``call_function`` node when given proxies."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, fx.Proxy):
+                return a.tracer.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 @dataclass

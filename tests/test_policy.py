@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 
 import ampfx
+import tests_helpers_ops
+from tests_helpers_ops import scaled_tanh
 from ampfx import Category, Policy, PolicyError
 from ampfx.policy import from_env
 
@@ -106,3 +108,29 @@ def test_disable_returns_an_unconverted_copy_and_says_so():
     out = ampfx.convert(m, "fp16", environ={"AMPFX_DISABLE": "1"})
     assert out is not m and type(out) is type(m) and out[0].weight is m[0].weight
     assert out.ampfx_report.disabled and "disabled" in out.ampfx_report.summary()
+
+
+class ViaModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return tests_helpers_ops.scaled_tanh(self.fc(x))
+
+
+class ViaGlobal(ViaModule):
+    def forward(self, x):
+        return scaled_tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("cls", [ViaModule, ViaGlobal])
+def test_user_function_on_a_list_is_one_node_with_that_category(cls):
+    """A user function named by qualified name is traced as one op and takes its list's category."""
+    name = "tests_helpers_ops.scaled_tanh"
+    plain = ampfx.convert(cls(), "fp16").ampfx_report
+    assert not [r for r in plain.records if r.op == name]
+    rep = ampfx.convert(cls(), "fp16", environ={"AMPFX_DENYLIST_ADD": name}).ampfx_report
+    r = [r for r in rep.records if r.op == name][0]
+    assert (r.category, r.dtype, r.rule) == (Category.DENY, torch.float32, "env:AMPFX_DENYLIST_ADD")
+    assert tests_helpers_ops.scaled_tanh is scaled_tanh  # the patch is undone after tracing
