@@ -25,6 +25,7 @@ def convert(
     example_inputs: Any = None,
     policy: Policy | None = None,
     *,
+    dynamic_dims: dict[int, str] | None = None,
     environ: Mapping[str, str] | None = None,
     **policy_options: Any,
 ) -> nn.Module:
@@ -34,6 +35,8 @@ def convert(
     ``"fp16"``. ``example_inputs`` (a tuple of positional inputs, a dict of
     keyword inputs, or one tensor) gives exact dtypes and shapes; without it,
     graph inputs are assumed float32 and casts check dtypes at run time.
+    ``dynamic_dims`` (e.g. ``{0: "batch"}``) makes those dimensions of the
+    example inputs symbolic, so size-based decisions hold for every size.
     ``policy`` or keyword options (the fields of :class:`ampfx.Policy`) choose
     the lists; the ``AMPFX_*`` environment variables are read once, here, and
     applied on top (``environ`` replaces ``os.environ``, for tests).
@@ -66,7 +69,9 @@ def convert(
                                    notes=("conversion disabled: the model is an unconverted copy",))
         log.info("ampfx disabled: returning an unconverted copy")
         return copy
-    result, report = _convert(copy_tree(model), policy, example_inputs, prefix="")
+    if dynamic_dims and example_inputs is None:
+        raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
+    result, report = _convert(copy_tree(model), policy, example_inputs, prefix="", dynamic_dims=dynamic_dims)
     report = Report.merge(policy.dtype, [report], policy=_policy_log(policy), shapes=report.shapes,
                           notes=report.notes)
     result.ampfx_report = report
@@ -101,7 +106,8 @@ def _given_args(model: nn.Module, example_inputs: Any) -> set[str] | None:
             if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(v))}
 
 
-def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) -> tuple[nn.Module, Report]:
+def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
+             dynamic_dims: dict[int, str] | None = None) -> tuple[nn.Module, Report]:
     """Convert ``work`` (already a private copy); falls back region by region."""
     try:
         capture = trace(work, policy, _given_args(work, example_inputs))
@@ -126,7 +132,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str) 
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = []
     if example_inputs is not None:
-        _, shape_note = shapes.propagate(gm, example_inputs)
+        _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
         ctx.has_shapes = True
     for pass_ in PIPELINE:
         pass_(gm, ctx)

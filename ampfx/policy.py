@@ -135,6 +135,11 @@ class Policy:
     fp32_modules: tuple[str, ...] = ()
     leaf_modules: tuple = ()
     keep_output_dtype: bool = True
+    #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
+    reduction_threshold: int = 65536
+    #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
+    pad: str = "auto"
+    pad_multiple: int | None = None
     probe: bool = True
     log_path: str | None = None
     disable: bool = False
@@ -149,6 +154,12 @@ class Policy:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "dtype", parse_dtype(self.dtype))
+        if self.pad not in ("auto", "always", "never"):
+            raise PolicyError(f"pad={self.pad!r}: use 'auto', 'always' or 'never'")
+        if self.pad_multiple is not None and (not isinstance(self.pad_multiple, int) or self.pad_multiple < 2):
+            raise PolicyError(f"pad_multiple={self.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
+        if not isinstance(self.reduction_threshold, int) or self.reduction_threshold < 1:
+            raise PolicyError(f"reduction_threshold={self.reduction_threshold!r}: use a positive integer")
         user = dict((name, obj) for obj, name in self.user_ops)
         for cat in LISTS:
             for action in ("add", "remove"):
@@ -253,7 +264,17 @@ ENV_VARS: dict[str, str] = {
     "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
     "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
     "AMPFX_DISABLE": "1 to return an unconverted copy (the report says so)",
+    "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
+    "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
+    "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
 }
+
+
+def _int_env(var: str, value: str) -> int:
+    try:
+        return int(value.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise PolicyError(f"{var}={value!r}: use a whole number, e.g. 65536") from None
 
 
 def _split(var: str, value: str) -> tuple[str, ...]:
@@ -300,6 +321,12 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
         changes["leaf_modules"] = base.leaf_modules + tuple(extra)
     if "AMPFX_LOG_PATH" in seen:
         changes["log_path"] = seen["AMPFX_LOG_PATH"] or None
+    if "AMPFX_REDUCTION_THRESHOLD" in seen:
+        changes["reduction_threshold"] = _int_env("AMPFX_REDUCTION_THRESHOLD", seen["AMPFX_REDUCTION_THRESHOLD"])
+    if "AMPFX_PAD_MULTIPLE" in seen:
+        changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
+    if "AMPFX_PAD" in seen:
+        changes["pad"] = seen["AMPFX_PAD"].strip().lower()
     if "AMPFX_DISABLE" in seen:
         flag = seen["AMPFX_DISABLE"].strip().lower()
         if flag not in ("", "0", "1", "true", "false", "yes", "no"):

@@ -27,7 +27,7 @@ import torch
 from .ops import Category
 
 COMPUTE = ("call_function", "call_method", "call_module")
-INSERTED = ("bias-fp32",)  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
+INSERTED = ("bias-fp32", "pad")  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
 
 RULES_DOC: dict[str, str] = {
     "table": "the default op tables (ampfx.ops) for this dtype",
@@ -45,6 +45,10 @@ RULES_DOC: dict[str, str] = {
     "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
     "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
     "bias-fp32": "a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
+    "shape:small-reduction": "a reduction over at most reduction_threshold elements: follows its inputs",
+    "shape:large-reduction": "a reduction over more than reduction_threshold elements",
+    "shape:size-unknown": "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32",
+    "pad": "a node ampfx added to slice a padded GEMM's output back",
     "inplace": "an in-place op keeps the dtype of the tensor it mutates",
     "region": "a module that could not be traced runs eagerly; its children were converted one by one",
     "structure": "graph inputs, parameters and outputs",

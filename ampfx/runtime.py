@@ -67,3 +67,19 @@ def assert_is_none(value: Any, message: str) -> None:
         raise ValueError(f"{message}; ampfx traced this model with it fixed. Convert again with an "
                          "example input that includes it (example_inputs=dict(...)).")
     return None
+
+
+def cast_pad(value: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> Any:
+    """``value`` in ``dtype``, zero-padded at the end of its last ``len(sizes)``
+    dimensions to ``sizes``, in one copy (the cast and the pad are the same
+    write). Gradients reach ``value`` in its own dtype.
+
+    >>> cast_pad(torch.ones(2, 3), torch.bfloat16, (4, 8)).shape
+    torch.Size([4, 8])
+    """
+    if isinstance(value, torch.fx.Proxy):
+        return value.tracer.create_proxy("call_function", cast_pad, (value, dtype, sizes), {})
+    lead = tuple(value.shape[: value.dim() - len(sizes)])
+    out = value.new_zeros((*lead, *sizes), dtype=dtype)
+    out[(Ellipsis, *(slice(0, n) for n in value.shape[value.dim() - len(sizes):]))] = value
+    return out

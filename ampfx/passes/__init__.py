@@ -25,13 +25,15 @@ class PassContext:
     leaves: dict[str, str] = field(default_factory=dict)  # module path -> why it is a leaf
     regions: set[str] = field(default_factory=set)  # leaves that run eager with converted children
     has_shapes: bool = False
+    symbols: Any = None  # shapes.Symbols: symbolic sizes and their ranges
 
 
-from . import casts, classify, paint  # noqa: E402
+from . import casts, classify, pad, paint, reductions  # noqa: E402
 
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     classify.classify,  # category per node from the tables, policy, module names, probes
+    reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
-    # pad.pad goes here (issue: shape-aware decisions): GEMM padding riding on the casts
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
+    pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
 ]

@@ -123,12 +123,13 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
 
     for n in nodes:
         d: Decision = n.meta[META]
+        earlier = f" ({d.reason})" if d.rule.startswith("shape:") else ""  # keep the size facts
         if n in color:
             dtype, rule, reason = color[n]
-            d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason)
+            d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
         elif cat[n] in (Category.INFER, Category.CLEAR):
             d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
-                                    reason=f"{cat[n].value} op with no low-precision neighbour path: float32")
+                                    reason=f"{cat[n].value} op with no low-precision neighbour path: float32" + earlier)
         n.meta[META] = d
     _values(gm, low)
 

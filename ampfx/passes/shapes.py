@@ -17,23 +17,58 @@ After:  same graph, ``linear.meta['ampfx_out'] == (TensorInfo((8, 4), torch.floa
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+import sympy
 from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Shape and dtype of one output tensor."""
+    """Shape and dtype of one output tensor. Sizes are ints, or sympy
+    expressions over the symbols named in ``dynamic_dims`` (e.g. ``8*batch``)."""
 
     shape: tuple
     dtype: torch.dtype
 
     def __str__(self) -> str:
         return f"{str(self.dtype).replace('torch.', '')}[{', '.join(str(s) for s in self.shape)}]"
+
+    def numel(self) -> int | sympy.Expr:
+        return sympy.Mul(*self.shape) if any(isinstance(s, sympy.Expr) for s in self.shape) else _prod(self.shape)
+
+
+def _prod(sizes: tuple) -> int:
+    out = 1
+    for s in sizes:
+        out *= int(s)
+    return out
+
+
+@dataclass
+class Symbols:
+    """The symbolic sizes of one conversion: display symbol -> value range (from torch's ShapeEnv)."""
+
+    ranges: dict = field(default_factory=dict)
+    rename: dict = field(default_factory=dict)  # ShapeEnv symbol -> display symbol
+
+    def size(self, s: Any) -> int | sympy.Expr:
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            return int(expr) if expr.is_number else expr.xreplace(self.rename)
+        return int(s)
+
+    def bounds(self, expr: int | sympy.Expr) -> tuple[Any, Any]:
+        """Lower and upper bound of a size over every value its symbols may take."""
+        if not isinstance(expr, sympy.Expr) or expr.is_number:
+            return int(expr), int(expr)
+        from torch.utils._sympy.value_ranges import bound_sympy
+
+        vr = bound_sympy(expr, self.ranges)
+        return vr.lower, vr.upper
 
 
 def bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> list[Any]:
@@ -50,37 +85,70 @@ def bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> list[Any]:
     return list(bound.args) + list(bound.kwargs.values())
 
 
-def _record(node: fx.Node, value: Any) -> None:
-    infos = tuple(TensorInfo(tuple(t.shape), t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+def _record(node: fx.Node, value: Any, symbols: Symbols) -> None:
+    infos = tuple(TensorInfo(tuple(symbols.size(s) for s in t.shape), t.dtype)
+                  for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     node.meta["ampfx_out"] = infos
 
 
-def propagate(gm: fx.GraphModule, example_inputs: Any) -> tuple[str, str]:
-    """Annotate every node; returns ``(method, note)`` with method
-    ``"fake"`` or ``"real"``."""
+def propagate(gm: fx.GraphModule, example_inputs: Any,
+              dynamic_dims: dict[int, str] | None = None) -> tuple[str, str, Symbols]:
+    """Annotate every node; returns ``(method, note, symbols)`` with method
+    ``"fake"`` or ``"real"``. ``dynamic_dims`` (``{0: "batch"}``) makes those
+    dimensions of every tensor input symbolic, named as given."""
     args = bind_inputs(gm, example_inputs)
     saved = [(b, b.detach().clone()) for b in gm.buffers()]
     try:
-        return _propagate(gm, args)
+        return _propagate(gm, args, dynamic_dims or {})
     finally:  # leaves may update buffers in place (batch-norm counters): undo it
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
 
 
-def _propagate(gm: fx.GraphModule, args: list[Any]) -> tuple[str, str]:
+def _fake_inputs(mode: Any, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols) -> list[Any]:
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    out = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+            continue
+        dims = [(d % a.dim()) for d in dynamic_dims if -a.dim() <= d < a.dim()] if a.dim() else []
+        if not dims:
+            out.append(mode.from_tensor(a))
+            continue
+        context = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(a.dim())])
+        fake = mode.from_tensor(a, symbolic_context=context)
+        for d, name in dynamic_dims.items():
+            if -a.dim() <= d < a.dim() and isinstance(fake.shape[d], torch.SymInt):
+                raw = fake.shape[d].node.expr
+                named = sympy.Symbol(name, integer=True, positive=True)
+                symbols.rename[raw] = named
+                symbols.ranges[named] = mode.shape_env.var_to_range[raw]
+        out.append(fake)
+    return out
+
+
+def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]) -> tuple[str, str, Symbols]:
+    symbols = Symbols()
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if dynamic_dims else None)
+        fake_args = _fake_inputs(mode, args, dynamic_dims, symbols)
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
         for node in gm.graph.nodes:
             if "val" in node.meta:
-                _record(node, node.meta["val"])
-        return "fake", "shapes from FakeTensor propagation (no real compute)"
+                _record(node, node.meta["val"], symbols)
+        names = ", ".join(f"{k}: {v}" for k, v in symbols.ranges.items())
+        return "fake", "shapes from FakeTensor propagation (no real compute)" + (
+            f"; symbolic sizes {names}" if names else ""), symbols
     except Exception as e:  # noqa: BLE001 - any failure falls back to real execution
+        symbols = Symbols()
         note = f"FakeTensor propagation failed ({type(e).__name__}: {str(e)[:200]}); ran the example inputs for real"
     modes = {m: m.training for m in gm.modules()}
     gm.eval()
@@ -91,7 +159,7 @@ def _propagate(gm: fx.GraphModule, args: list[Any]) -> tuple[str, str]:
 
             def run_node(n: fx.Node) -> Any:
                 result = env_run(n)
-                _record(n, result)
+                _record(n, result, symbols)
                 return result
 
             interp.run_node = run_node
@@ -99,4 +167,6 @@ def _propagate(gm: fx.GraphModule, args: list[Any]) -> tuple[str, str]:
     finally:
         for m, flag in modes.items():
             m.training = flag
-    return "real", note
+    if dynamic_dims:
+        note += "; dynamic_dims ignored (sizes are the example's)"
+    return "real", note, symbols
