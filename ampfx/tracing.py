@@ -90,6 +90,24 @@ class AmpTracer(fx.Tracer):
                     stack.callback(setattr, home, fn.__name__, fn)
             return super().trace(root, concrete_args)
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """``fx.Tracer.getattr`` with a name lookup table: fx scans every
+        parameter of the model on each access, quadratic in model size."""
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        if getattr(self, "_names_root", None) is not self.root:
+            self._names_root = self.root
+            self._names = {}
+            if self.proxy_buffer_attributes:
+                self._names.update((id(b), n) for n, b in self.root.named_buffers())
+            self._names.update((id(p), n) for n, p in self.root.named_parameters())
+        name = self._names.get(id(attr_val))
+        if name is None or not (isinstance(attr_val, nn.Parameter) or self.proxy_buffer_attributes):
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_paths or is_dgl_module(m) or self.policy.is_user_leaf(type(m)):
             return True

@@ -1,7 +1,8 @@
 """Pass: record the dtype and shape of every node's output from example inputs.
 
-With ``example_inputs`` the graph is run on ``FakeTensor``s (no real
-arithmetic, no activation memory) and each node gets
+With ``example_inputs`` the graph is run on ``meta`` tensors, or on
+``FakeTensor``s when sizes are symbolic or meta propagation fails (no real
+arithmetic, no activation memory either way), and each node gets
 ``node.meta['ampfx_out'] = (TensorInfo, ...)``, one entry per tensor in its
 output. If fake propagation fails (a leaf that cannot run on fake tensors),
 the graph runs for real on the example inputs in eval mode under
@@ -131,8 +132,55 @@ def _fake_inputs(mode: Any, args: list[Any], dynamic_dims: dict[int, str], symbo
     return out
 
 
+class _MetaProp(fx.Interpreter):
+    """Runs the graph on ``meta`` tensors: shapes and dtypes only, no data, no
+    change to the model (leaves run with meta copies of their state)."""
+
+    def __init__(self, gm: fx.GraphModule, symbols: Symbols) -> None:
+        super().__init__(gm)
+        self.symbols = symbols
+        self.copies: dict[int, torch.Tensor] = {}
+        self.twins: dict[int, torch.nn.Module] = {}
+
+    def meta(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            if id(value) not in self.copies:
+                self.copies[id(value)] = torch.empty_strided(
+                    value.shape, value.stride(), dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+            return self.copies[id(value)]
+        return value
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self.meta(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        from ..tracing import copy_tree
+
+        mod = self.fetch_attr(target)
+        twin = self.twins.get(id(mod))
+        if twin is None:  # a copy of the module whose parameters and buffers are meta tensors
+            twin = self.twins[id(mod)] = copy_tree(mod)
+            for sub in twin.modules():
+                sub._parameters = {k: self.meta(v) for k, v in sub._parameters.items()}
+                sub._buffers = {k: self.meta(v) for k, v in sub._buffers.items()}
+        return twin(*args, **kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        _record(n, result, self.symbols)
+        return result
+
+
 def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]) -> tuple[str, str, Symbols]:
     symbols = Symbols()
+    if not dynamic_dims:
+        try:
+            prop = _MetaProp(gm, symbols)
+            with torch.no_grad():
+                prop.run(*[prop.meta(a) for a in args])
+            return "meta", "shapes from meta-tensor propagation (no real compute)", symbols
+        except Exception:  # noqa: BLE001 - fake tensors handle more (data-dependent leaves fail on both)
+            pass
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
