@@ -66,6 +66,9 @@ class Decision:
     """Why one node got its dtype.
 
     ``dtype`` is the dtype the node computes in (``None``: left as written).
+    ``shapes`` / ``in_shapes`` are its output and tensor-input shapes, as
+    ``dtype[sizes]`` before conversion (symbolic sizes by name), when
+    ``example_inputs`` were given.
     ``rule`` names the rule that decided (see ``RULES_DOC``); ``reason`` says it
     in words. ``out`` is the dtype of the value the node produces after
     conversion (``"dynamic"`` when only known at run time).
@@ -81,6 +84,7 @@ class Decision:
     reason: str
     kind: str = "call_function"
     shapes: tuple[str, ...] = ()
+    in_shapes: tuple[str, ...] = ()
     out: torch.dtype | str | None = None
     inplace: bool = False
 
@@ -90,6 +94,7 @@ class Decision:
         d["dtype"] = dtype_name(self.dtype) if self.dtype is not None else None
         d["out"] = dtype_name(self.out) if isinstance(self.out, torch.dtype) else self.out
         d["shapes"] = list(self.shapes)
+        d["in_shapes"] = list(self.in_shapes)
         return d
 
 

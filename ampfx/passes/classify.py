@@ -148,6 +148,7 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
             node.meta[META] = decided[node]
             continue
 
+        base["in_shapes"] = tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i)
         name = op_name(node, gm, policy)
         rule = ops.RULES.get(name)
         inplace = is_inplace(node, gm)
