@@ -64,7 +64,9 @@ class OpRule:
     the op's own accumulation-dtype argument, used instead of a cast.
     ``result`` says what a ``PASS`` op returns: ``"nonfloat"``, ``"cast"``
     (an explicit conversion), ``"same"`` (the dtype of its first argument),
-    ``"fp32"`` or ``None`` (unknown until run).
+    ``"fp32"`` or ``None`` (unknown until run). ``gemm`` is the operand layout
+    the padding pass needs: ``"linear"`` (x[..., K], weight[N, K], bias[N]),
+    ``"matmul"`` (a[..., M, K], b[..., K, N]) or ``"addmm"`` (c, a, b).
     """
 
     name: str
@@ -77,6 +79,7 @@ class OpRule:
     accum_dtype: str | None = None
     result: str | None = None
     probe: str | None = None
+    gemm: str | None = None
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -128,14 +131,15 @@ A, I, C, D, P = Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY, C
 
 # --------------------------------------------------------------------------- ALLOW
 _GEMM = "GEMM: tensor-core friendly, low-precision inputs with float32 accumulation halve the bytes moved"
-_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear", "addmm"])
+_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear")
 _op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"])
-_op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"])
-_op("mm", A, _GEMM, fns=[torch.mm], methods=["mm"], aten=["mm"])
+_op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"],
+    gemm="matmul")
+_op("mm", A, _GEMM, fns=[torch.mm], methods=["mm"], aten=["mm"], gemm="matmul")
 _op("mv", A, _GEMM, fns=[torch.mv], methods=["mv"], aten=["mv"])
-_op("bmm", A, _GEMM, fns=[torch.bmm], methods=["bmm"], aten=["bmm"])
-_op("baddbmm", A, _GEMM, fns=[torch.baddbmm], methods=["baddbmm"], aten=["baddbmm"])
-_op("addmm", A, _GEMM, fns=[torch.addmm], methods=["addmm"])
+_op("bmm", A, _GEMM, fns=[torch.bmm], methods=["bmm"], aten=["bmm"], gemm="matmul")
+_op("baddbmm", A, _GEMM, fns=[torch.baddbmm], methods=["baddbmm"], aten=["baddbmm"], gemm="addmm")
+_op("addmm", A, _GEMM, fns=[torch.addmm], methods=["addmm"], aten=["addmm"], gemm="addmm")
 _op("addbmm", A, _GEMM, fns=[torch.addbmm], methods=["addbmm"], aten=["addbmm"])
 _op("einsum", A, _GEMM + " (einsum contracts like a batched matmul)", fns=[torch.einsum], aten=["einsum"])
 _CONV = "convolution: tensor-core friendly, low-precision inputs with float32 accumulation"

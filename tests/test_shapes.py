@@ -155,3 +155,38 @@ def test_cast_pad_is_one_copy_with_gradients_in_the_source_dtype():
     assert out.dtype == torch.bfloat16 and out.shape == (8, 8) and out[3:].abs().sum() == 0
     out.float().sum().backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.ones(3, 5))
+
+
+class Batched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(30, 21) * 0.1)
+
+    def forward(self, a, b):
+        return torch.bmm(a, b) @ self.w, torch.baddbmm(torch.zeros(1, 5, 30), a, b)
+
+
+def test_matmul_family_is_padded_and_sliced_back():
+    m, a, b = Batched(), torch.randn(2, 5, 13), torch.randn(2, 13, 30)
+    ref = ampfx.convert(m, "bf16", example_inputs=(a, b), pad="never")(a, b)
+    gm = ampfx.convert(m, "bf16", example_inputs=(a, b), pad="always")
+    for x, y in zip(gm(a, b), ref):
+        torch.testing.assert_close(x, y)
+    reasons = {r.op: r.reason for r in gm.ampfx_report.compute}
+    assert "K=13 padded to 16, N=30 padded to 32" in reasons["bmm"] and "K=30 padded to 32" in reasons["matmul"]
+    assert "K=13 padded to 16, N=30 padded to 32" in reasons["baddbmm"]
+
+
+def test_symbolic_gemm_sizes_are_reported_not_padded():
+    class Sym(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 13))
+
+        def forward(self, x):  # x: [batch, 13] -> w @ [13, 8*batch]
+            return self.w @ x.t().repeat(1, 8)
+
+    rep = ampfx.convert(Sym(), "bf16", example_inputs=(torch.randn(3, 13),), dynamic_dims={0: "batch"},
+                        pad="always").ampfx_report
+    r = rec(rep, "matmul")[0]
+    assert "N=8*batch already aligned" in r.reason and "not padded" in r.reason

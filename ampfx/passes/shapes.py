@@ -211,7 +211,11 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
                 return result
 
             interp.run_node = run_node
-            interp.run(*args)
+            try:
+                interp.run(*args)
+            except Exception as e:
+                raise ValueError(f"the model does not run on example_inputs ({type(e).__name__}: {e}); give "
+                                 "inputs it accepts, as a tuple of positional or a dict of keyword inputs") from e
     finally:
         for m, flag in modes.items():
             m.training = flag
