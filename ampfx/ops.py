@@ -380,7 +380,11 @@ def qualified_name(obj: Any) -> str:
     """``module.qualname`` of a function or class, as users type it in env variables."""
     module = getattr(obj, "__module__", None) or type(obj).__module__
     qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
-    return f"{module}.{qual}"
+    if qual.startswith("_VariableFunctionsClass."):  # torch.add and friends are C builtins
+        return f"torch.{qual.split('.', 1)[1]}"
+    public = {"torch._C._nn": "torch.nn.functional", "torch._C._special": "torch.special",
+              "torch._C._linalg": "torch.linalg", "_operator": "operator"}
+    return f"{public.get(module, module)}.{qual}"
 
 
 def known_names() -> list[str]:

@@ -1,0 +1,18 @@
+"""The op-table reference in docs/ is generated from the tables and must not go stale."""
+from pathlib import Path
+
+from ampfx import reference
+from ampfx.ops import RULES
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "op-tables.md"
+
+
+def test_generated_reference_is_current():
+    """Regenerate with: python -m ampfx.reference > docs/op-tables.md"""
+    assert PAGE.read_text() == reference.markdown(), "docs/op-tables.md is stale: python -m ampfx.reference > docs/op-tables.md"
+
+
+def test_every_op_and_its_reason_appear():
+    page = reference.markdown()
+    for name, rule in RULES.items():
+        assert f"| `{name}` |" in page and rule.reason.replace("|", "/") in page
