@@ -27,7 +27,7 @@ import torch
 from .ops import Category
 
 COMPUTE = ("call_function", "call_method", "call_module")
-INSERTED = ("bias-fp32", "pad")  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
+INSERTED = ("bias-fp32", "pad", "region")  # not counted as the model's converted / float32 ops  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
 
 RULES_DOC: dict[str, str] = {
     "table": "the default op tables (ampfx.ops) for this dtype",

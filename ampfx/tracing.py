@@ -180,8 +180,10 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
     """
     steps: list[str] = []
     leaves: dict[str, str] = {}
-    fixed: dict[str, Any] = {}
-    mode = "fx"
+    # an optional argument defaulting to None is traced as None: a proxy would make
+    # `if mask is not None:` take the masked branch for every call
+    fixed: dict[str, Any] = {k: v for k, v in _default_args(model, given_args or set()).items() if v is None}
+    mode = "fx, None defaults fixed" if fixed else "fx"
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
             tracer = AmpTracer(policy, set(leaves))
@@ -189,13 +191,14 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                 graph = tracer.trace(model, concrete_args=fixed or None)
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
                 path = tracer.failed_path
-                if mode == "fx":
-                    mode = "fx, whole model failed"
-                    fixed = _default_args(model, given_args or set())
-                    if fixed:
-                        steps.append(f"whole model, all arguments symbolic: {_short(e)}")
-                        mode = "fx, optional arguments fixed"
+                if mode in ("fx", "fx, None defaults fixed"):
+                    more = _default_args(model, given_args or set())
+                    steps.append(f"whole model, {'None defaults fixed' if fixed else 'all arguments symbolic'}: "
+                                 f"{_short(e)}")
+                    if more != fixed:
+                        fixed, mode = more, "fx, optional arguments fixed"
                         continue
+                    mode = "fx, optional arguments fixed" if fixed else "fx, whole model failed"
                 if path and path not in leaves:
                     leaves[path] = _short(e)
                     steps.append(f"module {path!r} made a leaf: {_short(e)}")
@@ -203,6 +206,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                 steps.append(f"root forward: {_short(e)}")
                 raise RootUntraceable(e, steps) from e
             mode = "fx" if mode == "fx, whole model failed" else mode
+            mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
             return Capture(graph, mode, leaves, fixed, steps)

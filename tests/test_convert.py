@@ -66,7 +66,7 @@ def test_parameters_are_cast_after_get_attr_never_changed():
 
 def test_accumulation_dtype_argument_instead_of_a_cast():
     """softmax after a low-precision op gets dtype=float32 rather than a separate cast."""
-    m = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Softmax(-1))
     gm = ampfx.convert(m, "bf16", example_inputs=(torch.randn(2, 4),))
     sm = [n for n in gm.graph.nodes if getattr(n.meta["ampfx"], "op", "") == "softmax"][0]
     assert sm.kwargs["dtype"] == torch.float32
@@ -416,3 +416,82 @@ def test_summary_counts_fp32_ops_by_op_and_reason():
     rep = ampfx.convert(m, "fp16", example_inputs=ex).ampfx_report
     counts = collections.Counter(r.op for r in rep.fp32())
     assert "float32:" in rep.summary() and all(op in rep.summary() for op in counts)
+
+
+@pytest.mark.parametrize("with_shapes", [True, False])
+def test_split_bias_is_never_lost_before_an_accumulating_op(with_shapes):
+    """A linear feeding only float32 ops keeps its bias, also when the consumer accumulates via dtype=."""
+    m = nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1))
+    with torch.no_grad():
+        m[0].bias.copy_(torch.tensor([5.0, 0.0, -5.0]))
+    x = torch.randn(6, 4)
+    gm = ampfx.convert(m, "bf16", example_inputs=(x,) if with_shapes else None)
+    torch.testing.assert_close(gm(x), m(x), atol=2e-2, rtol=2e-2)
+
+    class Mean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            with torch.no_grad():
+                self.fc.bias.fill_(3.0)
+
+        def forward(self, x):
+            return self.fc(x).mean(1)
+
+    mm = Mean()
+    gm = ampfx.convert(mm, "bf16", example_inputs=(x,) if with_shapes else None)
+    torch.testing.assert_close(gm(x), mm(x), atol=2e-2, rtol=2e-2)
+
+
+def test_inplace_op_does_not_duplicate_casts_of_unrelated_values():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.relu_()
+            return self.b(h) + self.a(x)
+
+    gm = ampfx.convert(Net(), "bf16", example_inputs=(torch.randn(2, 4),))
+    x_casts = [c for c in casts_in(gm) if c.args[0].op == "placeholder"]
+    assert len(x_casts) == 1
+
+
+def test_region_inputs_return_to_their_original_dtype():
+    """A module that cannot be traced runs its own Python: it gets its inputs as the model would."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.scale = nn.Linear(8, 8), nn.Parameter(torch.ones(8, 8))
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = x * 1.0
+            return self.proj(x @ self.scale)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.block = nn.Linear(8, 8), Block()
+
+        def forward(self, x):
+            return self.block(self.inp(x))
+
+    m, x = M(), torch.randn(4, 8)
+    for ex in ((x,), None):
+        gm = ampfx.convert(m, torch.bfloat16, example_inputs=ex)
+        torch.testing.assert_close(gm(x), m(x), atol=0.1, rtol=0.05)
+        assert record(gm.ampfx_report, node="block")[0].rule == "region"
+
+
+def test_transformer_encoder_layers_in_a_module_list_are_converted():
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                enable_nested_tensor=False)
+    x = torch.randn(2, 5, 16)
+    gm = ampfx.convert(enc, "bf16", example_inputs=(x,))
+    mods = {r.module for r in gm.ampfx_report.records if r.op == "linear"}
+    assert {"layers.0.linear1", "layers.1.linear2"} <= mods
+    enc.eval(), gm.eval()
+    torch.testing.assert_close(gm(x), enc(x), atol=0.1, rtol=0.05)

@@ -64,7 +64,22 @@ class _Casts:
         self.gm = gm
         self.cache: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
         self.fixed: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}  # values with a bespoke conversion
-        self.epoch = 0
+        self.epochs: dict[fx.Node, int] = {}  # bumped when a value (or a view of it) is mutated in place
+
+    def mutated(self, node: fx.Node) -> None:
+        """``node`` was changed in place: casts of it, of the tensor it views and
+        of that tensor's other views made before now are not reused after."""
+        base = node
+        while _is_view(base) and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        group, stack = set(), [base]
+        while stack:
+            n = stack.pop()
+            if n not in group:
+                group.add(n)
+                stack.extend(u for u in n.users if _is_view(u))
+        for n in group:
+            self.epochs[n] = self.epochs.get(n, 0) + 1
 
     def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
         src = value.meta[META].out if isinstance(value.meta.get(META), Decision) else None
@@ -73,7 +88,7 @@ class _Casts:
         if (value, dtype) in self.fixed:
             return self.fixed[(value, dtype)]
         is_param = value.op == "get_attr" and isinstance(_attr(self.gm, str(value.target)), torch.nn.Parameter)
-        key = (value, dtype, 0 if is_param else self.epoch)
+        key = (value, dtype, 0 if is_param else self.epochs.get(value, 0))
         cast = self.cache.get(key)
         if cast is None:
             with self.gm.graph.inserting_before(consumer):
@@ -86,6 +101,17 @@ class _Casts:
         if consumer.name not in info.consumers:
             cast.meta[META] = dataclasses.replace(info, consumers=info.consumers + (consumer.name,))
         return cast
+
+
+VIEWS = ("view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
+         "expand_as", "narrow", "select", "getitem", "chunk", "split", "tensor_split", "unbind", "view_as",
+         "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach")
+
+
+def _is_view(node: fx.Node) -> bool:
+    """May ``node`` share storage with its first argument?"""
+    d = node.meta.get(META)
+    return isinstance(d, Decision) and d.op in VIEWS and bool(node.args) and isinstance(node.args[0], fx.Node)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
@@ -167,7 +193,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if d.kind not in COMPUTE:
             continue
         if d.inplace:
-            casts.epoch += 1  # casts made before this mutation are not reused after it
+            if node.args and isinstance(node.args[0], fx.Node):
+                casts.mutated(node.args[0])  # casts made before this mutation are not reused after it
             continue
         if d.category is Category.PASS or d.dtype is None or d.rule == "select":
             continue
@@ -178,7 +205,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         kwargs = dict(node.kwargs)
         if (rule is not None and rule.accum_dtype and want == torch.float32 and args
                 and isinstance(args[0], fx.Node) and kwargs.get(rule.accum_dtype) is None and len(args) < 4
-                and args[0].meta[META].out in (torch.float16, torch.bfloat16)):
+                and args[0].meta[META].out in (torch.float16, torch.bfloat16)
+                and (args[0], torch.float32) not in casts.fixed):  # a split bias must be added first
             kwargs[rule.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
             start = 1
         else:

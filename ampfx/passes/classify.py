@@ -166,9 +166,9 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
         elif not float_inputs and (not out_float or (infos is None and rule is not None)):
             d = decide(Category.PASS, None, "non-float", "no float32/16/bf16 tensor in or out: left as written")
         elif node.op == "call_module" and str(node.target) in ctx.regions:
-            d = decide(Category.PASS, None, "region",
-                       f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python with "
-                       "its children converted separately (see their records)")
+            d = decide(Category.FP32, torch.float32, "region",
+                       f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python on "
+                       "float32 inputs, with its children converted separately (see their records)")
         elif (hit := _fp32_module(module, ctx, gm)) is not None:
             d = decide(Category.FP32, torch.float32, *hit)
         elif listed is None:
