@@ -146,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `ampfx lists | head`
+        sys.stderr.close()
+        return 0
     except (CLIError, PolicyError) as e:
         print(f"ampfx {args.command}: error: {e}", file=sys.stderr)
         return 2

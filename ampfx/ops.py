@@ -191,8 +191,9 @@ _op("relu6", C, "clamps: exact in any float format", fns=_torch_fns("relu6", "ha
 _op("clamp", C, "clamps: exact in any float format", fns=_torch_fns("clamp", "clip"), methods=["clamp", "clip"],
     aten=["clamp"])
 for _name in ("max", "min", "amax", "amin", "maximum", "minimum", "abs", "neg", "sign"):
-    _op(_name, C, "selects or negates: exact in any float format", fns=_torch_fns(_name), methods=[_name],
-        aten=[_name])
+    _op(_name, C, "selects or negates: exact in any float format",
+        fns=[*_torch_fns(_name), *([operator.neg] if _name == "neg" else [])],
+        methods=[_name, *(["__neg__"] if _name == "neg" else [])], aten=[_name])
 _op("where", C, "selects between values: exact", fns=[torch.where], methods=["where"], aten=["where"])
 _op("masked_fill", C, "fills selected values: exact", fns=[torch.masked_fill], methods=["masked_fill"],
     aten=["masked_fill"], index_args=(1, "mask"))

@@ -68,6 +68,8 @@ def convert(
         copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(policy),
                                    notes=("conversion disabled: the model is an unconverted copy",))
         log.info("ampfx disabled: returning an unconverted copy")
+        if policy.log_path:
+            copy.ampfx_report.save(policy.log_path)
         return copy
     if dynamic_dims and example_inputs is None:
         raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
@@ -255,7 +257,10 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
             v = getattr(policy, f"{f}_{a}")
             if v:
                 edits[f"{f}_{a}"] = list(v)
-    return {"dtype": str(policy.dtype), "edits": edits, "fp32_modules": list(policy.fp32_modules),
+    return {"dtype": str(policy.dtype).replace("torch.", ""), "edits": edits,
+            "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
+            "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
+            "fp32_modules": list(policy.fp32_modules),
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

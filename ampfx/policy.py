@@ -14,8 +14,11 @@ Precedence, lowest first (each record in the report names the rule that won):
 5. ``probe``: a kernel that cannot run in the low dtype on this device;
 6. structural facts: non-float values, in-place ops.
 
-Within one source, ADD is applied before REMOVE (as in TF-AMP); an op that
-ends on two lists is an error, so moving an op takes an ADD and a REMOVE.
+Within one source, ADD is applied before REMOVE (as in TF-AMP); the
+arguments' edits are applied first, then the environment's. An op that ends
+on two lists is an error, so moving an op takes an ADD and a REMOVE. The
+size rules for reductions (``shape:*`` in the report) refine only decisions
+that come straight from the table.
 
 >>> import torch, ampfx
 >>> p = ampfx.Policy("fp16", denylist_add=("gelu",), inferlist_remove=("gelu",))
@@ -103,6 +106,16 @@ def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
     name = ops.lookup_name(text)
     if name is not None:
         return name, None
+    for prefix in ("torch.Tensor.", "Tensor."):
+        if text.startswith(prefix):  # a Tensor method: matched on call_method nodes by its name
+            method = text[len(prefix):]
+            name = ops.lookup_name(method)
+            if name is not None:
+                return name, None
+            if method.isidentifier() and hasattr(torch.Tensor, method):
+                return f"Tensor.{method}", method
+            raise PolicyError(f"{where}: torch.Tensor has no method {method!r}."
+                              f"{_close(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
     if "." in text:
         obj = _import_object(text)
         if obj is not None and callable(obj):
@@ -200,19 +213,25 @@ class Policy:
             cat, reason = rule.for_dtype(self.dtype)
             if cat in members:
                 members[cat][name] = ("table", reason)
-        for cat in LISTS:
-            fname = f"{LIST_NAMES[cat]}_add"
-            for name in getattr(self, fname):
-                members[cat][name] = (self._origin(fname, name), f"named in {fname}")
-        for cat in LISTS:
-            fname = f"{LIST_NAMES[cat]}_remove"
-            for name in getattr(self, fname):
-                if name not in members[cat]:
-                    where = [LIST_NAMES[c] for c in LISTS if name in members[c]] or ["no list"]
-                    raise PolicyError(
-                        f"{self._origin(fname, name).replace('argument', 'Policy argument')} {fname}: "
-                        f"{name!r} is not on the {LIST_NAMES[cat]} (it is on {', '.join(where)}).")
-                del members[cat][name]
+        for from_env_vars in (False, True):  # arguments first, the environment on top
+            def mine(fname: str, name: str) -> bool:
+                return self._origin(fname, name).startswith("env:") == from_env_vars
+            for cat in LISTS:
+                fname = f"{LIST_NAMES[cat]}_add"
+                for name in getattr(self, fname):
+                    if mine(fname, name):
+                        members[cat][name] = (self._origin(fname, name), f"named in {fname}")
+            for cat in LISTS:
+                fname = f"{LIST_NAMES[cat]}_remove"
+                for name in getattr(self, fname):
+                    if not mine(fname, name):
+                        continue
+                    if name not in members[cat]:
+                        where = [LIST_NAMES[c] for c in LISTS if name in members[c]] or ["no list"]
+                        raise PolicyError(
+                            f"{self._origin(fname, name).replace('argument', 'Policy argument')} {fname}: "
+                            f"{name!r} is not on the {LIST_NAMES[cat]} (it is on {', '.join(where)}).")
+                    del members[cat][name]
         out: dict[str, tuple[Category, str, str]] = {}
         for cat in LISTS:
             for name, (source, reason) in members[cat].items():
@@ -243,6 +262,10 @@ class Policy:
         if name is not None:
             return name
         for obj, uname in self.user_ops:
+            if isinstance(obj, str):
+                if key == obj:
+                    return uname
+                continue
             if key is obj or (isinstance(key, type) and isinstance(obj, type) and issubclass(key, obj)):
                 return uname
         return None
@@ -330,7 +353,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
     if "AMPFX_DISABLE" in seen:
         flag = seen["AMPFX_DISABLE"].strip().lower()
         if flag not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise PolicyError(f"AMPFX_DISABLE={seen['AMPFX_DISABLE']!r}: use 1 or 0")
+            raise PolicyError(f"AMPFX_DISABLE={seen['AMPFX_DISABLE']!r}: use 1 or 0 (true/false, yes/no also work)")
         changes["disable"] = flag in ("1", "true", "yes")
     try:
         return dataclasses.replace(base, origins=tuple(origins.items()), env=tuple(sorted(seen.items())),

@@ -134,3 +134,46 @@ def test_user_function_on_a_list_is_one_node_with_that_category(cls):
     r = [r for r in rep.records if r.op == name][0]
     assert (r.category, r.dtype, r.rule) == (Category.DENY, torch.float32, "env:AMPFX_DENYLIST_ADD")
     assert tests_helpers_ops.scaled_tanh is scaled_tanh  # the patch is undone after tracing
+
+
+def test_environment_edits_apply_after_the_arguments():
+    """An argument removes gelu from the infer list; the environment adds it back on top."""
+    p = from_env(Policy(inferlist_remove=("gelu",)), {"AMPFX_INFERLIST_ADD": "gelu"})
+    assert p.category_of("gelu")[:2] == (Category.INFER, "env:AMPFX_INFERLIST_ADD")
+    assert Policy(inferlist_remove=("gelu",)).category_of("gelu") is None
+
+
+def test_tensor_methods_can_be_named():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(self.fc(x).atan())
+
+    rep = ampfx.convert(Net(), "bf16").ampfx_report
+    assert [r.rule for r in rep.records if r.op == "Tensor.atan"] == ["unlisted"]
+    rep = ampfx.convert(Net(), "bf16", environ={"AMPFX_INFERLIST_ADD": "Tensor.atan"}).ampfx_report
+    r = [r for r in rep.records if r.op == "Tensor.atan"][0]
+    assert (r.dtype, r.category) == (torch.bfloat16, Category.INFER)
+    with pytest.raises(PolicyError, match="no method 'atann'.*atan"):
+        Policy(inferlist_add=("Tensor.atann",))
+
+
+def test_unary_minus_is_neg():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(-self.fc(x))
+
+    rep = ampfx.convert(Net(), "bf16").ampfx_report
+    assert [(r.op, r.dtype) for r in rep.records if r.op == "neg"] == [("neg", torch.bfloat16)]
+
+
+def test_disabled_conversion_still_writes_the_log(tmp_path):
+    ampfx.convert(net(), "bf16", environ={"AMPFX_DISABLE": "1", "AMPFX_LOG_PATH": str(tmp_path)})
+    assert "disabled" in (tmp_path / "summary.txt").read_text()

@@ -150,8 +150,8 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in list(gm.graph.nodes):
         d = node.meta.get(META)
         rule = ops.RULES.get(getattr(d, "op", ""))
-        if not (isinstance(d, Decision) and rule is not None and rule.gemm and node.op == "call_function"
-                and d.dtype == low and not node.kwargs):
+        if not (isinstance(d, Decision) and rule is not None and rule.gemm
+                and node.op in ("call_function", "call_method") and d.dtype == low and not node.kwargs):
             continue
         layout = LAYOUTS[rule.gemm]
         plan, text = _plan(node, layout, gm, m)

@@ -107,7 +107,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not lows or any(p in denied for p in feeds):
             continue
         if cat[n] is Category.CLEAR:
-            color[n] = (low, "paint:clear", f"clear op fed by low-precision {lows[0].name}: {low_name}")
+            color[n] = (low, "paint:follow-allow", f"clear op fed by low-precision {lows[0].name}: {low_name}")
         elif low == torch.bfloat16:
             color[n] = (low, "paint:follow-allow",
                         f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
@@ -128,8 +128,11 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             dtype, rule, reason = color[n]
             d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
         elif cat[n] in (Category.INFER, Category.CLEAR):
+            near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
+            why = (f"not between low-precision ops and not all its float inputs are {low_name} "
+                   f"(low neighbours: {', '.join(near)})" if near else "no low-precision neighbour path")
             d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
-                                    reason=f"{cat[n].value} op with no low-precision neighbour path: float32" + earlier)
+                                    reason=f"{cat[n].value} op with {why}: float32" + earlier)
         n.meta[META] = d
     _values(gm, low)
 
