@@ -158,18 +158,23 @@ def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _fast_paths_off():
-    """``nn.MultiheadAttention`` / ``TransformerEncoderLayer`` fast-path checks
-    branch on tensor properties; with the fast path off they are skipped."""
-    mha = getattr(torch.backends, "mha", None)
-    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+    """``nn.MultiheadAttention`` / ``nn.Transformer*`` fast-path checks branch on
+    tensor properties; with the fast path off they are skipped. The encoder's
+    and decoder's sequence-length probe (used only to recognise a causal mask)
+    answers "unknown" for traced values, so a mask is then judged by its own size."""
+    from torch.nn.modules import transformer
+
+    with contextlib.ExitStack() as stack:
+        mha = getattr(torch.backends, "mha", None)
+        if mha is not None and hasattr(mha, "set_fastpath_enabled"):
+            stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())
+            mha.set_fastpath_enabled(False)
+        probe = getattr(transformer, "_get_seq_len", None)
+        if probe is not None:
+            transformer._get_seq_len = lambda src, batch_first: (
+                None if isinstance(src, fx.Proxy) else probe(src, batch_first))
+            stack.callback(setattr, transformer, "_get_seq_len", probe)
         yield
-        return
-    before = mha.get_fastpath_enabled()
-    mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        mha.set_fastpath_enabled(before)
 
 
 def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) -> Capture:
