@@ -15,7 +15,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import builtins
 import enum
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch

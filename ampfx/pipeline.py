@@ -7,7 +7,6 @@ import os
 from typing import Any, Mapping
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from . import policy as policy_mod

@@ -1,5 +1,4 @@
 """Property tests (hypothesis): random small op chains keep the cast invariants and FP32 numerics."""
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -45,8 +45,7 @@ from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision
 from ..runtime import CASTABLE
 from . import PassContext
-from .classify import META
-from .paint import DYNAMIC
+from .classify import META, attr_of
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -87,7 +86,7 @@ class _Casts:
             return value
         if (value, dtype) in self.fixed:
             return self.fixed[(value, dtype)]
-        is_param = value.op == "get_attr" and isinstance(_attr(self.gm, str(value.target)), torch.nn.Parameter)
+        is_param = value.op == "get_attr" and isinstance(attr_of(self.gm, str(value.target)), torch.nn.Parameter)
         key = (value, dtype, 0 if is_param else self.epochs.get(value, 0))
         cast = self.cache.get(key)
         if cast is None:
@@ -112,13 +111,6 @@ def _is_view(node: fx.Node) -> bool:
     """May ``node`` share storage with its first argument?"""
     d = node.meta.get(META)
     return isinstance(d, Decision) and d.op in VIEWS and bool(node.args) and isinstance(node.args[0], fx.Node)
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:

@@ -16,6 +16,7 @@ Precedence is documented in :mod:`ampfx.policy`.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -93,11 +94,9 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     return not (d.category is Category.PASS and rule is not None and rule.result == "nonfloat")
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def attr_of(gm: fx.GraphModule, target: str) -> Any:
+    """The object a ``get_attr`` target names (``"layer1.0.conv1.weight"``)."""
+    return operator.attrgetter(target)(gm)
 
 
 def _fp32_module(path: str, ctx: PassContext, gm: fx.GraphModule) -> tuple[str, str] | None:
@@ -134,7 +133,7 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                     "output": "graph output: float results return in their original dtype"}[node.op]
             out = None
             if node.op == "get_attr":
-                val = _attr(gm, str(node.target))
+                val = attr_of(gm, str(node.target))
                 out = val.dtype if isinstance(val, torch.Tensor) and val.dtype in CASTABLE else None
             elif node.op == "placeholder":
                 infos = out_infos(node)

@@ -42,7 +42,7 @@ import torch.fx as fx
 from .. import ops, runtime
 from ..report import CastInfo, Decision
 from . import PassContext
-from .classify import META
+from .classify import META, attr_of
 
 MAX_EXTRA = 0.25  # "auto" pads only when the padded weight is at most this much larger
 
@@ -62,9 +62,7 @@ def _shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
     if not isinstance(src, fx.Node):
         return None
     if src.op == "get_attr":
-        obj: Any = gm
-        for part in str(src.target).split("."):
-            obj = getattr(obj, part)
+        obj = attr_of(gm, str(src.target))
         return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
     infos = src.meta.get("ampfx_out")
     return tuple(infos[0].shape) if infos else None
