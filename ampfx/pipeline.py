@@ -13,7 +13,7 @@ from . import policy as policy_mod
 from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
-from .tracing import RootUntraceable, copy_tree, graph_module, trace
+from .tracing import AmpGraphModule, RootUntraceable, copy_tree, graph_module, trace
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ def convert(
     policy: Policy | None = None,
     *,
     dynamic_dims: dict[int, str] | None = None,
+    mode: str = "train",
     environ: Mapping[str, str] | None = None,
     **policy_options: Any,
 ) -> nn.Module:
@@ -36,6 +37,9 @@ def convert(
     graph inputs are assumed float32 and casts check dtypes at run time.
     ``dynamic_dims`` (e.g. ``{0: "batch"}``) makes those dimensions of the
     example inputs symbolic, so size-based decisions hold for every size.
+    ``mode="inference"`` stores the weights of low-precision ops in the low
+    dtype once, in the converted module only (see :mod:`ampfx.inference`);
+    ``mode="train"`` (default) keeps float32 masters shared with ``model``.
     ``policy`` or keyword options (the fields of :class:`ampfx.Policy`) choose
     the lists; the ``AMPFX_*`` environment variables are read once, here, and
     applied on top (``environ`` replaces ``os.environ``, for tests).
@@ -70,11 +74,26 @@ def convert(
         if policy.log_path:
             copy.ampfx_report.save(policy.log_path)
         return copy
+    if mode not in ("train", "inference"):
+        raise PolicyError(f"mode={mode!r}: use 'train' (float32 master weights) or 'inference' "
+                          "(weights stored in the low dtype once)")
     if dynamic_dims and example_inputs is None:
         raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
     result, report = _convert(copy_tree(model), policy, example_inputs, prefix="", dynamic_dims=dynamic_dims)
+    notes = report.notes
+    if mode == "inference":
+        from .inference import store_low
+
+        count, before, after = 0, 0, 0
+        for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
+            c, b, a = store_low(gm, policy.dtype)
+            count, before, after = count + c, before + b, after + a
+        total_before = sum(p.numel() * p.element_size() for p in model.parameters())
+        total_after = sum(p.numel() * p.element_size() for p in result.parameters())
+        notes += (f"inference mode: {count} parameters stored in {str(policy.dtype)[6:]} once; parameter bytes "
+                  f"{total_before:,} -> {total_after:,} (saved {total_before - total_after:,})",)
     report = Report.merge(policy.dtype, [report], policy=_policy_log(policy), shapes=report.shapes,
-                          notes=report.notes)
+                          notes=notes)
     result.ampfx_report = report
     if policy.log_path:
         report.save(policy.log_path)
