@@ -13,7 +13,7 @@ embedding tables, biases added in float32) stay float32. The model given to
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> inf = ampfx.convert(m, "bf16", mode="inference")
->>> inf[0].weight.dtype, m[0].weight.dtype
+>>> inf.get_submodule("0").weight.dtype, m[0].weight.dtype
 (torch.bfloat16, torch.float32)
 """
 from __future__ import annotations
