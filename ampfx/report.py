@@ -180,6 +180,7 @@ class Report:
         unlisted = Counter(r.op for r in self.fp32() if r.rule == "unlisted")
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
+        lines += [f"  {note}" for note in self.notes if note.startswith("inference mode")]
         for reg in self.regions:
             if reg.method not in ("fx",) or reg.leaves:
                 where = reg.path or "<root>"
