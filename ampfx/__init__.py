@@ -5,11 +5,13 @@
 >>> amp.ampfx_report.by_node("linear").dtype
 torch.bfloat16
 """
+from .debug import NonFiniteError, debug
 from .measure import count_casts
 from .ops import Category
 from .pipeline import convert
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
 
-__all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts"]
+__all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
+           "debug", "NonFiniteError"]
 __version__ = "0.1.0"

@@ -26,6 +26,8 @@ def convert(
     *,
     dynamic_dims: dict[int, str] | None = None,
     mode: str = "train",
+    calibrate: Any = None,
+    calibrate_loss: Any = None,
     environ: Mapping[str, str] | None = None,
     **policy_options: Any,
 ) -> nn.Module:
@@ -40,6 +42,12 @@ def convert(
     ``mode="inference"`` stores the weights of low-precision ops in the low
     dtype once, in the converted module only (see :mod:`ampfx.inference`);
     ``mode="train"`` (default) keeps float32 masters shared with ``model``.
+    ``calibrate`` (a few batches, each given like ``example_inputs``) runs the
+    float32 model forward and backward first; nodes whose outputs or gradients
+    would overflow the low dtype stay float32, and the report gives loss-scale
+    advice (see :mod:`ampfx.passes.calibrate`). ``calibrate_loss(output)``
+    makes the loss for the backward pass (default: the output if it is a
+    scalar, else the mean of the outputs).
     ``policy`` or keyword options (the fields of :class:`ampfx.Policy`) choose
     the lists; the ``AMPFX_*`` environment variables are read once, here, and
     applied on top (``environ`` replaces ``os.environ``, for tests).
@@ -79,7 +87,11 @@ def convert(
                           "(weights stored in the low dtype once)")
     if dynamic_dims and example_inputs is None:
         raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
-    result, report = _convert(copy_tree(model), policy, example_inputs, prefix="", dynamic_dims=dynamic_dims)
+    calib = (list(calibrate), calibrate_loss) if calibrate is not None else None
+    if calib is not None and example_inputs is None and calib[0]:
+        example_inputs = calib[0][0]
+    result, report = _convert(copy_tree(model), policy, example_inputs, prefix="", dynamic_dims=dynamic_dims,
+                              calib=calib)
     notes = report.notes
     if mode == "inference":
         from .inference import store_low
@@ -127,7 +139,7 @@ def _given_args(model: nn.Module, example_inputs: Any) -> set[str] | None:
 
 
 def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
-             dynamic_dims: dict[int, str] | None = None) -> tuple[nn.Module, Report]:
+             dynamic_dims: dict[int, str] | None = None, calib: Any = None) -> tuple[nn.Module, Report]:
     """Convert ``work`` (already a private copy); falls back region by region."""
     try:
         capture = trace(work, policy, _given_args(work, example_inputs))
@@ -154,6 +166,14 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
     if example_inputs is not None:
         _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
         ctx.has_shapes = True
+    if calib is not None:
+        from .passes import calibrate as calibration
+
+        seen = calibration.record(gm, calib[0], calib[1], policy.dtype)
+        notes.append(f"calibration: {seen} batches, forward and backward")
+        advice = calibration.loss_scale_advice(gm, policy.dtype)
+        if advice:
+            notes.append(advice)
     for pass_ in PIPELINE:
         pass_(gm, ctx)
     gm.graph.lint()

@@ -153,6 +153,8 @@ class Policy:
     #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
     pad: str = "auto"
     pad_multiple: int | None = None
+    #: calibration keeps float32 the nodes whose values exceed the dtype's max divided by this
+    calibration_margin: float = 2.0
     probe: bool = True
     log_path: str | None = None
     disable: bool = False

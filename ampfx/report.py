@@ -48,6 +48,7 @@ RULES_DOC: dict[str, str] = {
     "shape:small-reduction": "a reduction over at most reduction_threshold elements: follows its inputs",
     "shape:large-reduction": "a reduction over more than reduction_threshold elements",
     "shape:size-unknown": "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32",
+    "calibration:overflow": "calibration saw this node's output or gradient exceed the low dtype's range",
     "pad": "a node ampfx added to slice a padded GEMM's output back",
     "inplace": "an in-place op keeps the dtype of the tensor it mutates",
     "region": "a module that could not be traced runs eagerly; its children were converted one by one",
@@ -180,7 +181,7 @@ class Report:
         unlisted = Counter(r.op for r in self.fp32() if r.rule == "unlisted")
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
-        lines += [f"  {note}" for note in self.notes if note.startswith("inference mode")]
+        lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
         for reg in self.regions:
             if reg.method not in ("fx",) or reg.leaves:
                 where = reg.path or "<root>"

@@ -28,11 +28,12 @@ class PassContext:
     symbols: Any = None  # shapes.Symbols: symbolic sizes and their ranges
 
 
-from . import casts, classify, pad, paint, reductions  # noqa: E402
+from . import calibrate, casts, classify, pad, paint, reductions  # noqa: E402
 
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
+    calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted

@@ -1,0 +1,162 @@
+"""Calibration: decide from the values a model actually produces.
+
+:func:`record` runs the traced float32 graph on a few batches, forward and
+backward, and stores per node (``node.meta['ampfx_calib']``) the largest
+output and output-gradient magnitude and the fraction of nonzero values
+below the low dtype's smallest normal and subnormal. It costs a few training
+steps, not a search; buffers (batch-norm statistics) are restored after.
+
+:func:`calibrate` (a pass, after ``classify``) then keeps float32 every node
+whose output or gradient would overflow the low dtype with the policy's
+safety margin: it becomes DENY (rule ``calibration:overflow``), so float32
+also flows forward through the infer/clear ops that would carry the large
+values. Nodes losing more than 1% of their gradient values to underflow are
+flagged in the reason. :func:`loss_scale_advice` turns the gradients into the
+NVIDIA guide's static loss-scale choice.
+
+Before: ``linear`` Decision(category=ALLOW, rule='table'), calibration saw max |output| 3.1e+05 under fp16
+After:  Decision(category=DENY, dtype=float32, rule='calibration:overflow',
+        reason='max |output| 3.1e+05 in calibration exceeds float16's 65504 / margin 2: float32')
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from ..ops import Category
+from ..report import Decision
+from . import PassContext
+from .classify import META
+from .shapes import bind_inputs
+
+UNDERFLOW_FLAG = 0.01  # flag nodes losing more than this fraction of gradient values to underflow
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What calibration saw at one node (maxima over all batches)."""
+
+    max_out: float = 0.0
+    max_grad: float = 0.0
+    grad_below_subnormal: float = 0.0  # fraction of nonzero gradient values that would flush to zero
+    grad_below_normal: float = 0.0
+    out_below_subnormal: float = 0.0
+
+
+def _fractions(t: torch.Tensor, low: torch.dtype) -> tuple[float, float, float]:
+    info = torch.finfo(low)
+    a = t.detach().abs().float()
+    nonzero = a[a > 0]
+    if nonzero.numel() == 0:
+        return float(a.max()) if a.numel() else 0.0, 0.0, 0.0
+    subnormal = info.smallest_normal * info.eps  # the smallest positive subnormal
+    return (float(a.max()), float((nonzero < subnormal).float().mean()),
+            float((nonzero < info.smallest_normal).float().mean()))
+
+
+def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+           low: torch.dtype) -> int:
+    """Run ``gm`` (still float32) on ``batches`` forward and backward; fill
+    ``node.meta['ampfx_calib']``. Returns the number of batches seen."""
+    acc: dict[fx.Node, dict[str, float]] = {}
+    saved = [(b, b.detach().clone()) for b in gm.buffers()]
+    grads_before = {p: (p.grad.clone() if p.grad is not None else None) for p in gm.parameters()}
+
+    def note(node: fx.Node, key: str, value: float) -> None:
+        acc.setdefault(node, {})[key] = max(acc.get(node, {}).get(key, 0.0), value)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    mx, below_sub, _ = _fractions(t, low)
+                    note(n, "max_out", mx)
+                    note(n, "out_below_subnormal", below_sub)
+                    if t.requires_grad:
+                        def hook(g: torch.Tensor, n: fx.Node = n) -> None:
+                            gmax, gsub, gnorm = _fractions(g, low)
+                            note(n, "max_grad", gmax)
+                            note(n, "grad_below_subnormal", gsub)
+                            note(n, "grad_below_normal", gnorm)
+                        t.register_hook(hook)
+            return out
+
+    count = 0
+    try:
+        for batch in batches:
+            out = Recorder(gm).run(*bind_inputs(gm, batch))
+            loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+            if loss.requires_grad:
+                loss.backward()
+            count += 1
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+        for p, g in grads_before.items():
+            p.grad = g
+    for node, values in acc.items():
+        node.meta["ampfx_calib"] = Stats(**values)
+    return count
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    """The model's own output if it is a scalar (a model that returns its loss), else
+    the mean of its float outputs (pass ``calibrate_loss`` for realistic gradients)."""
+    floats = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len(floats) == 1 and floats[0].numel() == 1:
+        return floats[0]
+    return sum(t.float().mean() for t in floats)
+
+
+def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Keep float32 the nodes calibration saw overflow the low dtype (see module docstring)."""
+    low = ctx.policy.dtype
+    limit = torch.finfo(low).max / ctx.policy.calibration_margin
+    name = str(low).replace("torch.", "")
+    for node in gm.graph.nodes:
+        s: Stats | None = node.meta.get("ampfx_calib")
+        d = node.meta.get(META)
+        if s is None or not isinstance(d, Decision) or d.category not in (
+                Category.ALLOW, Category.INFER, Category.CLEAR):
+            continue
+        flag = ""
+        if s.grad_below_subnormal > UNDERFLOW_FLAG:
+            flag = (f"; flagged: {s.grad_below_subnormal:.0%} of its gradient values are below {name}'s smallest "
+                    "subnormal (they flush to zero without loss scaling)")
+        worst = max(("output", s.max_out), ("gradient", s.max_grad), key=lambda kv: kv[1])
+        if worst[1] > limit:
+            d = dataclasses.replace(
+                d, category=Category.DENY, dtype=torch.float32, rule="calibration:overflow",
+                reason=f"max |{worst[0]}| {worst[1]:.3g} in calibration exceeds {name}'s {torch.finfo(low).max:.0f} "
+                       f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
+        elif flag:
+            d = dataclasses.replace(d, reason=d.reason + flag)
+        node.meta[META] = d
+
+
+def loss_scale_advice(gm: fx.GraphModule, low: torch.dtype) -> str | None:
+    """The NVIDIA guide's procedure from the recorded gradients: the largest
+    power-of-two static loss scale that keeps every gradient below the dtype's
+    maximum, and what underflows without scaling. ``None`` without calibration."""
+    stats = [n.meta["ampfx_calib"] for n in gm.graph.nodes if "ampfx_calib" in n.meta]
+    if not stats:
+        return None
+    if low == torch.bfloat16:
+        return "loss scaling: not needed for bfloat16 (float32's exponent range); no GradScaler"
+    max_grad = max(s.max_grad for s in stats)
+    lost = max(s.grad_below_subnormal for s in stats)
+    if max_grad == 0:
+        return "loss scaling: no gradients seen in calibration"
+    scale = 2.0 ** math.floor(math.log2(torch.finfo(low).max / max_grad))
+    need = "use torch.amp.GradScaler" if lost > 0 else "no gradient underflowed; GradScaler optional"
+    return (f"loss scaling: largest gradient {max_grad:.3g}; up to {lost:.1%} of a node's gradient values flush to "
+            f"zero in {str(low)[6:]} without scaling; largest safe static loss scale 2**{int(math.log2(scale))} "
+            f"= {scale:g}; {need}")
