@@ -1,8 +1,9 @@
-"""The ``ampfx`` command: ``demo``, ``lists``, ``explain``.
+"""The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``plot``.
 
     ampfx demo [--dtype bf16|fp16] [--steps N]
     ampfx lists [--dtype bf16|fp16]
     ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json] [--out DIR]
+    ampfx plot TARGET [--dtype fp16|bf16] --input 8,3,32,32 [--loss ce|mse] [--by module|op] [--log-y] [--out FILE.png]
 
 ``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
 callable returns the model (an ``nn.Module`` instance or class).
@@ -120,6 +121,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError("needs matplotlib: pip install 'ampfx[plots]'") from None
+    from .plots import collect_magnitudes, describe, range_plot, synthetic_loss
+
+    model = load_target(args.target)
+    inputs = tuple(parse_input(s) for s in args.input)
+    if not inputs:
+        raise CLIError("give at least one --input, e.g. --input 8,3,32,32")
+    mags = collect_magnitudes(model, (inputs, None), synthetic_loss(args.loss), by=args.by)
+    range_plot(mags, args.dtype, path=args.out, log_y=args.log_y)
+    print(describe(mags, args.dtype))
+    print(f"figure saved to {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampfx", description="Automatic mixed precision as a torch.fx graph rewrite.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["table", "json"], default="table")
     e.add_argument("--out", help="directory to save the full report in")
     e.set_defaults(func=cmd_explain)
+    pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
+                                     "(needs matplotlib)")
+    pl.add_argument("target", help="module.path:callable or file.py:callable returning the float32 model")
+    pl.add_argument("--dtype", type=_dtype_arg, default=torch.float16, help="fp16 (default) or bf16")
+    pl.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
+    pl.add_argument("--loss", choices=["ce", "mse"], default="ce",
+                    help="ce: cross-entropy against random labels (classes on dim 1); mse: mean square of the output")
+    pl.add_argument("--by", choices=["module", "op"], default="module", help="record leaf modules or every traced op")
+    pl.add_argument("--log-y", action="store_true", help="logarithmic y axis")
+    pl.add_argument("--out", default="ampfx-range.png", help="the PNG to write (default ampfx-range.png)")
+    pl.set_defaults(func=cmd_plot)
     return p
 
 
