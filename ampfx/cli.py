@@ -2,7 +2,7 @@
 
     ampfx demo [--dtype bf16|fp16] [--steps N]
     ampfx lists [--dtype bf16|fp16]
-    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json] [--out DIR]
+    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json] [--out DIR] [--html FILE]
     ampfx plot TARGET [--dtype fp16|bf16] --input 8,3,32,32 [--loss ce|mse] [--by module|op] [--log-y] [--out FILE.png]
 
 ``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
@@ -111,6 +111,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(rep.table(color=sys.stdout.isatty()))
     if args.out:
         print(f"report saved to {rep.save(args.out)}", file=sys.stderr)
+    if args.html:
+        Path(args.html).write_text(rep.html(), encoding="utf-8")
+        print(f"graph written to {args.html}", file=sys.stderr)
     return 0
 
 
@@ -155,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
     e.add_argument("--format", choices=["table", "json"], default="table")
-    e.add_argument("--out", help="directory to save the full report in")
+    e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
+    e.add_argument("--html", metavar="FILE", help="write the decision log as a self-contained HTML page")
     e.set_defaults(func=cmd_explain)
     pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
                                      "(needs matplotlib)")

@@ -213,7 +213,8 @@ class Report:
         """Write the decision log to ``directory``: ``decisions.jsonl`` (one
         record per node), ``casts.jsonl``, ``summary.txt``, ``policy.json`` and
         the graph's code before and after (``graph_before.py`` / ``graph_after.py``,
-        one file per captured region)."""
+        one file per captured region), and ``report.html``, the graph as a
+        picture (:meth:`html`)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         _write_lines(out / "decisions.jsonl", (r.as_json() for r in self.records))
@@ -227,7 +228,16 @@ class Report:
             for path, code in codes.items():
                 suffix = f".{path}" if path else ""
                 (out / f"graph_{label}{suffix}.py").write_text(code)
+        (out / "report.html").write_text(self.html(), encoding="utf-8")
         return out
+
+    def html(self) -> str:
+        """One self-contained HTML page showing the rewritten graph: nodes coloured
+        by dtype, the casts ampfx inserted, modules that collapse and expand
+        (see :mod:`ampfx.html`)."""
+        from .html import render
+
+        return render(self)
 
     @staticmethod
     def merge(dtype: torch.dtype, parts: Iterable["Report"], **kw: Any) -> "Report":

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Set up, then run every test lane available here:
-#   core: torch 2.13 CPU (.venv) - unit tests, doctests in ampfx/, the examples' smoke test.
+#   core: torch 2.13 CPU (.venv) - unit tests, doctests in ampfx/, the docs' examples, the examples'
+#   smoke tests, and a headless-Chromium check of the HTML report (chromium installed here if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Debian's chromium renders the HTML report in a browser test; skipped with a message if it cannot be had
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "chromium could not be installed: the browser test will be skipped"
+fi
 .venv/bin/python -m pytest -q ampfx tests "$@"

@@ -23,8 +23,9 @@ def test_lists_show_entries_with_sources_and_env_overrides(capsys, monkeypatch):
 
 def test_explain_prints_the_table_and_json(capsys, tmp_path):
     assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--dtype", "fp16",
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path), "--html", str(tmp_path / "mlp.html")]) == 0
     assert "gelu" in capsys.readouterr().out and (tmp_path / "decisions.jsonl").exists()
+    assert "gelu" in (tmp_path / "mlp.html").read_text() and (tmp_path / "report.html").exists()
     assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--format", "json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert any(r["op"] == "linear" and r["dtype"] == "bfloat16" for r in rows)
