@@ -189,10 +189,13 @@ class Report:
                 lines.append(f"  capture {where}: {reg.method}{extra}")
         return "\n".join(lines)
 
-    def table(self, *, width: int = 160, color: bool | None = None, all_nodes: bool = False) -> str:
+    def table(self, *, width: int = 160, color: bool | None = None, all_nodes: bool = False,
+              group: bool = True) -> str:
         """A readable table (rich) of the compute nodes: node, op, module,
-        category, dtype, rule, reason. ``all_nodes`` adds inputs, parameters
-        and outputs."""
+        category, dtype, rule, reason, coloured by dtype. ``group`` puts the
+        rows of each top-level module together (in order of first appearance),
+        float32 rows first so their reasons lead; ``group=False`` keeps graph
+        order. ``all_nodes`` adds inputs, parameters and outputs."""
         from rich.console import Console
         from rich.table import Table
 
@@ -200,8 +203,19 @@ class Report:
         for col in ("node", "op", "module", "category", "dtype", "rule", "reason"):
             t.add_column(col, overflow="fold")
         style = {self.dtype: "green", torch.float32: "yellow", None: "dim"}
-        rows = self.records if all_nodes else [r for r in self.records if r.kind in COMPUTE]
+        rows = list(self.records if all_nodes else [r for r in self.records if r.kind in COMPUTE])
+        if group:
+            first: dict[str, int] = {}
+            for i, r in enumerate(rows):
+                first.setdefault(r.module.split(".")[0], i)
+            rows = [r for _, r in sorted(enumerate(rows), key=lambda ir: (
+                first[ir[1].module.split(".")[0]], ir[1].dtype != torch.float32, ir[0]))]
+        previous = None
         for r in rows:
+            top = r.module.split(".")[0]
+            if group and previous is not None and top != previous:
+                t.add_section()
+            previous = top
             t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), r.rule, r.reason,
                       style=style.get(r.dtype, ""))
         buf = io.StringIO()

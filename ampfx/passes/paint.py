@@ -129,10 +129,10 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
         elif cat[n] in (Category.INFER, Category.CLEAR):
             near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
-            why = (f"not between low-precision ops and not all its float inputs are {low_name} "
-                   f"(low neighbours: {', '.join(near)})" if near else "no low-precision neighbour path")
+            why = (f"not between low-precision ops, and not all its float inputs are {low_name} "
+                   f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
             d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
-                                    reason=f"{cat[n].value} op with {why}: float32" + earlier)
+                                    reason=f"{cat[n].value} op {why}: float32" + earlier)
         n.meta[META] = d
     _values(gm, low)
 
