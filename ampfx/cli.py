@@ -1,8 +1,8 @@
 """The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``plot``.
 
-    ampfx demo [--dtype bf16|fp16] [--steps N]
+    ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png]
     ampfx lists [--dtype bf16|fp16]
-    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json] [--out DIR] [--html FILE]
+    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json|html] [--out DIR] [--html FILE]
     ampfx plot TARGET [--dtype fp16|bf16] --input 8,3,32,32 [--loss ce|mse] [--by module|op] [--log-y] [--out FILE.png]
 
 ``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
@@ -106,6 +106,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.format == "json":
         for r in rep.records:
             print(json.dumps(r.as_json(), default=str))
+    elif args.format == "html":
+        print(rep.html())
     else:
         print(rep.summary())
         print(rep.table(color=sys.stdout.isatty()))
@@ -120,7 +122,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo
 
-    demo(str(args.dtype), steps=args.steps)
+    if args.loss_scale_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError("--loss-scale-plot needs matplotlib: pip install 'ampfx[plots]'") from None
+    demo(str(args.dtype), steps=args.steps, loss_scale_plot=args.loss_scale_plot)
     return 0
 
 
@@ -147,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="convert the built-in example, show the report, train it side by side")
     d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
-    d.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    d.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    d.add_argument("--loss-scale-plot", metavar="PNG", help="with --dtype fp16: plot GradScaler's loss scale per step")
     d.set_defaults(func=cmd_demo)
     ls = sub.add_parser("lists", help="the effective allow/infer/clear/deny lists after AMPFX_* overrides")
     ls.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
@@ -157,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
     e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
-    e.add_argument("--format", choices=["table", "json"], default="table")
+    e.add_argument("--format", choices=["table", "json", "html"], default="table",
+                   help="table (default), json (one record per line) or html (the graph page, to stdout)")
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
     e.add_argument("--html", metavar="FILE", help="write the decision log as a self-contained HTML page")
     e.set_defaults(func=cmd_explain)

@@ -43,7 +43,7 @@ def make_data(n: int, vocab: int = 16, length: int = 12, classes: int = 4, seed:
 
 
 def _train(model: nn.Module, run: nn.Module, ids, labels, steps: int, scaler=None,
-           progress: Callable[[int], None] | None = None) -> float:
+           progress: Callable[[int], None] | None = None, scale_log: dict | None = None) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss = torch.tensor(0.0)
     for step in range(steps):
@@ -53,7 +53,12 @@ def _train(model: nn.Module, run: nn.Module, ids, labels, steps: int, scaler=Non
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
-            scaler.update()
+            if scale_log is not None:
+                from .plots import record_loss_scale
+
+                record_loss_scale(scaler, scale_log)
+            else:
+                scaler.update()
         else:
             loss.backward()
             opt.step()
@@ -70,8 +75,10 @@ def _accuracy(run: nn.Module, ids, labels) -> float:
     return acc
 
 
-def main(dtype: str = "bf16", steps: int = 150, echo: Callable[[str], None] = print) -> dict:
-    """Run the demo; returns the figures it printed."""
+def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = print,
+         loss_scale_plot: str | None = None) -> dict:
+    """Run the demo; returns the figures it printed. With float16 and
+    ``loss_scale_plot`` (a PNG path), also plots the GradScaler's scale over steps."""
     from rich.progress import Progress
 
     torch.manual_seed(0)
@@ -100,16 +107,26 @@ def main(dtype: str = "bf16", steps: int = 150, echo: Callable[[str], None] = pr
     fp32.zero_grad()
     mixed.zero_grad()
     scaler = torch.amp.GradScaler("cpu") if low == torch.float16 else None
+    scale_log = {"scales": [], "skipped": []} if scaler is not None and loss_scale_plot else None
     results = {}
     with Progress(transient=True) as bar:
         task = bar.add_task("training", total=2 * steps)
         advance = lambda _: bar.advance(task)  # noqa: E731
         results["float32"] = (_train(fp32, fp32, ids, labels, steps, progress=advance),
                               _accuracy(fp32, test_ids, test_labels))
-        results[f"ampfx {str(low)[6:]}"] = (_train(mixed, amp, ids, labels, steps, scaler, progress=advance),
+        results[f"ampfx {str(low)[6:]}"] = (_train(mixed, amp, ids, labels, steps, scaler, progress=advance,
+                                                   scale_log=scale_log),
                                             _accuracy(amp, test_ids, test_labels))
     echo(f"\n{'run':<16}{'final loss':>12}{'test acc':>10}")
     for name, (loss, acc) in results.items():
         echo(f"{name:<16}{loss:>12.4f}{acc:>10.3f}")
     echo(f"\ncasts per training step (forward + backward): ampfx {ours}, torch.autocast {theirs}")
+    if loss_scale_plot and scale_log is not None:
+        from .plots import loss_scale_plot as plot
+
+        plot(**scale_log, path=loss_scale_plot)
+        echo(f"loss scale over {len(scale_log['scales'])} steps plotted to {loss_scale_plot} "
+             f"({len(scale_log['skipped'])} skipped)")
+    elif loss_scale_plot:
+        echo("no loss-scale plot: bfloat16 trains without GradScaler (use --dtype fp16)")
     return {"results": results, "casts": {"ampfx": ours, "autocast": theirs}, "convert_seconds": seconds}

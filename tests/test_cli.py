@@ -12,6 +12,20 @@ def test_demo_runs_end_to_end(capsys):
     assert out.startswith("ampfx: converted") and "ampfx bfloat16" in out and "torch.autocast" in out
 
 
+def test_demo_fp16_plots_the_loss_scale(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "scale.png"
+    assert main(["demo", "--dtype", "fp16", "--steps", "3", "--loss-scale-plot", str(png)]) == 0
+    assert "loss scale over 3 steps plotted" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_html_to_stdout(capsys):
+    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--format", "html"]) == 0
+    page = capsys.readouterr().out
+    assert page.lstrip().lower().startswith("<!doctype html") and "gelu" in page
+
+
 def test_lists_show_entries_with_sources_and_env_overrides(capsys, monkeypatch):
     monkeypatch.setenv("AMPFX_DENYLIST_ADD", "gelu")
     monkeypatch.setenv("AMPFX_INFERLIST_REMOVE", "gelu")
