@@ -61,6 +61,40 @@ class RNNClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
+# ------------------------------------------------------------------ models torch.fx cannot trace whole
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: torch.fx cannot trace this
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), Branchy(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(self.a(x))))
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = Outer(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.enc(x)
+        if y.max() > 100:
+            y = y / 2
+        return self.head(y)
+
+
+
 def build(name: str, seed: int = 0):
     torch.manual_seed(seed)
     if name == "mlp":

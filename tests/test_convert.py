@@ -14,7 +14,7 @@ import ampfx
 from ampfx import CastInfo, Category, Decision
 from ampfx.runtime import cast as runtime_cast
 from conftest import DTYPES
-from models import MODELS, build
+from models import MODELS, Branchy, Outer, Root, build
 
 
 def casts_in(gm):
@@ -325,38 +325,6 @@ def test_pickles_deep_copies_saves_and_switches_train_eval(name):
 
 
 # ------------------------------------------------------------------ tracing ladder
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        if x.sum() > 0:  # data-dependent: torch.fx cannot trace this
-            return self.lin(x)
-        return -self.lin(x)
-
-
-class Outer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), Branchy(), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.c(F.relu(self.b(self.a(x))))
-
-
-class Root(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc, self.head = Outer(), nn.Linear(4, 2)
-
-    def forward(self, x):
-        y = self.enc(x)
-        if y.max() > 100:
-            y = y / 2
-        return self.head(y)
-
-
 @pytest.mark.parametrize("with_shapes", [True, False])
 def test_failing_submodule_becomes_a_leaf_whose_children_are_converted(with_shapes):
     m, x = Outer(), torch.randn(3, 8)

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import ampfx
 from ampfx.html import COLLAPSE_ABOVE, graph, render
 from ampfx.ops import Category
 from ampfx.report import CastInfo, Decision, Report, dtype_name
-from models import build
+from models import Root, build
 
 
 class Tags(HTMLParser):
@@ -127,34 +126,6 @@ def test_groups_follow_module_paths():
     assert lin["label"] == "linear1" and data["groups"][lin["parent"]]["path"] == "layers.0"
     assert lin["n"] == [1, 0, 2]  # linear in bfloat16; weight and bias untouched
     assert sum(data["groups"][0]["n"]) == len(rep.records)
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.lin(x) if x.sum() > 0 else -self.lin(x)  # data-dependent: not traceable
-
-
-class Outer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), Branchy(), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.c(F.relu(self.b(self.a(x))))
-
-
-class Root(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc, self.head = Outer(), nn.Linear(4, 2)
-
-    def forward(self, x):
-        y = self.enc(x)
-        return self.head(y / 2 if y.max() > 100 else y)
 
 
 def test_regions_converted_separately_keep_their_own_edges():
