@@ -349,6 +349,15 @@ _op("embedding", P,
 
 del A, I, C, D, P
 
+# Ops of other libraries, matched by qualified name so that ampfx imports none of them.
+_BY_QUALNAME: dict[str, str] = {
+    "torchvision.ops.stochastic_depth.stochastic_depth": "dropout",
+    "timm.layers.drop.drop_path": "dropout",
+    "timm.models.layers.drop.drop_path": "dropout",
+    "timm.layers.drop.drop_block_2d": "dropout",
+    "timm.layers.drop.drop_block_fast_2d": "dropout",
+}
+
 
 # --------------------------------------------------------------------------- lookup
 def lookup_name(key: Any) -> str | None:
@@ -363,7 +372,7 @@ def lookup_name(key: Any) -> str | None:
         for base in key.__mro__:
             if base in _ALIASES:
                 return _ALIASES[base]
-        return None
+        return _BY_QUALNAME.get(qualified_name(key))
     if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         packet = key.overloadpacket if isinstance(key, torch._ops.OpOverload) else key
         name = packet.__name__
@@ -374,6 +383,8 @@ def lookup_name(key: Any) -> str | None:
         return None
     if hit is None and isinstance(key, str) and key.endswith("_") and not key.endswith("__"):
         hit = _ALIASES.get(key[:-1])
+    if hit is None and callable(key) and not isinstance(key, str):
+        hit = _BY_QUALNAME.get(qualified_name(key))
     return hit
 
 
@@ -394,5 +405,7 @@ def known_names() -> list[str]:
 
 
 def aliases_of(name: str) -> list[Any]:
-    """Every key (callable, method name, module type, ATen name) that maps to ``name``."""
-    return [k for k, v in _ALIASES.items() if v == name and k != name]
+    """Every key (callable, method name, module type, ATen name, other libraries'
+    qualified names) that maps to ``name``."""
+    return [k for k, v in _ALIASES.items() if v == name and k != name] + [
+        f"lib::{q}" for q, v in _BY_QUALNAME.items() if v == name]

@@ -1,6 +1,7 @@
 """``ampfx.convert``: policy, trace, shapes, passes, report."""
 from __future__ import annotations
 
+import copy
 import difflib
 import logging
 import os
@@ -164,7 +165,13 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = []
     if example_inputs is not None:
-        _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
+        try:
+            _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
+        except ValueError as e:  # the graph does not reproduce the module on its inputs: a region instead
+            if not list(work.children()):
+                raise
+            return _convert_children(work, policy, example_inputs, prefix,
+                                     [*capture.steps, f"traced graph does not run on the example inputs: {e}"])
         ctx.has_shapes = True
     if calib is not None:
         from .passes import calibrate as calibration
@@ -210,7 +217,8 @@ def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) ->
     hooks = []
     for path in paths:
         def hook(mod, args, kwargs, path=path):
-            seen.setdefault(path, (args, kwargs))
+            if path not in seen:  # a snapshot: the forward may mutate what it passed (caches)
+                seen[path] = _snapshot((args, kwargs))
         hooks.append(work.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     modes = {m: m.training for m in work.modules()}
     work.eval()
@@ -229,6 +237,14 @@ def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) ->
             m.training = flag
     return {p: (args if not kwargs else {**dict(zip(_param_names(work.get_submodule(p)), args)), **kwargs})
             for p, (args, kwargs) in seen.items()}
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of recorded inputs that later in-place changes cannot reach."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - uncopyable objects: keep the live reference
+        return value
 
 
 def _param_names(m: nn.Module) -> list[str]:

@@ -13,6 +13,8 @@ from .ops import Category
 
 def _key_text(key: object) -> str:
     if isinstance(key, str):
+        if key.startswith("lib::"):
+            return key[5:]
         return f"aten.{key[6:]}" if key.startswith("aten::") else f"Tensor.{key}"
     if isinstance(key, type):
         return f"{key.__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}.{key.__name__}" \

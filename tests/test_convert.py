@@ -476,3 +476,70 @@ def test_converted_module_works_under_torch_compile(name):
     loss(compiled(*ex)).backward()
     assert m.head.weight.grad is not None and m.head.weight.grad.dtype == torch.float32 if hasattr(m, "head") \
         else any(p.grad is not None for p in m.parameters())
+
+
+def test_other_libraries_ops_are_matched_by_qualified_name():
+    """torchvision's stochastic_depth is dropout: neutral, low precision between low ops."""
+    import tests_helpers_ops as lib  # called as lib.stochastic_depth, the way torchvision's own modules call it
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(x + lib.stochastic_depth(self.a(x), 0.1, "row", self.training))
+
+    rep = ampfx.convert(Block(), "fp16", example_inputs=(torch.randn(4, 8),)).ampfx_report
+    r = record(rep, op="dropout")[0]
+    assert (r.category, r.dtype) == (Category.CLEAR, torch.float16) and r.target.startswith("torchvision.ops")
+
+
+def test_inputs_recorded_for_regions_are_snapshots():
+    """A module that mutates what it is given (a cache) is re-run on the inputs as they were."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, cache):
+            cache.append(x)
+            if len(cache) != 1:
+                raise RuntimeError(f"cache has {len(cache)} entries")
+            if x.sum() > 1e9:  # untraceable
+                x = x + 1
+            return self.lin(x)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            if x.sum() > 1e9:  # untraceable
+                x = x * 2
+            return self.block(x, [])
+
+    m, x = Stack(), torch.randn(2, 8)
+    out = ampfx.convert(m, "bf16", example_inputs=(x,))
+    torch.testing.assert_close(out(x), m(x), atol=0.05, rtol=0.05)
+
+
+def test_graph_that_does_not_run_on_its_example_becomes_a_region():
+    """A non-tensor example argument (a list) cannot be fixed while tracing: the module runs its own
+    Python and its children are converted instead of failing."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, head_mask=None):
+            if head_mask is not None and head_mask[0] is not None:
+                x = x * head_mask[0]
+            return self.lin2(self.lin(x))
+
+    m, x = M(), torch.randn(2, 8)
+    out = ampfx.convert(m, "bf16", example_inputs={"x": x, "head_mask": [None, None]})
+    assert any("does not run on the example inputs" in s for reg in out.ampfx_report.regions for s in reg.steps)
+    assert {r.module for r in out.ampfx_report.records if r.op == "linear"} == {"lin", "lin2"}
+    torch.testing.assert_close(out(x, head_mask=[None, None]), m(x), atol=0.05, rtol=0.05)
