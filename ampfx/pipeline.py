@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import logging
 import os
@@ -14,7 +15,7 @@ from . import policy as policy_mod
 from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
-from .tracing import AmpGraphModule, RootUntraceable, copy_tree, graph_module, trace
+from .tracing import AmpGraphModule, RootUntraceable, copy_tree, graph_module, trace, trace_other_mode
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,28 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         pass_(gm, ctx)
     gm.graph.lint()
     gm.recompile()
+    try:
+        other = trace_other_mode(work, policy, capture)
+    except Exception as e:  # noqa: BLE001 - keep the one graph, and say so
+        other = None
+        notes.append(f"the model in {'eval' if work.training else 'train'} mode could not be traced ({e}); "
+                     f"this module runs its {'train' if work.training else 'eval'}-mode graph in both modes")
+    if other is not None:
+        alt = graph_module(work, other)
+        alt.training = not work.training  # its own flag only: the module tree is shared
+        if example_inputs is not None:
+            shapes.propagate(alt, example_inputs, dynamic_dims)
+        for pass_ in PIPELINE:
+            pass_(alt, dataclasses.replace(ctx))
+        alt.graph.lint()
+        alt.recompile()
+        for node in alt.graph.nodes:
+            for k in ("val", "tensor_meta"):
+                node.meta.pop(k, None)
+        gm.set_mode_graph(not work.training, alt)
+        notes.append(f"the model's Python reads self.training: a second graph for "
+                     f"{'eval' if work.training else 'train'} mode was converted and runs whenever the module is "
+                     "in that mode (the records here are the conversion-time mode's)")
     records, casts = [], []
     for node in gm.graph.nodes:
         rec = node.meta.get("ampfx")

@@ -290,6 +290,9 @@ class AmpGraphModule(fx.GraphModule):
         _keep_tree(res, holder, self.training)
         if "ampfx_report" in self.__dict__:
             res.ampfx_report = self.ampfx_report  # frozen: safe to share
+        alt = self.__dict__.get("_ampfx_alt")
+        if alt is not None:
+            res.set_mode_graph(alt[0], copy.deepcopy(alt[1], memo))
         return res
 
     def __reduce__(self):  # noqa: ANN204
@@ -297,16 +300,92 @@ class AmpGraphModule(fx.GraphModule):
         holder = nn.Module()
         holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
-        return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report")))
+        return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
+                           self.__dict__.get("_ampfx_alt")))
+
+    def set_mode_graph(self, training: bool, other: "AmpGraphModule") -> None:
+        """Run ``other`` (the graph traced with every module's ``training`` set to
+        ``training``, over the same module tree) whenever this module is in that
+        mode: ``.train()`` / ``.eval()`` then switch graphs, as they switch Python."""
+        self.__dict__["_ampfx_alt"] = (training, other)
+        self._install_dispatch()
+
+    def recompile(self) -> Any:
+        """``GraphModule.recompile`` (pickling calls it too), keeping the mode dispatch."""
+        code = super().recompile()
+        if "_ampfx_alt" in self.__dict__:
+            self._install_dispatch()
+        return code
+
+    def _install_dispatch(self) -> None:
+        cls = type(self)
+        graph_forward = cls.forward
+        if getattr(graph_forward, "_ampfx_dispatch", False):
+            return
+
+        def forward(self: AmpGraphModule, *args: Any, **kwargs: Any) -> Any:
+            alt = self.__dict__.get("_ampfx_alt")
+            if alt is not None and self.training == alt[0]:
+                return alt[1](*args, **kwargs)
+            return graph_forward(self, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(graph_forward)
+        forward._ampfx_dispatch = True
+        cls.forward = forward
 
 
-def _rebuild(fn, args, holder: nn.Module, training: bool, report) -> AmpGraphModule:  # noqa: ANN001
+def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None) -> AmpGraphModule:  # noqa: ANN001
     plain = fn(*args)
     gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
     _keep_tree(gm, holder, training)
     if report is not None:
         gm.ampfx_report = report
+    if alt is not None:
+        gm.set_mode_graph(*alt)
     return gm
+
+
+def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.Graph | None:
+    """If the traced code may depend on ``self.training``, trace again with
+    every module in the other mode (same leaves, same fixed arguments); the
+    graph if it differs from ``capture.graph``, else ``None``. Raises what
+    tracing raises."""
+    tracer = AmpTracer(policy, set(capture.leaves))
+    traced = [m for name, m in model.named_modules() if not name or not _is_leaf(tracer, m, name)]
+    if not any(_mentions_training(type(m)) for m in traced):
+        return None
+    modes = {m: m.training for m in model.modules()}
+    for m in modes:
+        m.training = not model.training
+    try:
+        with _fast_paths_off():
+            graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)
+        _finish(graph, capture.fixed_args)
+    finally:
+        for m, flag in modes.items():
+            m.training = flag
+    same = graph.python_code("self").src == capture.graph.python_code("self").src
+    return None if same else graph
+
+
+def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
+    try:
+        return tracer.is_leaf_module(m, name)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+_TRAINING_SOURCE: dict[type, bool] = {}
+
+
+def _mentions_training(cls: type) -> bool:
+    """Does ``cls.forward``'s source read ``training``? (cached; unknown source: assume yes)"""
+    if cls not in _TRAINING_SOURCE:
+        try:
+            _TRAINING_SOURCE[cls] = "training" in inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _TRAINING_SOURCE[cls] = True
+    return _TRAINING_SOURCE[cls]
 
 
 def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:

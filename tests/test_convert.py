@@ -543,3 +543,41 @@ def test_graph_that_does_not_run_on_its_example_becomes_a_region():
     assert any("does not run on the example inputs" in s for reg in out.ampfx_report.regions for s in reg.steps)
     assert {r.module for r in out.ampfx_report.records if r.op == "linear"} == {"lin", "lin2"}
     torch.testing.assert_close(out(x, head_mask=[None, None]), m(x), atol=0.05, rtol=0.05)
+
+
+class TrainingReader(nn.Module):
+    """User code that reads self.training (dropout, a batch norm written with F.batch_norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x):
+        h = F.batch_norm(self.lin(x), self.mean, self.var, training=self.training)
+        return F.dropout(h, 0.5, training=self.training)
+
+
+@pytest.mark.parametrize("start_in_eval", [False, True])
+def test_train_and_eval_switch_graphs_when_the_python_reads_self_training(start_in_eval):
+    m, x = TrainingReader(), torch.randn(4, 8)
+    if start_in_eval:
+        m.eval()
+    gm = ampfx.convert(m, "bf16", example_inputs=(x,))
+    assert any("reads self.training" in n for n in gm.ampfx_report.notes)
+    models = (gm, copy.deepcopy(gm), pickle.loads(pickle.dumps(gm)))
+    ref = m.eval()(x)
+    for model in models:
+        model.eval()
+        assert torch.equal(model(x), model(x))  # no dropout in eval
+        torch.testing.assert_close(model(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
+    for model in models:  # (training steps update the shared batch-norm statistics: checked last)
+        model.train()
+        assert not torch.equal(model(x), model(x))  # dropout in training
+
+
+def test_models_that_do_not_read_training_get_one_graph():
+    m, ex, _ = build("mlp")
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    assert "_ampfx_alt" not in gm.__dict__
