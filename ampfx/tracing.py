@@ -375,17 +375,23 @@ def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
         return True
 
 
-_TRAINING_SOURCE: dict[type, bool] = {}
+_READS_TRAINING: dict[type, bool] = {}
+
+
+def _reads(code: types.CodeType, name: str) -> bool:
+    return name in code.co_names or any(_reads(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def _mentions_training(cls: type) -> bool:
-    """Does ``cls.forward``'s source read ``training``? (cached; unknown source: assume yes)"""
-    if cls not in _TRAINING_SOURCE:
-        try:
-            _TRAINING_SOURCE[cls] = "training" in inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            _TRAINING_SOURCE[cls] = True
-    return _TRAINING_SOURCE[cls]
+    """Does any method of ``cls`` (or of its bases below ``nn.Module``) read
+    ``training``? Read from the bytecode, so it also works for classes
+    defined in notebooks and ``exec``. Cached per class."""
+    if cls not in _READS_TRAINING:
+        _READS_TRAINING[cls] = any(
+            _reads(fn.__code__, "training")
+            for klass in cls.__mro__ if klass not in (nn.Module, object)
+            for fn in vars(klass).values() if hasattr(fn, "__code__"))
+    return _READS_TRAINING[cls]
 
 
 def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
