@@ -355,8 +355,9 @@ def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.G
     if not any(_mentions_training(type(m)) for m in traced):
         return None
     modes = {m: m.training for m in model.modules()}
+    other_mode = not model.training
     for m in modes:
-        m.training = not model.training
+        m.training = other_mode
     try:
         with _fast_paths_off():
             graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)

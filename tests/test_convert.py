@@ -581,3 +581,12 @@ def test_models_that_do_not_read_training_get_one_graph():
     m, ex, _ = build("mlp")
     gm = ampfx.convert(m, "bf16", example_inputs=ex)
     assert "_ampfx_alt" not in gm.__dict__
+
+
+def test_nested_training_readers_switch_too():
+    """A module reading self.training inside a container (as timm's BatchNormAct2d is)."""
+    outer = nn.Sequential(nn.Linear(8, 8), TrainingReader())
+    x = torch.randn(4, 8)
+    gm = ampfx.convert(outer, "bf16", example_inputs=(x,)).eval()
+    ref = outer.eval()(x)
+    torch.testing.assert_close(gm(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
