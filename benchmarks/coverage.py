@@ -1,0 +1,305 @@
+"""Coverage (not a test): real models through convert + one training step, per dtype.
+
+Models from torchvision, timm and HF transformers built from configs with random init (no
+downloads), plus torch.nn's LSTM and Transformer. Per model and dtype it prints the capture
+path, nodes converted, casts per step against torch.autocast (loss inside the region), the
+eval-mode output error against FP32, and the status. Needs its own environment (torchvision
+does not import beside the core lane's torch 2.13):
+
+    python3 -m venv /tmp/venv-models
+    /tmp/venv-models/bin/pip install torch==2.14.1 torchvision==0.29.1
+    /tmp/venv-models/bin/pip install timm "transformers==4.57.*" && /tmp/venv-models/bin/pip install -e .
+    /tmp/venv-models/bin/python benchmarks/coverage.py            # everything (a subprocess per case)
+    /tmp/venv-models/bin/python benchmarks/coverage.py --one hf_t5 bf16
+
+Results go to stdout and /tmp/probe_results.json; the last run is recorded in docs/coverage.md.
+"""
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import json
+import subprocess
+import sys
+import time
+import traceback
+
+MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_b_16", "tv_convnext_tiny",
+          "timm_resnet18", "timm_vit_tiny", "timm_deit_tiny", "timm_mobilenetv3_small_050", "timm_efficientnet_b0",
+          "hf_bert_seqcls", "hf_gpt2_lm", "hf_roberta", "hf_distilbert", "hf_t5",
+          "hf_gpt2_lm_nocache", "hf_t5_nocache",
+          "nn_lstm_cls", "nn_transformer"]
+DTYPES = ["bf16", "fp16"]
+B, S, V, NC = 2, 16, 1000, 10
+
+
+def build(name):
+    import torch
+    import torch.nn as nn
+    g = torch.Generator().manual_seed(0)
+    img = lambda hw: torch.randn(B, 3, hw, hw, generator=g)
+    tgt = torch.randint(0, NC, (B,), generator=g)
+    if name.startswith("tv_"):
+        import torchvision.models as tvm
+        arch = name[3:]
+        if arch == "vit_b_16":
+            m = tvm.vit_b_16(num_classes=NC, image_size=32)
+            torch.nn.init.normal_(m.heads.head.weight, std=0.02)  # zero-init head would make logits == bias == 0
+            x = img(32)
+        else:
+            m = getattr(tvm, arch)(num_classes=NC)
+            x = img(64)
+        return m, (x,), ("ce", tgt)
+    if name.startswith("timm_"):
+        import timm
+        arch = {"timm_resnet18": "resnet18", "timm_vit_tiny": "vit_tiny_patch16_224",
+                "timm_deit_tiny": "deit_tiny_patch16_224", "timm_mobilenetv3_small_050": "mobilenetv3_small_050",
+                "timm_efficientnet_b0": "efficientnet_b0"}[name]
+        kw = {"img_size": 64} if "vit" in arch or "deit" in arch else {}
+        m = timm.create_model(arch, pretrained=False, num_classes=NC, **kw)
+        return m, (img(64),), ("ce", tgt)
+    if name.endswith("_nocache"):
+        m, inp, spec = build(name[:-8])
+        return m, {**inp, "use_cache": False}, spec
+    if name.startswith("hf_"):
+        import transformers as tf
+        ids = torch.randint(0, V, (B, S), generator=g)
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, -4:] = 0
+        if name == "hf_bert_seqcls":
+            cfg = tf.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=128, max_position_embeddings=64, num_labels=NC)
+            m = tf.BertForSequenceClassification(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": tgt}, ("hf", None)
+        if name == "hf_gpt2_lm":
+            cfg = tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=2, n_positions=64)
+            m = tf.GPT2LMHeadModel(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": ids}, ("hf", None)
+        if name == "hf_roberta":
+            cfg = tf.RobertaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=128, max_position_embeddings=64)
+            m = tf.RobertaModel(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask}, ("ce_hidden", torch.randint(0, 64, (B, S), generator=g))
+        if name == "hf_distilbert":
+            cfg = tf.DistilBertConfig(vocab_size=V, dim=64, n_layers=2, n_heads=2, hidden_dim=128,
+                                      max_position_embeddings=64)
+            m = tf.DistilBertModel(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask}, ("ce_hidden", torch.randint(0, 64, (B, S), generator=g))
+        if name == "hf_t5":
+            cfg = tf.T5Config(vocab_size=V, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
+                              num_heads=2, decoder_start_token_id=0, pad_token_id=0)
+            m = tf.T5ForConditionalGeneration(cfg)
+            labels = torch.randint(1, V, (B, S), generator=g)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": labels}, ("hf", None)
+    if name == "nn_lstm_cls":
+        class LSTMClassifier(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(V, 64)
+                self.lstm = nn.LSTM(64, 64, num_layers=2, batch_first=True)
+                self.head = nn.Linear(64, NC)
+
+            def forward(self, ids):
+                h, _ = self.lstm(self.emb(ids))
+                return self.head(h[:, -1])
+        ids = torch.randint(0, V, (B, S), generator=g)
+        return LSTMClassifier(), (ids,), ("ce", tgt)
+    if name == "nn_transformer":
+        m = nn.Transformer(d_model=64, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=128,
+                           batch_first=True)
+        src = torch.randn(B, S, 64, generator=g)
+        tg = torch.randn(B, S, 64, generator=g)
+        return m, (src, tg), ("ce_hidden", torch.randint(0, 64, (B, S), generator=g))
+    raise KeyError(name)
+
+
+def primary(out):
+    import torch
+    if isinstance(out, torch.Tensor):
+        return out
+    for k in ("logits", "last_hidden_state"):
+        v = out.get(k) if isinstance(out, dict) else getattr(out, k, None)
+        if v is not None:
+            return v
+    if isinstance(out, (tuple, list)):
+        return primary(out[0])
+    if isinstance(out, dict):
+        return next(v for v in out.values() if isinstance(v, torch.Tensor))
+    raise TypeError(f"no primary output in {type(out)}")
+
+
+def loss_of(out, spec):
+    import torch
+    import torch.nn.functional as F
+    kind, tgt = spec
+    if kind == "hf":
+        loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            loss = out[0]
+        return loss.float()
+    logits = primary(out).float()
+    if kind == "ce":
+        return F.cross_entropy(logits, tgt)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def call(m, inp):
+    return m(**inp) if isinstance(inp, dict) else m(*inp)
+
+
+def run_case(name, dt):
+    import torch
+    import ampfx
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    r = {"model": name, "dtype": dt, "status": "ok", "problems": [], "errors": []}
+    try:
+        model, inp, spec = build(name)
+    except Exception:
+        r["status"] = "build-error"
+        r["errors"].append({"stage": "build", "tb": traceback.format_exc()})
+        return r
+    model.train()
+    # FP32 reference: which params get grads
+    try:
+        model.zero_grad(set_to_none=True)
+        loss_of(call(model, inp), spec).backward()
+        ref_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        r["fp32_params_with_grad"] = len(ref_grad)
+    except Exception:
+        r["errors"].append({"stage": "fp32-ref", "tb": traceback.format_exc()})
+        ref_grad = None
+    # convert
+    try:
+        t0 = time.perf_counter()
+        amp = ampfx.convert(model, dtype, example_inputs=inp)
+        r["convert_s"] = round(time.perf_counter() - t0, 2)
+    except Exception:
+        r["status"] = "convert-error"
+        r["errors"].append({"stage": "convert", "tb": traceback.format_exc()})
+        return r
+    rep = amp.ampfx_report
+    r["summary"] = rep.summary()
+    r["methods"] = [(reg.path, reg.method) for reg in rep.regions]
+    r["leaves"] = [p for reg in rep.regions for p, _ in reg.leaves]
+    r["leaf_reasons"] = {p: why for reg in rep.regions for p, why in reg.leaves}
+    r["steps"] = [list(reg.steps) for reg in rep.regions]
+    r["converted"] = len(rep.low())
+    r["total"] = len(rep.compute)
+    r["n_casts_inserted"] = len(rep.casts)
+    r["notes"] = list(rep.notes)
+    # train step
+    try:
+        amp.train()
+        model.zero_grad(set_to_none=True)
+        out = call(amp, inp)
+        loss = loss_of(out, spec)
+        r["loss"] = float(loss)
+        if not torch.isfinite(loss):
+            r["problems"].append("non-finite loss")
+        loss.backward()
+        got = {n for n, p in model.named_parameters() if p.grad is not None}
+        nonfinite = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        r["params_with_grad"] = len(got)
+        r["params_total"] = sum(1 for _ in model.parameters())
+        if not got:
+            r["problems"].append("no gradients on original params")
+        elif ref_grad is not None and got != ref_grad:
+            r["problems"].append(f"grad set differs from fp32: missing {sorted(ref_grad - got)[:5]} "
+                                 f"({len(ref_grad - got)}), extra {len(got - ref_grad)}")
+        if nonfinite:
+            r["problems"].append(f"non-finite grads in {len(nonfinite)} params e.g. {nonfinite[:3]}")
+        amp_grads = [p.grad for p in amp.parameters() if p.grad is not None]
+        r["amp_params_with_grad"] = len(amp_grads)
+        model.zero_grad(set_to_none=True)
+    except Exception:
+        r["status"] = "train-error"
+        r["errors"].append({"stage": "train-step", "tb": traceback.format_exc()})
+    # eval comparison
+    try:
+        model.eval()
+        amp.eval()
+        with torch.no_grad():
+            ref = primary(call(model, inp)).float()
+            got_out = primary(call(amp, inp))
+        r["out_dtype"] = str(got_out.dtype)
+        got_out = got_out.float()
+        err = (got_out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+        r["rel_err"] = err
+        lim = 0.05 if dt == "bf16" else 0.01
+        if not (err <= lim):
+            r["problems"].append(f"rel err {err:.3g} > {lim}")
+    except Exception:
+        r["status"] = "eval-error" if r["status"] == "ok" else r["status"]
+        r["errors"].append({"stage": "eval", "tb": traceback.format_exc()})
+    # casts
+    try:
+        model.train()
+        amp.train()
+
+        def step_amp():
+            loss_of(call(amp, inp), spec).backward()
+
+        def step_ac():
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_of(call(model, inp), spec)
+            loss.backward()
+        torch.manual_seed(0)
+        r["casts_ampfx"] = ampfx.count_casts(step_amp)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        try:
+            r["casts_autocast"] = ampfx.count_casts(step_ac)
+        except Exception:
+            r["autocast_baseline_error"] = traceback.format_exc()[-600:]
+            r["casts_autocast"] = None
+        model.zero_grad(set_to_none=True)
+        if r["casts_autocast"] is not None and r["casts_ampfx"] >= r["casts_autocast"]:
+            r["problems"].append(f"casts {r['casts_ampfx']} >= autocast {r['casts_autocast']}")
+    except Exception:
+        r["errors"].append({"stage": "casts", "tb": traceback.format_exc()})
+    if r["methods"] and r["methods"][0][1].startswith("eager"):
+        r["problems"].append("root left eager")
+    if r.get("total") and r["converted"] == 0:
+        r["problems"].append("nothing converted")
+    if r["status"] == "ok" and (r["problems"] or r["errors"]):
+        r["status"] = "suspicious" if not r["errors"] else "error"
+    return r
+
+
+def main():
+    only = sys.argv[1:]
+    cases = [(m, d) for m in MODELS for d in DTYPES if not only or m in only]
+    results = []
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case):
+        m, d = case
+        t0 = time.time()
+        try:
+            p = subprocess.run([sys.executable, __file__, "--one", m, d], capture_output=True, text=True, timeout=900)
+            line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+            if line:
+                res = json.loads(line[-1][7:])
+            else:
+                res = {"model": m, "dtype": d, "status": "crash", "errors": [{"stage": "process", "tb": p.stderr[-4000:]}]}
+        except subprocess.TimeoutExpired:
+            res = {"model": m, "dtype": d, "status": "timeout", "errors": []}
+        res["wall_s"] = round(time.time() - t0, 1)
+        print(f"{m:28s} {d} {res['status']:14s} {res.get('converted')}/{res.get('total')} "
+              f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} err {res.get('rel_err')} "
+              f"{res.get('problems')}", flush=True)
+        return res
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(one, cases))
+    out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
+    json.dump(results, open(out, "w"), indent=1, default=str)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        res = run_case(sys.argv[2], sys.argv[3])
+        print("RESULT " + json.dumps(res, default=str))
+    else:
+        main()
