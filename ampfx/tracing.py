@@ -389,9 +389,9 @@ def _mentions_training(cls: type) -> bool:
     defined in notebooks and ``exec``. Cached per class."""
     if cls not in _READS_TRAINING:
         _READS_TRAINING[cls] = any(
-            _reads(fn.__code__, "training")
+            _reads(inspect.unwrap(fn).__code__, "training")  # unwrap: decorated forwards (HF's) hide their code
             for klass in cls.__mro__ if klass not in (nn.Module, object)
-            for fn in vars(klass).values() if hasattr(fn, "__code__"))
+            for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__"))
     return _READS_TRAINING[cls]
 
 

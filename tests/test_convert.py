@@ -590,3 +590,27 @@ def test_nested_training_readers_switch_too():
     gm = ampfx.convert(outer, "bf16", example_inputs=(x,)).eval()
     ref = outer.eval()(x)
     torch.testing.assert_close(gm(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
+
+
+def test_decorated_forward_that_reads_training_is_seen():
+    """A forward wrapped by a decorator (functools.wraps), as HF's are, still counts as reading training."""
+    import functools
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @logged
+        def forward(self, x):
+            return F.dropout(self.lin(x), 0.5, training=self.training)
+
+    m, x = Wrapped(), torch.randn(4, 8)
+    gm = ampfx.convert(m, "bf16", example_inputs=(x,)).eval()
+    assert torch.equal(gm(x), gm(x))
