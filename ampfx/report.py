@@ -257,6 +257,7 @@ class Report:
     def merge(dtype: torch.dtype, parts: Iterable["Report"], **kw: Any) -> "Report":
         """One report for a model converted region by region."""
         parts = list(parts)
+        kw["notes"] = tuple(dict.fromkeys([*(n for p in parts for n in p.notes), *kw.pop("notes", ())]))
         return Report(
             dtype=dtype,
             records=tuple(r for p in parts for r in p.records),

@@ -614,3 +614,19 @@ def test_decorated_forward_that_reads_training_is_seen():
     m, x = Wrapped(), torch.randn(4, 8)
     gm = ampfx.convert(m, "bf16", example_inputs=(x,)).eval()
     assert torch.equal(gm(x), gm(x))
+
+
+def test_notes_of_regions_reach_the_report():
+    """A region that reads self.training says so in the merged report."""
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = TrainingReader()
+
+        def forward(self, x):
+            if x.sum() > 1e9:  # untraceable root: children converted separately
+                x = x * 2
+            return self.inner(x)
+
+    rep = ampfx.convert(Root(), "bf16", example_inputs=(torch.randn(4, 8),)).ampfx_report
+    assert sum("reads self.training" in n for n in rep.notes) == 1
