@@ -15,6 +15,7 @@ from . import policy as policy_mod
 from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
+from .state import modes
 from .tracing import AmpGraphModule, RootUntraceable, copy_tree, graph_module, trace, trace_other_mode
 
 log = logging.getLogger(__name__)
@@ -182,10 +183,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         advice = calibration.loss_scale_advice(gm, policy.dtype)
         if advice:
             notes.append(advice)
-    for pass_ in PIPELINE:
-        pass_(gm, ctx)
-    gm.graph.lint()
-    gm.recompile()
+    _run_passes(gm, ctx)
     try:
         other = trace_other_mode(work, policy, capture)
     except Exception as e:  # noqa: BLE001 - keep the one graph, and say so
@@ -197,13 +195,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         alt.training = not work.training  # its own flag only: the module tree is shared
         if example_inputs is not None:
             shapes.propagate(alt, example_inputs, dynamic_dims)
-        for pass_ in PIPELINE:
-            pass_(alt, dataclasses.replace(ctx))
-        alt.graph.lint()
-        alt.recompile()
-        for node in alt.graph.nodes:
-            for k in ("val", "tensor_meta"):
-                node.meta.pop(k, None)
+        _run_passes(alt, dataclasses.replace(ctx))
         gm.set_mode_graph(not work.training, alt)
         notes.append(f"the model's Python reads self.training: a second graph for "
                      f"{'eval' if work.training else 'train'} mode was converted and runs whenever the module is "
@@ -215,8 +207,6 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
             casts.append(rec)
         elif isinstance(rec, Decision):
             records.append(rec)
-        for k in ("val", "tensor_meta"):  # fake tensors: not for keeping (deepcopy, pickling)
-            node.meta.pop(k, None)
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                       f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
@@ -231,6 +221,17 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
     return gm, report
 
 
+def _run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
+    """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
+    for pass_ in PIPELINE:
+        pass_(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    for node in gm.graph.nodes:
+        for key in ("val", "tensor_meta"):
+            node.meta.pop(key, None)
+
+
 def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) -> dict[str, Any]:
     """Run the model once (eval, no grad) and record what each named submodule
     receives first, as positional tuples or keyword dicts."""
@@ -243,10 +244,8 @@ def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) ->
             if path not in seen:  # a snapshot: the forward may mutate what it passed (caches)
                 seen[path] = _snapshot((args, kwargs))
         hooks.append(work.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
-    modes = {m: m.training for m in work.modules()}
-    work.eval()
     try:
-        with torch.no_grad():
+        with modes(work, training=False), torch.no_grad():
             if isinstance(example_inputs, dict):
                 work(**example_inputs)
             elif isinstance(example_inputs, (tuple, list)):
@@ -256,8 +255,6 @@ def _submodule_inputs(work: nn.Module, example_inputs: Any, paths: list[str]) ->
     finally:
         for h in hooks:
             h.remove()
-        for m, flag in modes.items():
-            m.training = flag
     return {p: (args if not kwargs else {**dict(zip(_param_names(work.get_submodule(p)), args)), **kwargs})
             for p, (args, kwargs) in seen.items()}
 

@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .policy import Policy
+from .state import modes
 
 TRACE_THROUGH: tuple[type, ...] = tuple(
     getattr(nn, n) for n in (
@@ -354,17 +355,9 @@ def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.G
     traced = [m for name, m in model.named_modules() if not name or not _is_leaf(tracer, m, name)]
     if not any(_mentions_training(type(m)) for m in traced):
         return None
-    modes = {m: m.training for m in model.modules()}
-    other_mode = not model.training
-    for m in modes:
-        m.training = other_mode
-    try:
-        with _fast_paths_off():
-            graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)
-        _finish(graph, capture.fixed_args)
-    finally:
-        for m, flag in modes.items():
-            m.training = flag
+    with modes(model, training=not model.training), _fast_paths_off():
+        graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)
+    _finish(graph, capture.fixed_args)
     same = graph.python_code("self").src == capture.graph.python_code("self").src
     return None if same else graph
 

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..ops import Category
 from ..report import Decision
+from ..state import kept_buffers
 from . import PassContext
 from .classify import META
 from .shapes import bind_inputs
@@ -65,8 +66,6 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
     """Run ``gm`` (still float32) on ``batches`` forward and backward; fill
     ``node.meta['ampfx_calib']``. Returns the number of batches seen."""
     acc: dict[fx.Node, dict[str, float]] = {}
-    saved = [(b, b.detach().clone()) for b in gm.buffers()]
-    grads_before = {p: (p.grad.clone() if p.grad is not None else None) for p in gm.parameters()}
 
     def note(node: fx.Node, key: str, value: float) -> None:
         acc.setdefault(node, {})[key] = max(acc.get(node, {}).get(key, 0.0), value)
@@ -89,19 +88,13 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
             return out
 
     count = 0
-    try:
+    with kept_buffers(gm, grads=True):
         for batch in batches:
             out = Recorder(gm).run(*bind_inputs(gm, batch))
             loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
             if loss.requires_grad:
                 loss.backward()
             count += 1
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-        for p, g in grads_before.items():
-            p.grad = g
     for node, values in acc.items():
         node.meta["ampfx_calib"] = Stats(**values)
     return count

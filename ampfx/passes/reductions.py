@@ -43,7 +43,7 @@ def _fmt(n: Any) -> str:
     return f"{n:,}" if isinstance(n, int) else str(n)
 
 
-def reduced_count(node: fx.Node, symbols: Any) -> int | sympy.Expr | None:
+def reduced_count(node: fx.Node) -> int | sympy.Expr | None:
     """Elements reduced into each output element, or ``None`` if unknown."""
     src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     ins = src.meta.get("ampfx_out") if src is not None else None
@@ -70,7 +70,7 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if d.category not in (Category.INFER, Category.DENY):
             continue
-        n = reduced_count(node, ctx.symbols) if ctx.has_shapes else None
+        n = reduced_count(node) if ctx.has_shapes else None
         what = f"{d.op} over {_fmt(n)} elements"
         if n is None:
             why = "no example_inputs" if not ctx.has_shapes else "shape not known"

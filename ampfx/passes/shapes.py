@@ -26,6 +26,8 @@ import torch.fx as fx
 import sympy
 from torch.utils._pytree import tree_leaves
 
+from ..state import kept_buffers, modes
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -98,13 +100,8 @@ def propagate(gm: fx.GraphModule, example_inputs: Any,
     ``"fake"`` or ``"real"``. ``dynamic_dims`` (``{0: "batch"}``) makes those
     dimensions of every tensor input symbolic, named as given."""
     args = bind_inputs(gm, example_inputs)
-    saved = [(b, b.detach().clone()) for b in gm.buffers()]
-    try:
+    with kept_buffers(gm):  # leaves may update buffers in place (batch-norm counters)
         return _propagate(gm, args, dynamic_dims or {})
-    finally:  # leaves may update buffers in place (batch-norm counters): undo it
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
 
 
 def _fake_inputs(mode: Any, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols) -> list[Any]:
@@ -198,27 +195,21 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
     except Exception as e:  # noqa: BLE001 - any failure falls back to real execution
         symbols = Symbols()
         note = f"FakeTensor propagation failed ({type(e).__name__}: {str(e)[:200]}); ran the example inputs for real"
-    modes = {m: m.training for m in gm.modules()}
-    gm.eval()
-    try:
-        with torch.no_grad():
-            interp = fx.Interpreter(gm)
-            env_run = interp.run_node
+    with modes(gm, training=False), torch.no_grad():
+        interp = fx.Interpreter(gm)
+        env_run = interp.run_node
 
-            def run_node(n: fx.Node) -> Any:
-                result = env_run(n)
-                _record(n, result, symbols)
-                return result
+        def run_node(n: fx.Node) -> Any:
+            result = env_run(n)
+            _record(n, result, symbols)
+            return result
 
-            interp.run_node = run_node
-            try:
-                interp.run(*args)
-            except Exception as e:
-                raise ValueError(f"the model does not run on example_inputs ({type(e).__name__}: {e}); give "
-                                 "inputs it accepts, as a tuple of positional or a dict of keyword inputs") from e
-    finally:
-        for m, flag in modes.items():
-            m.training = flag
+        interp.run_node = run_node
+        try:
+            interp.run(*args)
+        except Exception as e:
+            raise ValueError(f"the model does not run on example_inputs ({type(e).__name__}: {e}); give "
+                             "inputs it accepts, as a tuple of positional or a dict of keyword inputs") from e
     if dynamic_dims:
         note += "; dynamic_dims ignored (sizes are the example's)"
     return "real", note, symbols
