@@ -227,6 +227,13 @@ def run_case(name, dt):
         got_out = got_out.float()
         err = (got_out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
         r["rel_err"] = err
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+                ac_out = primary(call(model, inp)).float()
+            r["rel_err_autocast"] = (ac_out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+        except Exception as e:  # noqa: BLE001 - autocast itself fails on some ops (fp16 LSTM on CPU)
+            r["rel_err_autocast"] = None
+            r["autocast_eval_error"] = str(e)[:200]
         lim = 0.05 if dt == "bf16" else 0.01
         if not (err <= lim):
             r["problems"].append(f"rel err {err:.3g} > {lim}")
@@ -268,6 +275,20 @@ def run_case(name, dt):
     return r
 
 
+def fmt(x):
+    return "n/a" if x is None else f"{x:.2g}"
+
+
+def capture(res):
+    """How the root was captured, and how many regions were converted separately."""
+    methods = res.get("methods") or []
+    if not methods:
+        return "-"
+    root = methods[0][1]
+    regions = sum(1 for path, how in methods[1:] if not how.startswith("left as is"))
+    return root + (f" + {regions} regions" if regions else "")
+
+
 def main():
     only = sys.argv[1:]
     cases = [(m, d) for m in MODELS for d in DTYPES if not only or m in only]
@@ -287,12 +308,20 @@ def main():
         except subprocess.TimeoutExpired:
             res = {"model": m, "dtype": d, "status": "timeout", "errors": []}
         res["wall_s"] = round(time.time() - t0, 1)
-        print(f"{m:28s} {d} {res['status']:14s} {res.get('converted')}/{res.get('total')} "
-              f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} err {res.get('rel_err')} "
-              f"{res.get('problems')}", flush=True)
+        print(f"{m:28s} {d} {res['status']:14s} {capture(res):34s} {res.get('converted')}/{res.get('total')} "
+              f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} err {fmt(res.get('rel_err'))} "
+              f"(autocast {fmt(res.get('rel_err_autocast'))}) {res.get('problems') or ''}", flush=True)
         return res
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(one, cases))
+    print("\n| model | dtype | capture | converted | casts ampfx / autocast | error ampfx / autocast | status |")
+    print("|---|---|---|---|---|---|---|")
+    for res in sorted(results, key=lambda r: (r["model"], r["dtype"])):
+        casts = f"{res.get('casts_ampfx')} / {res.get('casts_autocast') or 'n/a (autocast fails)'}"
+        errs = f"{fmt(res.get('rel_err'))} / {fmt(res.get('rel_err_autocast'))}"
+        status = res["status"] + (": " + "; ".join(res.get("problems") or []) if res.get("problems") else "")
+        print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {res.get('converted')}/{res.get('total')} "
+              f"| {casts} | {errs} | {status} |")
     out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
     json.dump(results, open(out, "w"), indent=1, default=str)
 
