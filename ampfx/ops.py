@@ -358,6 +358,15 @@ _BY_QUALNAME: dict[str, str] = {
     "timm.layers.drop.drop_block_fast_2d": "dropout",
 }
 
+# Other libraries' module tables live with their integration (data only: importing it imports no
+# library). Each entry becomes an op named like "dgl.GATConv", matched by qualified type name.
+from .integrations import dgl as _dgl  # noqa: E402
+
+for _rule in _dgl.TABLE:
+    _op(_rule.name, _rule.category, _rule.reason)
+    for _q in (*_rule.types, *_rule.functions):
+        _BY_QUALNAME[_q] = _rule.name
+
 
 # --------------------------------------------------------------------------- lookup
 def lookup_name(key: Any) -> str | None:
@@ -372,7 +381,10 @@ def lookup_name(key: Any) -> str | None:
         for base in key.__mro__:
             if base in _ALIASES:
                 return _ALIASES[base]
-        return _BY_QUALNAME.get(qualified_name(key))
+        for base in key.__mro__:  # other libraries' types, and user subclasses of them
+            if base is not object and qualified_name(base) in _BY_QUALNAME:
+                return _BY_QUALNAME[qualified_name(base)]
+        return None
     if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         packet = key.overloadpacket if isinstance(key, torch._ops.OpOverload) else key
         name = packet.__name__

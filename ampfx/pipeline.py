@@ -162,7 +162,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
     gm = graph_module(work, capture.graph)
     before = gm.code
     ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
-                      leaves=dict(capture.leaves), regions={p for p in inner if p in inner_inputs or
+                      example_inputs=example_inputs, leaves=dict(capture.leaves), regions={p for p in inner if p in inner_inputs or
                                                             example_inputs is None})
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = []

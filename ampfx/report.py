@@ -44,6 +44,8 @@ RULES_DOC: dict[str, str] = {
     "paint:clear": "a clear op next to a low-precision op (TF-AMP clear propagation)",
     "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
     "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
+    "dgl:device": "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32",
+    "dgl:overflow": "a DGL sum/mean aggregation whose example inputs would overflow float16: bfloat16 or float32",
     "bias-fp32": "a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
     "shape:small-reduction": "a reduction over at most reduction_threshold elements: follows its inputs",
     "shape:large-reduction": "a reduction over more than reduction_threshold elements",

@@ -26,6 +26,7 @@ class PassContext:
     regions: set[str] = field(default_factory=set)  # leaves that run eager with converted children
     has_shapes: bool = False
     symbols: Any = None  # shapes.Symbols: symbolic sizes and their ranges
+    example_inputs: Any = None  # as given to convert (integrations read values: DGL's overflow guard)
 
 
 from . import calibrate, casts, classify, pad, paint, reductions  # noqa: E402

@@ -11,7 +11,8 @@ and rewrites; decides nothing new.
 - slots the tables pin to float32 (batch-norm statistics, affine
   parameters) and integer slots are not cast to the low dtype;
 - an ALLOW leaf module runs through :func:`ampfx.runtime.call_module_low`
-  with low-precision copies of its parameters;
+  with low-precision copies of its parameters (another library's leaf through
+  that library's runner, e.g. :func:`ampfx.integrations.dgl.call_dgl_low`);
 - in-place ops get no casts (a cast copy would take the mutation);
 - a low-precision ``linear`` whose consumers all want float32 leaves its bias
   out and adds it after the float32 cast: the bias is never cast (two casts
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import ops, runtime
+from .. import integrations, ops, runtime
 from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision
 from ..runtime import CASTABLE
@@ -211,8 +212,9 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         node.args, node.kwargs = tuple(args), kwargs
         if split is not None:
             _add_bias_after(node, split, casts)
-        if node.op == "call_module" and want == low and d.category is Category.ALLOW:
+        if node.op == "call_module" and want in (torch.float16, torch.bfloat16) and d.category is Category.ALLOW:
             module = gm.get_submodule(str(node.target))
+            run_low = integrations.runner(module) or runtime.call_module_low  # DGL leaves: their own runner
             leaf_params += sum(1 for p in module.parameters() if p.dtype in CASTABLE)
             with graph.inserting_before(node):
                 ref = graph.get_attr(str(node.target))
@@ -220,7 +222,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
                                           category=Category.PASS, dtype=None, rule="structure",
                                           reason="the leaf module, run with low-precision parameter copies",
                                           kind="get_attr")
-                new = graph.create_node("call_function", runtime.call_module_low, (ref, low, *node.args),
+                new = graph.create_node("call_function", run_low, (ref, want, *node.args),
                                         dict(node.kwargs), name=f"{node.name}_low")
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import ops, probes
+from .. import integrations, ops, probes
 from ..ops import Category
 from ..policy import Policy
 from ..report import Decision
@@ -186,5 +186,8 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                 if err is not None:
                     d = decide(Category.FP32, torch.float32, "probe",
                                f"{name} has no working {str(low)[6:]} kernel on {ctx.device} ({err}): float32")
+        if node.op == "call_module" and d.rule not in ("region", "fp32_modules", "module_filter_fn", "non-float"):
+            # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
+            d = integrations.refine(d, gm.get_submodule(str(node.target)), node, gm, ctx)
         decided[node] = d
         node.meta[META] = d

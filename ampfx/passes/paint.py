@@ -71,8 +71,8 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
 
     color: dict[fx.Node, tuple[torch.dtype, str, str]] = {}
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
-    for n in allow:
-        color[n] = (low, n.meta[META].rule, n.meta[META].reason)
+    for n in allow:  # an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
+        color[n] = (n.meta[META].dtype or low, n.meta[META].rule, n.meta[META].reason)
 
     # 2. deny propagation into U = infer/deny nodes and the clear nodes leading to them
     seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
@@ -91,8 +91,11 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     forward = _walk(allow, outs, passable)
     for n, origin in _walk(allow, ins, lambda p: p in forward).items():
         if n not in color:
-            color[n] = (low, "paint:between-allow",
-                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {low_name}")
+            # both ends in another low dtype an integration chose (DGL under float16 on CPU): that dtype
+            ends = {color[forward[n]][0], color[origin][0]}
+            dtype = ends.pop() if len(ends) == 1 else low
+            color[n] = (dtype, "paint:between-allow",
+                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {str(dtype)[6:]}")
 
     # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
@@ -188,6 +191,10 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
             out[n] = target
         elif d.op == "getitem" and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])
+            if out[n] is None:  # an item of a non-tensor container (DGL's nodes.data['h']): its own dtype
+                infos = n.meta.get("ampfx_out")
+                floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
+                out[n] = floats[0] if floats else (DYNAMIC if infos is None else None)
             src = out[n]
             d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule="select",
                                     reason="selects from its input; keeps the input's dtype (consumers cast the "

@@ -170,6 +170,14 @@ class _MetaProp(fx.Interpreter):
 
 def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]) -> tuple[str, str, Symbols]:
     symbols = Symbols()
+    from .. import integrations
+
+    real_only = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
+                 and not integrations.runs_on_fake_tensors(gm.get_submodule(str(n.target)))]
+    if real_only:  # DGL's kernels take tensors through DLPack: meta/fake tensors crash them
+        return _run_real(gm, args, dynamic_dims, symbols, f"ran the example inputs for real: leaves "
+                         f"{', '.join(real_only[:3])}{' ...' if len(real_only) > 3 else ''} cannot run on "
+                         "meta or fake tensors")
     if not dynamic_dims:
         try:
             prop = _MetaProp(gm, symbols)
@@ -195,6 +203,12 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
     except Exception as e:  # noqa: BLE001 - any failure falls back to real execution
         symbols = Symbols()
         note = f"FakeTensor propagation failed ({type(e).__name__}: {str(e)[:200]}); ran the example inputs for real"
+    return _run_real(gm, args, dynamic_dims, symbols, note)
+
+
+def _run_real(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols,
+              note: str) -> tuple[str, str, Symbols]:
+    """Run the graph on the example inputs (eval mode, no grad) and record every node's output."""
     with modes(gm, training=False), torch.no_grad():
         interp = fx.Interpreter(gm)
         env_run = interp.run_node
