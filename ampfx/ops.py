@@ -349,6 +349,51 @@ _op("embedding", P,
 
 del A, I, C, D, P
 
+# --------------------------------------------------------------------------- ATen-only spellings
+# Graphs captured by torch.export (ampfx.export) call ATen ops. Most share their packet name with the
+# torch function (``aten.linear`` is ``F.linear``) and are keyed above; these are the ones whose name
+# differs, or that the torch-level API has no function for. Same op, same rule, same env overrides.
+_ATEN_ONLY: dict[str, tuple[str, ...]] = {
+    "size": ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset"),  # symbolic sizes: ints
+    "assert": ("_assert_scalar", "_assert_async", "_functional_assert_async", "sym_constrain_range",
+               "sym_constrain_range_for_size"),
+    "compare": ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
+                "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "__and__", "__or__", "__invert__",
+                "isnan", "isinf", "isfinite", "isclose"),
+    "argmax": ("argmax", "argmin", "argsort", "nonzero", "any", "all", "bucketize", "searchsorted", "one_hot",
+               "_local_scalar_dense"),
+    "factory": ("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "scalar_tensor",
+                "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "linspace", "eye",
+                "new_zeros", "new_ones", "new_full", "new_empty", "empty_strided", "new_empty_strided"),
+    "to": ("type_as", "_to_dtype"),  # explicit conversions written in the model: kept as written
+    "sub": ("rsub",),
+    "clamp": ("clamp_min", "clamp_max"),
+    "narrow": ("slice",),  # x[:, :3]
+    "view": ("alias", "_unsafe_view", "as_strided", "view_as_real", "view_as_complex"),
+    "clone": ("lift_fresh_copy", "copy"),  # copy_ writes into its own tensor's dtype
+    "split": ("split_with_sizes", "unsafe_split"),
+    "getitem": ("index",),  # x[idx]: keeps its input's dtype, consumers cast the selection
+    "masked_fill": ("index_put", "fill", "zero", "masked_fill"),  # writes given values: exact
+    "dropout": ("feature_dropout", "alpha_dropout", "feature_alpha_dropout"),
+    "pad": ("pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+            "replication_pad2d", "replication_pad3d"),
+    "avg_pool": ("adaptive_avg_pool1d", "adaptive_avg_pool3d", "_adaptive_avg_pool3d"),
+    "max_pool": ("max_pool1d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d",
+                 "adaptive_max_pool3d"),
+    "interpolate": ("upsample_nearest1d", "upsample_nearest3d", "upsample_linear1d", "upsample_bicubic2d",
+                    "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                    "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"),
+    "batch_norm": ("_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update"),
+    "cross_entropy": ("cross_entropy_loss",),
+    "nll_loss": ("nll_loss_nd", "nll_loss2d", "nll_loss_forward"),
+    "embedding": ("embedding_bag", "_embedding_bag"),
+}
+for _name, _packets in _ATEN_ONLY.items():
+    for _p in _packets:
+        _key = f"aten::{_p}"
+        assert _ALIASES.get(_key, _name) == _name, f"{_key!r} is both {_ALIASES[_key]!r} and {_name!r}"
+        _ALIASES[_key] = _name
+
 # Ops of other libraries, matched by qualified name so that ampfx imports none of them.
 _BY_QUALNAME: dict[str, str] = {
     "torchvision.ops.stochastic_depth.stochastic_depth": "dropout",
@@ -402,6 +447,8 @@ def lookup_name(key: Any) -> str | None:
 
 def qualified_name(obj: Any) -> str:
     """``module.qualname`` of a function or class, as users type it in env variables."""
+    if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(obj)  # aten.add_.Tensor
     module = getattr(obj, "__module__", None) or type(obj).__module__
     qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     if qual.startswith("_VariableFunctionsClass."):  # torch.add and friends are C builtins

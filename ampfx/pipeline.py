@@ -16,7 +16,9 @@ from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
 from .state import modes
-from .tracing import AmpGraphModule, RootUntraceable, copy_tree, graph_module, trace, trace_other_mode
+from . import export as export_mod
+from .tracing import (AmpGraphModule, Capture, RootUntraceable, copy_tree, graph_module, reproduces, trace,
+                      trace_other_mode)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ def convert(
     policy: Policy | None = None,
     *,
     dynamic_dims: dict[int, str] | None = None,
+    tracer: str = "auto",
     mode: str = "train",
     calibrate: Any = None,
     calibrate_loss: Any = None,
@@ -42,6 +45,12 @@ def convert(
     graph inputs are assumed float32 and casts check dtypes at run time.
     ``dynamic_dims`` (e.g. ``{0: "batch"}``) makes those dimensions of the
     example inputs symbolic, so size-based decisions hold for every size.
+    ``tracer`` chooses how the model is captured: ``"fx"`` (``torch.fx``
+    symbolic tracing, module structure kept), ``"export"`` (``torch.export``,
+    an ATen-level graph; needs ``example_inputs``, see docs/export.md) or
+    ``"auto"`` (default): fx, and export where fx fails, needs leaves, or
+    its graph does not reproduce the model's outputs on ``example_inputs``.
+    Whatever captures nothing falls back to converting the children.
     ``mode="inference"`` stores the weights of low-precision ops in the low
     dtype once, in the converted module only (see :mod:`ampfx.inference`);
     ``mode="train"`` (default) keeps float32 masters shared with ``model``.
@@ -88,13 +97,21 @@ def convert(
     if mode not in ("train", "inference"):
         raise PolicyError(f"mode={mode!r}: use 'train' (float32 master weights) or 'inference' "
                           "(weights stored in the low dtype once)")
+    if tracer not in ("auto", "fx", "export"):
+        raise ValueError(f"tracer={tracer!r}: use 'auto' (torch.fx, then torch.export where fx fails), 'fx' or "
+                         "'export'")
+    if tracer == "export" and example_inputs is None:
+        raise TypeError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a dict "
+                        "of keyword inputs), or use tracer='fx'")
+    if tracer == "export" and export_mod.unavailable():
+        raise RuntimeError(export_mod.unavailable())
     if dynamic_dims and example_inputs is None:
         raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
     calib = (list(calibrate), calibrate_loss) if calibrate is not None else None
     if calib is not None and example_inputs is None and calib[0]:
         example_inputs = calib[0][0]
     result, report = _convert(copy_tree(model), policy, example_inputs, prefix="", dynamic_dims=dynamic_dims,
-                              calib=calib)
+                              calib=calib, tracer=tracer)
     notes = report.notes
     if mode == "inference":
         from .inference import store_low
@@ -141,13 +158,55 @@ def _given_args(model: nn.Module, example_inputs: Any) -> set[str] | None:
             if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(v))}
 
 
-def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
-             dynamic_dims: dict[int, str] | None = None, calib: Any = None) -> tuple[nn.Module, Report]:
-    """Convert ``work`` (already a private copy); falls back region by region."""
+def _capture(work: nn.Module, policy: Policy, example_inputs: Any, tracer: str) -> Capture | list[str]:
+    """Capture ``work`` as one graph with ``tracer``, or the steps tried when nothing captured it.
+
+    ``"auto"``: torch.fx first; if the root does not trace, if modules had to
+    become leaves, or if the fx graph does not reproduce the eager outputs on
+    the example inputs, torch.export. An fx capture with leaves that still
+    reproduces the model is kept when export fails.
+    """
+    steps: list[str] = []
+    fx_capture = None
+    if tracer != "export":
+        try:
+            fx_capture = trace(work, policy, _given_args(work, example_inputs))
+        except RootUntraceable as e:
+            steps = [*e.steps]
+            if tracer == "fx" or example_inputs is None:
+                return steps
+            steps.append("auto: torch.fx could not trace this module's forward; trying torch.export")
+        else:
+            if tracer == "fx" or example_inputs is None:
+                return fx_capture
+            wrong = reproduces(work, fx_capture, example_inputs)
+            if wrong is None and not fx_capture.leaves:
+                return fx_capture
+            steps = [*fx_capture.steps, f"auto: {wrong}; trying torch.export" if wrong is not None else
+                     f"auto: torch.fx needed leaves ({', '.join(sorted(fx_capture.leaves))}); trying torch.export "
+                     "for one graph"]
+            if wrong is not None:
+                fx_capture = None  # a graph that computes something else is never used
     try:
-        capture = trace(work, policy, _given_args(work, example_inputs))
-    except RootUntraceable as e:
-        return _convert_children(work, policy, example_inputs, prefix, e.steps)
+        ex = export_mod.capture(work, example_inputs)
+    except export_mod.ExportFailed as e:
+        if fx_capture is not None:
+            fx_capture.steps = [*steps, *e.steps, "kept the torch.fx graph with leaves"]
+            return fx_capture
+        return [*steps, *e.steps]
+    return Capture(graph=ex.graph, method="export", steps=[*steps, *ex.steps], mode_graphs=ex.mode_graphs,
+                   constants=ex.constants, notes=ex.notes)
+
+
+def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
+             dynamic_dims: dict[int, str] | None = None, calib: Any = None,
+             tracer: str = "auto") -> tuple[nn.Module, Report]:
+    """Convert ``work`` (already a private copy); falls back region by region."""
+    capture = _capture(work, policy, example_inputs, tracer)
+    if isinstance(capture, list):
+        return _convert_children(work, policy, example_inputs, prefix, capture, tracer)
+    if capture.constants:
+        export_mod.install_constants(work, capture.constants)
     # modules that failed to trace run their own Python, with their children converted
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
     inner_inputs = _submodule_inputs(work, example_inputs, inner)
@@ -157,7 +216,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         if example_inputs is not None and path not in inner_inputs:
             continue
         converted, rep = _convert_children(sub, policy, inner_inputs.get(path), f"{prefix}{path}.",
-                                           [f"traced as a leaf: {capture.leaves[path]}"])
+                                           [f"traced as a leaf: {capture.leaves[path]}"], tracer)
         parts.append(rep)
     gm = graph_module(work, capture.graph)
     before = gm.code
@@ -165,7 +224,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
                       example_inputs=example_inputs, leaves=dict(capture.leaves), regions={p for p in inner if p in inner_inputs or
                                                             example_inputs is None})
     shape_note = Report.__dataclass_fields__["shapes"].default
-    notes: list[str] = []
+    notes: list[str] = list(capture.notes)
     if example_inputs is not None:
         try:
             _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
@@ -173,7 +232,8 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
             if not list(work.children()):
                 raise
             return _convert_children(work, policy, example_inputs, prefix,
-                                     [*capture.steps, f"traced graph does not run on the example inputs: {e}"])
+                                     [*capture.steps, f"traced graph does not run on the example inputs: {e}"],
+                                     tracer)
         ctx.has_shapes = True
     if calib is not None:
         from .passes import calibrate as calibration
@@ -185,7 +245,10 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
             notes.append(advice)
     _run_passes(gm, ctx)
     try:
-        other = trace_other_mode(work, policy, capture)
+        if capture.method == "export":  # exported once per mode already
+            other = (capture.mode_graphs or {}).get(not work.training)
+        else:
+            other = trace_other_mode(work, policy, capture)
     except Exception as e:  # noqa: BLE001 - keep the one graph, and say so
         other = None
         notes.append(f"the model in {'eval' if work.training else 'train'} mode could not be traced ({e}); "
@@ -274,7 +337,7 @@ def _param_names(m: nn.Module) -> list[str]:
 
 
 def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
-                      steps: list[str]) -> tuple[nn.Module, Report]:
+                      steps: list[str], tracer: str = "auto") -> tuple[nn.Module, Report]:
     """``work``'s own ``forward`` cannot be traced: keep it eager and convert
     each child it calls. Containers (``ModuleList``, ``ModuleDict``, or
     children never called themselves) are entered and their children
@@ -300,7 +363,7 @@ def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, pref
                 regions.append(Region(f"{prefix}{sub}", "left as is: a single torch.nn leaf module called "
                                                         "from eager code"))
             else:
-                converted, rep = _convert(child, policy, inputs.get(sub), prefix=f"{prefix}{sub}.")
+                converted, rep = _convert(child, policy, inputs.get(sub), prefix=f"{prefix}{sub}.", tracer=tracer)
                 setattr(parent, name, converted)
                 parts.append(rep)
 

@@ -53,6 +53,7 @@ RULES_DOC: dict[str, str] = {
     "calibration:overflow": "calibration saw this node's output or gradient exceed the low dtype's range",
     "pad": "a node ampfx added to slice a padded GEMM's output back",
     "inplace": "an in-place op keeps the dtype of the tensor it mutates",
+    "range:constant": "a float constant argument the low dtype cannot hold (e.g. a float32 mask minimum)",
     "region": "a module that could not be traced runs eagerly; its children were converted one by one",
     "structure": "graph inputs, parameters and outputs",
 }

@@ -140,10 +140,13 @@ class Capture:
     """What :func:`trace` produced and how."""
 
     graph: fx.Graph
-    method: str  # "fx" | "fx, optional arguments fixed"
+    method: str  # "fx" | "fx, optional arguments fixed" | "export"
     leaves: dict[str, str] = field(default_factory=dict)  # module path -> trace error that made it a leaf
     fixed_args: dict[str, Any] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)
+    mode_graphs: dict[bool, fx.Graph] | None = None  # export: the graph of each training mode, when they differ
+    constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
+    notes: list[str] = field(default_factory=list)
 
 
 def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
@@ -360,6 +363,67 @@ def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.G
     _finish(graph, capture.fixed_args)
     same = graph.python_code("self").src == capture.graph.python_code("self").src
     return None if same else graph
+
+
+def snapshot(value: Any) -> Any:
+    """A deep copy of ``value`` that later in-place changes cannot reach (the value itself if uncopyable)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - uncopyable objects: keep the live reference
+        return value
+
+
+def call_with(module: nn.Module, example_inputs: Any) -> Any:
+    """``module`` called on ``example_inputs`` (a tuple of positional inputs, a dict of keyword inputs, or one value)."""
+    if isinstance(example_inputs, dict):
+        return module(**example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return module(*example_inputs)
+    return module(example_inputs)
+
+
+def reproduces(model: nn.Module, capture: Capture, example_inputs: Any, rtol: float = 1e-4) -> str | None:
+    """``None`` if ``capture.graph`` gives ``model``'s outputs on ``example_inputs``, else why not.
+
+    Both run in float32 in the model's current mode, without gradients, from
+    the same random seed (dropout draws the same masks), and leave buffers
+    as found. Python that branches on sizes or values can trace into a graph
+    that runs but computes something else; this catches it before conversion.
+    """
+    from .state import kept_buffers
+
+    gm = graph_module(model, capture.graph)
+
+    def run(m: nn.Module) -> list[Any]:
+        with torch.random.fork_rng(devices=[]), kept_buffers(model), torch.no_grad():
+            torch.manual_seed(0)
+            # a copy of the inputs each time: the forward may change what it is given (caches)
+            return torch.utils._pytree.tree_leaves(call_with(m, snapshot(example_inputs)))
+
+    try:
+        want = run(model)
+    except Exception:  # noqa: BLE001 - the model itself does not run: nothing to compare (shapes says so)
+        return None
+    try:
+        got = run(gm)
+    except Exception as e:  # noqa: BLE001
+        return f"the torch.fx graph does not run on the example inputs ({_short(e)})"
+    want = [t for t in want if isinstance(t, torch.Tensor)]
+    got = [t for t in got if isinstance(t, torch.Tensor)]
+    if len(want) != len(got):
+        return f"the torch.fx graph returns {len(got)} tensors, the model {len(want)}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (f"the torch.fx graph's output {i} is {b.dtype}{list(b.shape)}, the model's "
+                    f"{a.dtype}{list(a.shape)}")
+        if a.is_floating_point() or a.is_complex():
+            scale = a.abs().max().item() if a.numel() else 0.0
+            if not torch.allclose(b, a, rtol=rtol, atol=rtol * max(scale, 1e-6), equal_nan=True):
+                diff = (b - a).abs().max().item()
+                return f"the torch.fx graph's output {i} differs from the model's (max abs difference {diff:.3g})"
+        elif not torch.equal(a, b):
+            return f"the torch.fx graph's output {i} differs from the model's"
+    return None
 
 
 def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:

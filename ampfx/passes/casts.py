@@ -158,6 +158,13 @@ def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
     casts.fixed[(node, torch.float32)] = out
 
 
+def _takes(target: Any, name: str) -> bool:
+    """Does ``target`` accept the keyword ``name``? ATen overloads say so in their schema
+    (``aten.softmax.int`` takes ``dtype=``, ``aten._softmax`` does not); others are assumed to."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(a.name == name for a in schema.arguments)
+
+
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
               casts: _Casts) -> Any:
     if rule is not None and slot in rule.index_args:
@@ -197,7 +204,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         args = list(node.args)
         kwargs = dict(node.kwargs)
         if (rule is not None and rule.accum_dtype and want == torch.float32 and args
-                and isinstance(args[0], fx.Node) and kwargs.get(rule.accum_dtype) is None and len(args) < 4
+                and _takes(node.target, rule.accum_dtype) and isinstance(args[0], fx.Node)
+                and kwargs.get(rule.accum_dtype) is None and len(args) < 4
                 and args[0].meta[META].out in (torch.float16, torch.bfloat16)
                 and (args[0], torch.float32) not in casts.fixed):  # a split bias must be added first
             kwargs[rule.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself

@@ -41,7 +41,8 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
         if node.kwargs.get("inplace") is True:
             return True
-        name = getattr(node.target, "__name__", "")
+        packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
+        name = getattr(packet if packet is not None else node.target, "__name__", "")
         return name in ("setitem", "iadd", "isub", "imul", "itruediv") or (
             name.endswith("_") and not name.endswith("__") and node.target not in (torch._assert,))
     if node.op == "call_module":
@@ -116,6 +117,23 @@ def _fp32_module(path: str, ctx: PassContext, gm: fx.GraphModule) -> tuple[str, 
     return None
 
 
+def _out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
+    """A Python float among ``node``'s arguments that ``low`` cannot hold, else ``None``.
+    (Exported graphs bake in constants such as ``torch.finfo(torch.float32).min`` for masks:
+    ``masked_fill(x_bf16, mask, -3.40e38)`` raises.)
+
+    >>> import operator
+    >>> g = fx.Graph(); x = g.placeholder("x"); n = g.call_function(operator.mul, (x, -3.4028234663852886e38))
+    >>> _out_of_range(n, torch.bfloat16), _out_of_range(n, torch.float32)
+    (-3.4028234663852886e+38, None)
+    """
+    top = torch.finfo(low).max
+    for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(a, float) and a == a and abs(a) != float("inf") and abs(a) > top:
+            return a
+    return None
+
+
 def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Annotate every node with its category (see module docstring)."""
     policy = ctx.policy
@@ -186,6 +204,10 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                 if err is not None:
                     d = decide(Category.FP32, torch.float32, "probe",
                                f"{name} has no working {str(low)[6:]} kernel on {ctx.device} ({err}): float32")
+            if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and (
+                    big := _out_of_range(node, low)) is not None:
+                d = decide(Category.FP32, torch.float32, "range:constant",
+                           f"{name} uses the constant {big:.4g}, outside {str(low)[6:]}'s range: float32")
         if node.op == "call_module" and d.rule not in ("region", "fp32_modules", "module_filter_fn", "non-float"):
             # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
             d = integrations.refine(d, gm.get_submodule(str(node.target)), node, gm, ctx)

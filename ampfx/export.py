@@ -1,0 +1,312 @@
+"""Capturing a model with ``torch.export``: an ATen-level ``torch.fx`` graph.
+
+``torch.fx`` symbolic tracing runs the model's Python on proxies and fails
+on data-dependent Python (``torch.finfo(x.dtype)``, shape checks, caches).
+``torch.export`` runs it on fake tensors instead and records the ATen ops
+it reaches, so it captures many models ``torch.fx`` cannot. ampfx uses the
+non-strict export (plain Python execution, no TorchDynamo) and the
+pre-dispatch ("training") IR, where ``aten.linear``, ``aten.conv2d``,
+``aten.layer_norm`` and ``aten.softmax.int`` survive undecomposed; the op
+tables (:mod:`ampfx.ops`) map them to the same names as ``F.linear``,
+``nn.Conv2d``, ... so one policy governs both front-ends.
+
+What :func:`capture` does with the exported program:
+
+- unlifts it (``ExportedProgram.module()``): parameters and buffers become
+  ``get_attr`` nodes named by their place in the model
+  (``encoder.layer.0.attention.self.query.weight``), so the converted module
+  reads the model's own tensors (float32 masters, running statistics) and
+  ``state_dict()`` is unchanged; tensor constants that export lifted out of
+  the model's code become non-persistent buffers of the converted module;
+- exports once per training mode when anything in the model reads
+  ``self.training`` (dropout, batch norm): the exported graph has the mode
+  baked in (``aten.dropout(x, 0.1, True)``), so the converted module keeps
+  one graph per mode and ``.train()`` / ``.eval()`` switch between them;
+- asks for every input dimension to be dynamic (``Dim.AUTO``), so the graph
+  is not specialised to the example's batch size or sequence length where
+  the model allows it; sizes the model fixes stay fixed;
+- drops export's input guards and its ``_assert_tensor_metadata`` checks:
+  the latter assert the dtypes the model had, which conversion changes on
+  purpose;
+- keeps each node's module path (from ``nn_module_stack``), so records
+  carry ``module='encoder.layer.0.attention.self.query'`` and
+  ``fp32_modules`` applies.
+
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+>>> cap = capture(net, (torch.randn(2, 4),))
+>>> [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
+['aten.linear.default', 'aten.softmax.int']
+>>> cap.method, cap.mode_graphs is None
+('export', True)
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .state import kept_buffers, modes
+
+MIN_TORCH = (2, 5)
+"""``torch.export`` with the non-strict mode and the pre-dispatch IR (older torch decomposes to core ATen)."""
+
+
+def unavailable() -> str | None:
+    """Why this torch cannot run the export front-end, or ``None`` if it can.
+
+    >>> unavailable() is None  # doctest: +SKIP
+    True
+    """
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version < MIN_TORCH or not hasattr(torch, "export"):
+        return (f"the torch.export front-end needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
+                f"(this is {torch.__version__}); use tracer='fx' or upgrade torch")
+    return None
+
+
+class ExportFailed(RuntimeError):
+    """``torch.export`` could not capture the model; ``steps`` says what was tried."""
+
+    def __init__(self, message: str, steps: list[str]):
+        super().__init__(message)
+        self.steps = steps
+
+
+@dataclass
+class ExportCapture:
+    """An exported graph ready for :func:`ampfx.tracing.graph_module`.
+
+    ``graph`` was captured in the model's current mode; ``mode_graphs`` maps
+    ``training`` to the graph of each mode when they differ, else ``None``.
+    ``constants`` are tensors the graph reads that are not the model's own
+    (``get_attr`` target -> tensor); install them with :func:`install_constants`.
+    """
+
+    graph: fx.Graph
+    method: str = "export"
+    steps: list[str] = field(default_factory=list)
+    mode_graphs: dict[bool, fx.Graph] | None = None
+    constants: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` (a tuple, a dict of keyword inputs or one tensor) as
+    ``(args, kwargs)``, keyword inputs in the order of ``model.forward``'s
+    parameters (export's input spec follows that order, and so do the
+    converted module's placeholders)."""
+    if isinstance(example_inputs, dict):
+        order = list(inspect.signature(model.forward).parameters)
+        rank = {name: i for i, name in enumerate(order)}
+        kwargs = dict(sorted(example_inputs.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        return (), kwargs
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _auto_dims(args: tuple, kwargs: dict) -> Any:
+    """``Dim.AUTO`` for every dimension of every tensor input (export keeps
+    static what the model needs static); ``None`` where this torch has no ``Dim.AUTO``."""
+    auto = getattr(getattr(torch.export, "Dim", None), "AUTO", None)
+    if auto is None:
+        return None
+
+    def spec(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {i: auto for i in range(v.dim())} or None
+        if isinstance(v, (tuple, list)):
+            return type(v)(spec(x) for x in v)
+        if isinstance(v, dict):
+            return {k: spec(x) for k, x in v.items()}
+        return None
+
+    if args and kwargs:  # export wants one structure for both; keep it simple: static sizes
+        return None
+    if kwargs:
+        return {k: spec(v) for k, v in kwargs.items()}
+    return tuple(spec(a) for a in args)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export prints the partial graph to stderr when it fails and logs
+    warnings; ampfx records the error in the report instead."""
+    names = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "torch._dynamo")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
+    from .tracing import snapshot
+
+    fn = getattr(torch.export, "export_for_training", None) or torch.export.export
+    # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
+    # given (caches), also when it fails
+    args, kwargs = snapshot((args, kwargs))
+    with torch.enable_grad(), _quiet():
+        return fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+
+
+def _about_sizes(e: BaseException) -> bool:
+    """Did export fail over dynamic sizes (then static sizes may work)?"""
+    text = f"{type(e).__name__} {e}"
+    return any(w in text for w in ("Constraint", "dynamic_shapes", "Dim.", "specializ"))
+
+
+def _unlift(ep: Any) -> fx.GraphModule:
+    try:
+        return ep.module(check_guards=False)
+    except TypeError:  # torch without the check_guards argument
+        return ep.module()
+
+
+def _module_paths(model: nn.Module) -> set[str]:
+    return {name for name, _ in model.named_modules()}
+
+
+def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """Prepare the unlifted graph for the passes (see the module docstring);
+    returns the constants to install and notes."""
+    graph = gm.graph
+    # pickling re-traces the code with the graph's tracer class: export's needs arguments it cannot get
+    graph._tracer_cls, graph._tracer_extras = None, {}
+    constants: dict[str, Any] = {}
+    dropped: dict[str, int] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn":
+            graph.erase_node(node)
+            dropped["input guards"] = dropped.get("input guards", 0) + 1
+            continue
+        if node.op == "call_function" and str(node.target).startswith("aten._assert_tensor_metadata"):
+            graph.erase_node(node)
+            dropped["dtype assertions"] = dropped.get("dtype assertions", 0) + 1
+            continue
+        if node.op == "get_attr":
+            target = str(node.target)
+            try:
+                mine = operator.attrgetter(target)(model)
+            except AttributeError:
+                mine = None
+            if mine is None:
+                constants[target] = operator.attrgetter(target)(gm)
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            # keep entries that name modules of the model (export adds hook frames; strict mode's
+            # paths look like L['self'].encoder.layer[0]); the path is the first tuple item
+            clean = {}
+            for key, value in stack.items():
+                path = _normal_path(value[0] if isinstance(value, tuple) else key)
+                if path in paths:
+                    clean[key] = (path, value[1]) if isinstance(value, tuple) else value
+            node.meta["nn_module_stack"] = clean
+    notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
+    return constants, notes
+
+
+def _normal_path(path: str) -> str:
+    """``L['self'].encoder.layer[0]`` -> ``encoder.layer.0``; plain paths are returned as they are."""
+    p = str(path)
+    for prefix in ("L['self'].", "L['self']", "L__self__."):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+    p = p.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return p.strip(".")
+
+
+def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
+    """Make each ``get_attr`` target in ``constants`` resolvable under ``root``
+    (a private copy of the model's tree): tensors as non-persistent buffers
+    (they follow ``.to(device)``, stay out of ``state_dict()``), other
+    objects (export's submodules) as attributes."""
+    for target, value in constants.items():
+        *owner_path, name = target.split(".")
+        owner = root
+        for part in owner_path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            owner.register_buffer(name, value, persistent=False)
+        else:
+            setattr(owner, name, value)
+
+
+def _reads_training(model: nn.Module) -> bool:
+    from .tracing import _mentions_training
+
+    return any(_mentions_training(type(m)) for m in model.modules())
+
+
+def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
+    """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
+    (with the steps tried) if this torch cannot or the model does not export.
+    The model is left as found (modes, buffers)."""
+    why = unavailable()
+    if why is not None:
+        raise ExportFailed(why, [f"torch.export: {why}"])
+    if example_inputs is None:
+        raise ExportFailed("torch.export needs example_inputs", ["torch.export: no example_inputs"])
+    args, kwargs = split_inputs(model, example_inputs)
+    paths = _module_paths(model)
+    steps: list[str] = []
+    dynamic = _auto_dims(args, kwargs)
+    graphs: dict[bool, fx.Graph] = {}
+    constants: dict[str, Any] = {}
+    notes: list[str] = []
+    order = [model.training] + ([not model.training] if _reads_training(model) else [])
+    for training in order:
+        with modes(model, training=training), kept_buffers(model):
+            try:
+                ep = _export(model, args, kwargs, dynamic)
+            except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
+                if dynamic is None or not _about_sizes(e):
+                    steps.append(f"torch.export ({_mode(training)} mode): {_short(e)}")
+                    raise ExportFailed(_short(e), steps) from e
+                steps.append(f"torch.export with dynamic sizes ({_mode(training)} mode): {_short(e)}")
+                dynamic = None
+                try:
+                    ep = _export(model, args, kwargs, None)
+                except Exception as e2:  # noqa: BLE001
+                    steps.append(f"torch.export with static sizes ({_mode(training)} mode): {_short(e2)}")
+                    raise ExportFailed(_short(e2), steps) from e2
+        gm = _unlift(ep)
+        found, cleaned = _clean(gm, model, paths)
+        constants.update(found)
+        notes.extend(n for n in cleaned if n not in notes)
+        graphs[training] = gm.graph
+    same = len(graphs) == 1 or (graphs[True].python_code("self").src == graphs[False].python_code("self").src)
+    sizes = "dynamic sizes where the model allows (Dim.AUTO)" if dynamic is not None else "static sizes"
+    steps.append(f"exported (torch.export, non-strict, training IR, {sizes}"
+                 + ("" if same else ", one graph per training mode") + ")")
+    if dynamic is None:
+        notes.append("torch.export specialised every input size to the example's: other sizes fail the "
+                     "converted module's graph (convert again for other sizes)")
+    return ExportCapture(graph=graphs[model.training], steps=steps, mode_graphs=None if same else graphs,
+                         constants=constants, notes=notes)
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"

@@ -1,0 +1,328 @@
+"""The torch.export front-end: ATen op names, capture, training contracts, tracer="auto" and the ladder."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+from ampfx import Category, ops
+from ampfx.export import unavailable
+from ampfx.runtime import cast as runtime_cast
+from models import Outer
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+aten = torch.ops.aten
+
+
+class Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc, self.norm, self.drop = nn.Linear(d, d), nn.LayerNorm(d), nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.norm(x + self.drop(F.gelu(self.fc(x))))
+
+
+class Net(nn.Module):
+    """Linear blocks with layer norm and dropout, attention-style softmax, a loss-like reduction."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        att = torch.softmax(x @ x.transpose(-1, -2), dim=-1)
+        return self.head(att @ x).sum(dim=1)
+
+
+class Masked(nn.Module):
+    """HF-style: torch.finfo of a traced dtype (torch.fx cannot trace it) and a float32-minimum mask."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        scores = scores.masked_fill(mask[:, None, :] == 0, torch.finfo(scores.dtype).min)
+        return self.out(torch.softmax(scores, dim=-1) @ x)
+
+
+class IsInstance(nn.Module):
+    """torch.fx traces the wrong branch (a Proxy is not a Tensor): the graph runs but computes something else."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            return self.fc(x)
+        return self.fc(x) * 0
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn0 = nn.BatchNorm1d(8)  # sees float32 graph inputs: statistics exactly eager's
+        self.fc, self.bn1, self.drop = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(self.bn1(self.fc(self.bn0(x)))))
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def low_records(rep):
+    return [r for r in rep.compute if r.dtype in (torch.bfloat16, torch.float16)]
+
+
+# ------------------------------------------------------------------ op tables
+@pytest.mark.parametrize("aten_op, torch_level", [
+    (aten.linear.default, F.linear), (aten.conv2d.default, nn.Conv2d), (aten.softmax.int, F.softmax),
+    (aten._softmax.default, F.softmax), (aten.log_softmax.int, F.log_softmax), (aten.layer_norm.default, F.layer_norm),
+    (aten.batch_norm.default, nn.BatchNorm2d), (aten._native_batch_norm_legit.default, F.batch_norm),
+    (aten._native_batch_norm_legit_functional.default, F.batch_norm),
+    (aten._native_batch_norm_legit_no_training.default, F.batch_norm),
+    (aten.sum.dim_IntList, torch.sum), (aten.mean.dim, torch.mean), (aten.matmul.default, torch.matmul),
+    (aten.addmm.default, torch.addmm), (aten.mm.default, torch.mm), (aten.bmm.default, torch.bmm),
+    (aten.embedding.default, nn.Embedding), (aten.gelu.default, F.gelu), (aten.dropout.default, F.dropout),
+    (aten.cross_entropy_loss.default, F.cross_entropy), (aten.nll_loss.default, F.nll_loss),
+    (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention),
+    (aten.view.default, "view"), (aten.reshape.default, "reshape"), (aten.permute.default, "permute"),
+    (aten.transpose.int, "transpose"), (aten.expand.default, "expand"), (aten.slice.Tensor, "narrow"),
+    (aten.add.Tensor, "add"), (aten.add_.Tensor, "add"), (aten.mul.Tensor, "mul"), (aten.rsub.Scalar, "sub"),
+    (aten._to_copy.default, "to"), (aten.to.dtype, "to"), (aten.sym_size.int, "size"), (aten.index.Tensor, "getitem"),
+])
+def test_aten_ops_share_the_torch_level_name(aten_op, torch_level):
+    """One policy for both front-ends: an ATen op has the canonical name of its torch-level spelling."""
+    name = ops.lookup_name(aten_op)
+    assert name is not None and name == ops.lookup_name(torch_level)
+
+
+def test_accumulation_dtype_only_where_the_aten_schema_takes_it():
+    """``aten.softmax.int`` gets ``dtype=float32``; ``aten._softmax`` (no such argument) gets a cast instead."""
+    from ampfx.passes.casts import _takes
+
+    assert _takes(aten.softmax.int, "dtype") and _takes(aten.sum.dim_IntList, "dtype")
+    assert not _takes(aten._softmax.default, "dtype") and _takes(F.softmax, "dtype")
+
+
+# ------------------------------------------------------------------ capture, decisions, numerics
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_export_converts_with_module_paths_and_fp32_accuracy(dtype):
+    """tracer='export': one ATen graph; GEMMs low, softmax/layer_norm decided as on the fx path; records carry
+    the module path from nn_module_stack; outputs close to float32."""
+    torch.manual_seed(0)
+    m, x = Net().eval(), torch.randn(2, 6, 16)
+    amp = ampfx.convert(m, dtype, example_inputs=(x,), tracer="export")
+    rep = amp.ampfx_report
+    assert [(r.path, r.method) for r in rep.regions] == [("", "export")]
+    assert all(str(n.target).startswith(("aten.", "<built-in", "ampfx")) or n.target is runtime_cast
+               for n in amp.graph.nodes if n.op == "call_function")
+    by_module = {(r.op, r.module) for r in rep.compute}
+    assert ("linear", "blocks.0.fc") in by_module and ("layer_norm", "blocks.1.norm") in by_module
+    assert all(r.dtype == dtype for r in rep.compute if r.op == "linear")
+    assert [r.dtype for r in rep.compute if r.op == "softmax"] == [torch.float32]
+    amp.eval()
+    with torch.no_grad():
+        assert rel_err(amp(x), m(x)) < (0.03 if dtype is torch.bfloat16 else 0.005)
+
+
+def test_fx_and_export_make_the_same_decisions():
+    """The same model through both front-ends: the same ops in the same dtypes (one policy)."""
+    torch.manual_seed(0)
+    m, x = Net().eval(), torch.randn(2, 6, 16)
+    fx_rep = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="fx").ampfx_report
+    ex_rep = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export").ampfx_report
+    keep = ("linear", "layer_norm", "softmax", "gelu", "matmul", "sum", "add")
+
+    def decided(rep):
+        return sorted((r.op, str(r.dtype)) for r in rep.compute if r.op in keep)
+
+    assert decided(fx_rep) == decided(ex_rep)
+
+
+def test_fp32_modules_env_applies_to_exported_graphs():
+    """AMPFX_FP32_MODULES names modules by path; exported nodes know theirs."""
+    m, x = Net(), torch.randn(2, 6, 16)
+    rep = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export",
+                        environ={"AMPFX_FP32_MODULES": "blocks.0"}).ampfx_report
+    inside = [r for r in rep.compute if r.module.startswith("blocks.0")]
+    assert inside and all(r.dtype == torch.float32 and r.rule == "fp32_modules" for r in inside)
+    assert [r.dtype for r in rep.compute if r.module == "blocks.1.fc"] == [torch.bfloat16]
+
+
+# ------------------------------------------------------------------ training contracts
+def test_parameters_are_the_models_and_an_optimizer_on_them_trains_the_converted_model():
+    """Same parameter objects, same state_dict keys/shapes/dtypes; the model is not changed by convert."""
+    torch.manual_seed(0)
+    m, x = Net(), torch.randn(2, 6, 16)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    assert all(a is b for a, b in zip(amp.parameters(), m.parameters()))
+    assert len(list(amp.parameters())) == len(list(m.parameters()))
+    sd, sd_m = amp.state_dict(), m.state_dict()
+    assert list(sd) == list(sd_m) and all(sd[k].dtype == sd_m[k].dtype and sd[k].shape == sd_m[k].shape for k in sd)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert m.training and type(m) is Net  # modes and class as given
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    target = torch.tensor([1, 3])
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(amp(x).float(), target)
+        loss.backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_batch_norm_running_statistics_update_as_in_eager():
+    """One training step: running stats of a batch norm fed float32 equal eager's; one fed low precision
+    is close; the counters match; the buffers stay float32."""
+    torch.manual_seed(0)
+    m, x = BNNet(), torch.randn(16, 8)
+    twin = copy.deepcopy(m)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    amp(x)
+    twin(x)
+    assert torch.equal(m.bn0.running_mean, twin.bn0.running_mean)
+    assert torch.equal(m.bn0.running_var, twin.bn0.running_var)
+    assert torch.allclose(m.bn1.running_mean, twin.bn1.running_mean, atol=2e-2)
+    assert int(m.bn1.num_batches_tracked) == int(twin.bn1.num_batches_tracked) == 1
+    assert m.bn1.running_var.dtype == torch.float32
+
+
+def test_train_and_eval_switch_graphs():
+    """The exported graph has the mode baked in; the converted module keeps one per mode and .eval() /
+    .train() switch: eval is deterministic, uses running statistics and leaves them alone."""
+    torch.manual_seed(0)
+    m, x = BNNet(), torch.randn(16, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    assert any("second graph for eval mode" in n for n in amp.ampfx_report.notes)
+    amp.eval()
+    m.eval()
+    stats = m.bn1.running_mean.clone()
+    with torch.no_grad():
+        a, b = amp(x), amp(x)
+        want = m(x)
+    assert torch.equal(a, b) and torch.equal(m.bn1.running_mean, stats)
+    assert rel_err(a, want) < 0.03
+    amp.train()
+    with torch.no_grad():
+        assert not torch.equal(amp(x), amp(x))  # dropout is on again
+
+
+def test_deepcopy_and_pickle_keep_the_exported_conversion():
+    torch.manual_seed(0)
+    m, x = Net().eval(), torch.randn(2, 6, 16)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    amp.eval()
+    with torch.no_grad():
+        want = amp(x)
+        for other in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
+            other.eval()
+            assert torch.equal(other(x), want)
+            assert list(other.state_dict()) == list(m.state_dict())
+
+
+def test_other_batch_and_sequence_sizes_run():
+    """Sizes are dynamic where the model allows (Dim.AUTO), so a converted module is not tied to the
+    example's batch size or sequence length."""
+    m = Net().eval()
+    amp = ampfx.convert(m, "bf16", example_inputs=(torch.randn(2, 6, 16),), tracer="export")
+    amp.eval()
+    with torch.no_grad():
+        x = torch.randn(5, 9, 16)
+        assert rel_err(amp(x), m(x)) < 0.03
+
+
+# ------------------------------------------------------------------ tracer="auto"
+def test_auto_exports_what_fx_cannot_trace():
+    """torch.finfo of a traced dtype stops torch.fx; export captures it whole, and the float32-minimum
+    constant of the mask keeps its masked_fill in float32 (bfloat16 cannot hold -3.4e38)."""
+    torch.manual_seed(0)
+    m = Masked().eval()
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.long)
+    mask[1, -2:] = 0
+    amp = ampfx.convert(m, "bf16", example_inputs={"x": x, "mask": mask})
+    (region,) = amp.ampfx_report.regions
+    assert region.method == "export"
+    assert any("torch.fx could not trace" in s for s in region.steps)
+    (fill,) = [r for r in amp.ampfx_report.compute if r.op == "masked_fill"]
+    assert fill.dtype == torch.float32 and fill.rule == "range:constant"
+    amp.eval()
+    with torch.no_grad():
+        assert rel_err(amp(x=x, mask=mask), m(x, mask)) < 0.03
+        assert rel_err(amp(x, mask), m(x, mask)) < 0.03
+
+
+def test_auto_exports_when_the_fx_graph_does_not_reproduce_the_model():
+    """torch.fx traces a branch eager never takes (a Proxy is not a Tensor); the float32 comparison on the
+    example inputs catches it and export is used instead."""
+    m, x = IsInstance(), torch.randn(3, 8)
+    assert not torch.equal(torch.fx.symbolic_trace(m)(x), m(x))
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    (region,) = amp.ampfx_report.regions
+    assert region.method == "export"
+    assert any("does not reproduce" in s or "differs from the model's" in s for s in region.steps)
+    with torch.no_grad():
+        assert rel_err(amp(x), m(x)) < 0.03
+
+
+def test_auto_keeps_fx_where_it_works():
+    m, x = Net(), torch.randn(2, 6, 16)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    assert [r.method for r in amp.ampfx_report.regions] == ["fx"]
+    assert any(n.op == "call_module" for n in amp.graph.nodes)  # module structure kept (leaf modules)
+
+
+# ------------------------------------------------------------------ the ladder when neither works
+def test_neither_capture_works_falls_back_to_children_and_says_why():
+    """A data-dependent branch (in child ``b``) stops torch.export: the root and ``b`` run eagerly with their
+    children exported one by one, and each region says how it was captured and why."""
+    torch.manual_seed(0)
+    m, x = Outer(), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    regions = {r.path: r for r in amp.ampfx_report.regions}
+    assert {p: r.method for p, r in regions.items()} == {
+        "": "eager (children converted separately)", "b": "eager (children converted separately)",
+        "a": "export", "b.lin": "export", "c": "export"}
+    assert all(any(s.startswith("torch.export (train mode)") for s in regions[p].steps) for p in ("", "b"))
+    assert [r.module for r in amp.ampfx_report.compute if r.op == "linear"] == ["a", "b.lin", "c"]
+    with torch.no_grad():
+        assert rel_err(amp(x), m(x)) < 0.03
+
+
+def test_auto_keeps_fx_leaves_when_export_fails():
+    """Under auto, an fx capture that needed leaves is kept when export fails too; the steps say so."""
+    m, x = Outer(), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    regions = {r.path: r for r in amp.ampfx_report.regions}
+    steps = regions[""].steps
+    assert regions[""].method == "fx" and regions["b"].method.startswith("eager")
+    assert any(s.startswith("auto: torch.fx needed leaves (b)") for s in steps)
+    assert any(s.startswith("torch.export") for s in steps) and steps[-1] == "kept the torch.fx graph with leaves"
+
+
+# ------------------------------------------------------------------ errors
+def test_export_needs_example_inputs():
+    with pytest.raises(TypeError, match="tracer='export' runs the model on example_inputs"):
+        ampfx.convert(Net(), "bf16", tracer="export")
+
+
+def test_unknown_tracer_is_rejected():
+    with pytest.raises(ValueError, match="tracer='dynamo'.*'auto'"):
+        ampfx.convert(Net(), "bf16", tracer="dynamo")
