@@ -1,0 +1,23 @@
+"""The DGL lane: torch 2.2.1 + dgl 2.1.0 (scripts/test-dgl.sh builds its venv). Skipped without dgl."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+dgl = pytest.importorskip("dgl")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(autouse=True)
+def _no_ampfx_env(monkeypatch):
+    """Tests control the AMPFX_* variables themselves (convert reads os.environ)."""
+    for k in list(os.environ):
+        if k.startswith("AMPFX_"):
+            monkeypatch.delenv(k)
+    torch.manual_seed(0)
