@@ -101,7 +101,10 @@ class ExportCapture:
 
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text[:300]}"
+    hint = ""
+    if "Cache" in text and ("not a known type" in text or "Unsupported input type" in text):
+        hint = " (HF models: give use_cache=False in example_inputs; a training forward needs no cache)"
+    return f"{type(e).__name__}: {text[:300]}{hint}"
 
 
 def split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:

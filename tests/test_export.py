@@ -326,3 +326,15 @@ def test_export_needs_example_inputs():
 def test_unknown_tracer_is_rejected():
     with pytest.raises(ValueError, match="tracer='dynamo'.*'auto'"):
         ampfx.convert(Net(), "bf16", tracer="dynamo")
+
+
+def test_export_page_prints_what_it_shows():
+    """docs/export.md's examples run and print their text blocks (refresh: python tests/doccheck.py --fill)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "tests" / "doccheck.py"), str(root / "docs" / "export.md")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
