@@ -42,6 +42,13 @@ def make_data(n: int, vocab: int = 16, length: int = 12, classes: int = 4, seed:
     return ids, labels
 
 
+def _cpu_grad_scaler():
+    """``torch.amp.GradScaler("cpu")``, or ``None`` where torch has none for CPU (torch 2.2: no
+    ``torch.amp.GradScaler`` and no CPU unscale kernel); the float16 run then trains unscaled."""
+    cls = getattr(torch.amp, "GradScaler", None)
+    return cls("cpu") if cls is not None else None
+
+
 def _train(model: nn.Module, run: nn.Module, ids, labels, steps: int, scaler=None,
            progress: Callable[[int], None] | None = None, scale_log: dict | None = None) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -106,7 +113,7 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
     theirs = count_casts(autocast_step)
     fp32.zero_grad()
     mixed.zero_grad()
-    scaler = torch.amp.GradScaler("cpu") if low == torch.float16 else None
+    scaler = _cpu_grad_scaler() if low == torch.float16 else None
     scale_log = {"scales": [], "skipped": []} if scaler is not None and loss_scale_plot else None
     results = {}
     with Progress(transient=True) as bar:
@@ -127,6 +134,8 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
         plot(**scale_log, path=loss_scale_plot)
         echo(f"loss scale over {len(scale_log['scales'])} steps plotted to {loss_scale_plot} "
              f"({len(scale_log['skipped'])} skipped)")
+    elif loss_scale_plot and low == torch.float16:
+        echo(f"no loss-scale plot: torch {torch.__version__} has no GradScaler for CPU (torch >= 2.3 has)")
     elif loss_scale_plot:
         echo("no loss-scale plot: bfloat16 trains without GradScaler (use --dtype fp16)")
     return {"results": results, "casts": {"ampfx": ours, "autocast": theirs}, "convert_seconds": seconds}
