@@ -305,7 +305,7 @@ class AmpGraphModule(fx.GraphModule):
         holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
         return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
-                           self.__dict__.get("_ampfx_alt")))
+                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None)))
 
     def set_mode_graph(self, training: bool, other: "AmpGraphModule") -> None:
         """Run ``other`` (the graph traced with every module's ``training`` set to
@@ -338,8 +338,11 @@ class AmpGraphModule(fx.GraphModule):
         cls.forward = forward
 
 
-def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None) -> AmpGraphModule:  # noqa: ANN001
+def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # noqa: ANN001
+             pytree_info=None) -> AmpGraphModule:
     plain = fn(*args)
+    if pytree_info is not None:
+        _restore_pytree(plain, pytree_info)
     gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
     _keep_tree(gm, holder, training)
     if report is not None:
@@ -347,6 +350,21 @@ def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None) -> A
     if alt is not None:
         gm.set_mode_graph(*alt)
     return gm
+
+
+def _restore_pytree(gm: fx.GraphModule, info: Any) -> None:
+    """Unpickling re-traces the code of an exported graph, which builds its output
+    structure (an HF ``ModelOutput``, say) from plain dicts; give it back its
+    pytree input/output handling so it returns what it returned before."""
+    from torch.fx.graph import _PyTreeCodeGen
+
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, _ = torch.utils._pytree.tree_flatten(out.args[0])
+    if len(leaves) != info.out_spec.num_leaves:
+        return  # a structure this cannot map back: keep the re-traced one
+    out.args = (tuple(leaves),)
+    gm.graph._codegen = _PyTreeCodeGen(info)
+    gm.recompile()
 
 
 def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.Graph | None:

@@ -79,6 +79,25 @@ class BNNet(nn.Module):
         return self.head(self.drop(self.bn1(self.fc(self.bn0(x)))))
 
 
+class Out(dict):
+    """A dict subclass with its own pytree node, like HF's ``ModelOutput``."""
+
+
+torch.utils._pytree.register_pytree_node(Out, lambda o: (list(o.values()), list(o.keys())),
+                                         lambda values, keys: Out(zip(keys, values)),
+                                         serialized_type_name="tests.test_export.Out")
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return Out(hidden=h, logits=h.softmax(-1))
+
+
 def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
@@ -236,6 +255,16 @@ def test_deepcopy_and_pickle_keep_the_exported_conversion():
             other.eval()
             assert torch.equal(other(x), want)
             assert list(other.state_dict()) == list(m.state_dict())
+
+
+def test_pickling_keeps_the_output_structure():
+    """Unpickling re-traces the code; the exported graph's output type (HF ModelOutput-like) comes back."""
+    m, x = Structured(), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    again = pickle.loads(pickle.dumps(amp))
+    for out in (amp(x), again(x)):
+        assert type(out) is Out and list(out) == ["hidden", "logits"]
+    assert torch.equal(again(x)["logits"], amp(x)["logits"])
 
 
 def test_other_batch_and_sequence_sizes_run():
