@@ -377,7 +377,8 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
     """Run the DGL module ``module`` with every float input in ``dtype``.
 
     Parameters are low-precision copies of the float32 masters (gradients flow
-    back to them); float tensors in ``args``/``kwargs`` (tuples included) are
+    back to them), and so are float buffers of DGL's own modules (constants
+    such as ``GINConv``'s ``eps``); float tensors in ``args``/``kwargs`` (tuples included) are
     cast; float node and edge data on graph arguments are cast lazily, on first
     read, inside ``graph.local_scope()``; ``edge_softmax`` runs in float32.
     The module's own parameters and the caller's graph are not changed.
@@ -389,6 +390,7 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
     from torch.func import functional_call
 
     params = {name: p.to(dtype) if p.dtype in CASTABLE else p for name, p in module.named_parameters()}
+    params.update(_constant_buffers(module, dtype))
     args, kwargs = _cast_tree((args, kwargs), dtype)
     _install_fp32_edge_softmax(type(module))
     with contextlib.ExitStack() as stack:
@@ -398,6 +400,20 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
         token = _FP32_EDGE_SOFTMAX.set(True)
         stack.callback(_FP32_EDGE_SOFTMAX.reset, token)
         return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
+
+
+def _constant_buffers(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Low-precision copies of the float buffers that DGL's own modules keep as constants
+    (``GINConv``'s fixed ``eps``: float32 there would promote the whole update back to float32).
+    Buffers of ``torch.nn`` submodules (batch-norm statistics, updated in place) are left alone."""
+    out = {}
+    for path, sub in module.named_modules():
+        if not is_dgl(sub):
+            continue
+        for name, b in sub.named_buffers(recurse=False):
+            if b is not None and b.dtype in CASTABLE and b.dtype != dtype:
+                out[f"{path}.{name}" if path else name] = b.to(dtype)
+    return out
 
 
 def _cast_tree(values: Any, dtype: torch.dtype) -> Any:
