@@ -420,3 +420,16 @@ def test_a_forward_that_iterates_the_blocks_falls_back_to_eager_and_still_trains
     torch.testing.assert_close(amp(blocks, feats), model(blocks, feats), atol=0.05, rtol=0.05)
     amp(blocks, feats).sum().backward()
     assert model.layers[0].fc_neigh.weight.grad.dtype == torch.float32
+
+
+def test_a_coo_only_graph_keeps_dgl_leaves_float32_on_cpu():
+    """DGL has no bfloat16 COO SpMM on CPU: with a graph restricted to COO the GraphConv stays float32
+    (rule dgl:device) and runs, where a bf16 model raises."""
+    g, x = graph().formats("coo"), torch.randn(40, 8)
+    model = _Call(dglnn.GraphConv(8, 4))
+    with pytest.raises(Exception, match="SpMMSumCoo"):
+        copy.deepcopy(model).to(torch.bfloat16)(g, x.bfloat16())
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, x))
+    (r,) = records(amp)
+    assert (r.dtype, r.rule) == (torch.float32, "dgl:device") and "COO" in r.reason
+    torch.testing.assert_close(amp(g, x), model(g, x))

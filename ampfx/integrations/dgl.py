@@ -205,13 +205,14 @@ def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> 
 
 def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str, *,
            stats: LeafStats | None = None, source: str = "table", reason: str | None = None,
-           cuda_bf16: bool | None = None) -> Choice:
+           cuda_bf16: bool | None = None, coo_only: bool = False) -> Choice:
     """The dtype a DGL leaf the lists put on the allowlist runs in, on ``device``.
 
     ``rule`` is the table entry (``None`` for a module a user allowed), ``dtype``
     the policy's low dtype, ``stats`` the example inputs' facts for the
     overflow guard, ``source``/``reason`` what the lists said. ``cuda_bf16``
-    overrides ``torch.cuda.is_bf16_supported()`` (tests).
+    overrides ``torch.cuda.is_bf16_supported()`` (tests). ``coo_only``: the
+    example graph is restricted to the COO format (no bfloat16 COO SpMM on CPU).
 
     >>> import torch
     >>> gcn = rule_for_type_name("dgl.nn.pytorch.conv.graphconv.GraphConv")
@@ -241,6 +242,10 @@ def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str
                 [*why, "no float16 DGL kernels on CPU and no bfloat16 kernel for this module there: float32"]))
     if want == torch.bfloat16 and device == "cpu" and not cpu_bf16:
         return Choice(torch.float32, "dgl:device", "; ".join([*why, "no bfloat16 DGL kernel on CPU: float32"]))
+    if want == torch.bfloat16 and device == "cpu" and coo_only:
+        return Choice(torch.float32, "dgl:device", "; ".join(
+            [*why, "the graph is restricted to the COO format and DGL has no bfloat16 COO SpMM on CPU "
+                   "(allow CSR/CSC with g.formats(['coo', 'csr', 'csc'])): float32"]))
     err = _probe_variant(aggregation, want, device)
     if err is not None:
         return Choice(torch.float32, "probe", "; ".join(
@@ -275,7 +280,7 @@ def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
         if ctx.policy.dtype == torch.float16 and aggregation in ("sum", "mean"):
             stats = leaf_stats(gm, ctx).get(node.name)
         choice = decide(rule, module, ctx.policy.dtype, ctx.device, stats=stats, source=decision.rule,
-                        reason=decision.reason)
+                        reason=decision.reason, coo_only=any(_coo_only(g) for g in _graphs(ctx.example_inputs)))
         if choice.dtype == torch.float32:
             return dataclasses.replace(decision, category=Category.FP32, dtype=torch.float32, rule=choice.rule,
                                        reason=choice.reason)
@@ -335,6 +340,16 @@ def _run_for_stats(gm: torch.fx.GraphModule, example: Any) -> dict[str, LeafStat
 def _graphs(values: Any) -> list[Any]:
     return [v for v in torch.utils._pytree.tree_leaves(values)
             if hasattr(v, "local_scope") and hasattr(v, "in_degrees")]
+
+
+def _coo_only(g: Any) -> bool:
+    """Is ``g`` restricted to the COO sparse format (``g.formats('coo')``)?"""
+    try:
+        formats = g.formats()
+    except Exception:  # noqa: BLE001 - not a DGL graph after all
+        return False
+    allowed = {*formats.get("created", ()), *formats.get("not created", ())}
+    return bool(allowed) and not allowed & {"csr", "csc"}
 
 
 def stats_of(args: Any, kwargs: Any) -> LeafStats | None:
