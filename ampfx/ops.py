@@ -282,7 +282,10 @@ _op("softmin", D, "exp of its inputs: needs float32", fns=[F.softmin], methods=[
 _EXP = "|f(x)| >> |x|: overflows low precision"
 for _name in ("exp", "expm1", "exp2", "pow", "square", "float_power"):
     _op(_name, D, _EXP, fns=[*_torch_fns(_name), *([operator.pow] if _name == "pow" else [])],
-        methods=[_name, *(["__pow__", "__rpow__"] if _name == "pow" else [])], aten=[_name])
+        methods=[_name, *(["__pow__", "__rpow__"] if _name == "pow" else [])], aten=[_name],
+        # a power overflows bfloat16 no sooner than float32; its rounding is a few multiplies' (tanh-GELU's x**3)
+        bf16=(I, "a power: bfloat16 has float32's range (no overflow risk beyond float32's) and "
+                 "x**p rounds like p multiplies") if _name in ("pow", "square") else None)
 _LOG = "log near 0 needs float32's precision and range"
 for _name in ("log", "log1p", "log2", "log10"):
     _op(_name, D, _LOG, fns=_torch_fns(_name), methods=[_name], aten=[_name])
