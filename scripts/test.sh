@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run every test lane available here:
+# Set up, then run every test lane, each in its own virtual environment:
 #   core: torch 2.13 CPU (.venv) - unit tests, doctests in ampfx/, the docs' examples, the examples'
 #   smoke tests, and a headless-Chromium check of the HTML report (chromium installed here if missing).
+#   models: torch 2.14.1 + torchvision + timm + transformers (.venv-models), scripts/test-models.sh.
+# Arguments go to the core lane's pytest; SKIP_LANES="models" (or "models dgl") skips those lanes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,3 +13,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     || echo "chromium could not be installed: the browser test will be skipped"
 fi
 .venv/bin/python -m pytest -q ampfx tests "$@"
+bash scripts/test-models.sh
