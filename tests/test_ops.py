@@ -54,6 +54,8 @@ def test_unknown_keys_are_none():
     ("sum", Category.DENY, Category.INFER),
     ("mean", Category.DENY, Category.INFER),
     ("rsqrt", Category.DENY, Category.INFER),
+    ("pow", Category.DENY, Category.INFER),
+    ("exp", Category.DENY, Category.DENY),
     ("softmax", Category.DENY, Category.DENY),
     ("linear", Category.ALLOW, Category.ALLOW),
 ])
