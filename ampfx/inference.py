@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import runtime
+from . import integrations, runtime
 from .passes.classify import attr_of
 
 
@@ -34,7 +34,8 @@ def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
             continue
         obj = attr_of(gm, str(node.target))
         if isinstance(obj, nn.Module):  # a leaf run by call_module_low: all its float parameters go low
-            runs_low = all(u.target is runtime.call_module_low for u in node.users)
+            runs_low = all(u.target in (runtime.call_module_low, *integrations.runners()) and u.args[1] == low
+                           for u in node.users)
             for name, p in obj.named_parameters():
                 key = f"{node.target}.{name}"
                 wanted[key] = wanted.get(key, True) and runs_low and p.dtype in runtime.CASTABLE

@@ -433,3 +433,16 @@ def test_a_coo_only_graph_keeps_dgl_leaves_float32_on_cpu():
     (r,) = records(amp)
     assert (r.dtype, r.rule) == (torch.float32, "dgl:device") and "COO" in r.reason
     torch.testing.assert_close(amp(g, x), model(g, x))
+
+
+def test_inference_mode_stores_dgl_leaf_weights_low_once():
+    """mode='inference': a DGL leaf run in the low dtype keeps its weights in that dtype (half the bytes);
+    outputs match the training-mode conversion; the model given is untouched."""
+    g, x = graph(), torch.randn(40, 8)
+    model = GAT(8, 4, 3, [2, 2, 2]).eval()
+    train_amp = ampfx.convert(model, "bf16", example_inputs=(g, x))
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, x), mode="inference")
+    assert {p.dtype for p in amp.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert "12 parameters stored in bfloat16 once" in amp.ampfx_report.summary()
+    torch.testing.assert_close(amp(g, x), train_amp.eval()(g, x), atol=0, rtol=0)

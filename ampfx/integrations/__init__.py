@@ -49,6 +49,15 @@ def runs_on_fake_tensors(module: Any) -> bool:
     return lib is None or lib.RUNS_ON_FAKE_TENSORS
 
 
+def runners() -> tuple[Callable[..., Any], ...]:
+    """Every library's low-precision leaf runner (their modules import no library).
+
+    >>> [f.__name__ for f in runners()]
+    ['call_dgl_low']
+    """
+    return tuple(f for path in LIBRARIES.values() for f in importlib.import_module(path).RUNNERS)
+
+
 def runner(module: Any) -> Callable[..., Any] | None:
     """``runner(module, dtype, *args, **kwargs)`` for a low-precision leaf of a library, or ``None``."""
     lib = library_of(module)

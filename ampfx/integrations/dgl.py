@@ -417,6 +417,10 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
         return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
 
 
+RUNNERS = (call_dgl_low,)
+"""The functions generated code calls for DGL leaves (``mode="inference"`` stores their weights low)."""
+
+
 def _constant_buffers(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Low-precision copies of the float buffers that DGL's own modules keep as constants
     (``GINConv``'s fixed ``eps``: float32 there would promote the whole update back to float32).
