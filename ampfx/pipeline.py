@@ -225,6 +225,9 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
                                                             example_inputs is None})
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = list(capture.notes)
+    if capture.method == "export" and (policy.leaf_modules or any(not isinstance(o, str) for o, _ in policy.user_ops)):
+        notes.append("torch.export traces through leaf_modules and the modules and functions named on a list: on "
+                     "this exported graph their ops are decided one by one (tracer='fx' keeps them whole)")
     if example_inputs is not None:
         try:
             _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)

@@ -367,3 +367,11 @@ def test_export_page_prints_what_it_shows():
     run = subprocess.run([sys.executable, str(root / "tests" / "doccheck.py"), str(root / "docs" / "export.md")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_export_says_it_traced_through_named_leaves():
+    """leaf_modules keep a module whole under torch.fx only; an exported graph's report says so."""
+    m, x = Net(), torch.randn(2, 6, 16)
+    rep = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export", leaf_modules=["blocks.0"]).ampfx_report
+    assert any("traces through leaf_modules" in n for n in rep.notes)
+    assert any(r.module == "blocks.0.fc" for r in rep.compute)
