@@ -3,8 +3,9 @@
 share of the training nodes, as the tutorial splits ``train_nid``; and the same
 converted model trained in one process on the mean of the shares' losses.
 
-``python tests_dgl/ddp_train.py OUT.pt [--world 2] [--steps 5] [--optimizer sgd|adam]`` writes
-``{"ddp", "single", "rank0_alone", "init"}`` state dicts and the conversion summary to ``OUT.pt``.
+``python tests_dgl/ddp_train.py OUT.pt [--world 2] [--steps 5] [--optimizer sgd|adam] [--model gnn|gat]`` writes
+the state dicts ``ddp``, ``per-share``, ``mean-loss``, ``share-0`` (see :func:`single`) and ``init``, and
+the conversion summary, to ``OUT.pt``.
 """
 from __future__ import annotations
 
@@ -34,30 +35,38 @@ def optimizer(params, name: str):
     return torch.optim.Adam(params, lr=LR) if name == "adam" else torch.optim.SGD(params, lr=LR * 10)
 
 
-def setup(world: int):
-    """Data, initial model and the training-node shares, identical in every process."""
+def setup(world: int, model_name: str = "gnn"):
+    """Data, initial model and the training-node shares, identical in every process. ``gnn`` is seed
+    001's model (update_all + NodeUpdate); ``gat`` is seed 000's GAT (dgl.nn leaves)."""
     data = dgl_seeds.powerlaw_graph(n=300, in_feats=50, n_classes=4, seed=1)
     torch.manual_seed(0)
-    model = dgl_seeds.GNN(50, 16, 4, 2, F.relu, 0.0)  # dropout 0: both runs draw no random masks
+    if model_name == "gat":
+        model = dgl_seeds.GAT(50, 8, 4, [2, 2, 2])
+    else:
+        model = dgl_seeds.GNN(50, 16, 4, 2, F.relu, 0.0)  # dropout 0: both runs draw no random masks
     train_nid = data.train.nonzero().squeeze(1)
     shares = torch.split(train_nid, len(train_nid) // world)[:world]
     return data, model, shares
 
 
+def inputs(model, data):
+    return (data.g,) if isinstance(model, dgl_seeds.GNN) else (data.g, data.feat)
+
+
 def convert(model, data):
-    return ampfx.convert(copy.deepcopy(model), torch.bfloat16, example_inputs=(data.g,))
+    return ampfx.convert(copy.deepcopy(model), torch.bfloat16, example_inputs=inputs(model, data))
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str, opt_name: str) -> None:
+def worker(rank: int, world: int, port: int, steps: int, out: str, opt_name: str, model_name: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    data, model, shares = setup(world)
+    data, model, shares = setup(world, model_name)
     amp = convert(model, data)
     ddp = torch.nn.parallel.DistributedDataParallel(amp)
     opt = optimizer(ddp.parameters(), opt_name)
     nid = shares[rank]
     for _ in range(steps):
-        loss = F.cross_entropy(ddp(data.g)[nid], data.label[nid])
+        loss = F.cross_entropy(ddp(*inputs(model, data))[nid], data.label[nid])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -67,18 +76,28 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, opt_name: str
     dist.destroy_process_group()
 
 
-def single(world: int, steps: int, opt_name: str, only: int | None = None) -> dict:
-    """One process: the mean of every share's loss (what DDP's gradient averaging computes), or share
-    ``only``'s loss alone (what a process would learn without averaging)."""
-    data, model, shares = setup(world)
+def single(world: int, steps: int, opt_name: str, model_name: str, how: str = "per-share") -> dict:
+    """One process on the same data. ``per-share``: a forward and backward per share, gradients summed and
+    divided by the number of shares (DDP's arithmetic: each process's bf16 backward, then the average);
+    ``mean-loss``: one backward of the mean of the shares' losses (the same gradient up to where bf16
+    rounds in the backward); ``share-0``: share 0 alone (what a process learns without averaging)."""
+    data, model, shares = setup(world, model_name)
     amp = convert(model, data)
     opt = optimizer(amp.parameters(), opt_name)
-    used = shares if only is None else shares[only:only + 1]
     for _ in range(steps):
-        logits = amp(data.g)
-        loss = sum(F.cross_entropy(logits[nid], data.label[nid]) for nid in used) / len(used)
         opt.zero_grad()
-        loss.backward()
+        if how == "per-share":
+            grads = []
+            for nid in shares:
+                loss = F.cross_entropy(amp(*inputs(model, data))[nid], data.label[nid])
+                grads.append(torch.autograd.grad(loss, list(amp.parameters())))
+            for p, *gs in zip(amp.parameters(), *grads):
+                p.grad = sum(gs) / world
+        else:
+            used = shares if how == "mean-loss" else shares[:1]
+            logits = amp(*inputs(model, data))
+            loss = sum(F.cross_entropy(logits[nid], data.label[nid]) for nid in used) / len(used)
+            loss.backward()
         opt.step()
     return {k: v.detach().clone() for k, v in amp.state_dict().items()}, amp.ampfx_report.summary()
 
@@ -89,18 +108,19 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--model", choices=["gnn", "gat"], default="gnn")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.world, port, args.steps, args.out, args.optimizer), nprocs=args.world, join=True)
+    mp.spawn(worker, args=(args.world, port, args.steps, args.out, args.optimizer, args.model), nprocs=args.world, join=True)
     ddp = torch.load(args.out + ".ddp")
     os.remove(args.out + ".ddp")
-    ref, summary = single(args.world, args.steps, args.optimizer)
-    alone, _ = single(args.world, args.steps, args.optimizer, only=0)
-    _, init, _ = setup(args.world)
-    torch.save({"ddp": ddp, "single": ref, "rank0_alone": alone, "init": init.state_dict(), "summary": summary},
-               args.out)
+    runs = {how: single(args.world, args.steps, args.optimizer, args.model, how)
+            for how in ("per-share", "mean-loss", "share-0")}
+    _, init, _ = setup(args.world, args.model)
+    torch.save({"ddp": ddp, **{how: r[0] for how, r in runs.items()}, "init": init.state_dict(),
+                "summary": runs["per-share"][1]}, args.out)
 
 
 if __name__ == "__main__":
