@@ -97,6 +97,7 @@ class ExportCapture:
     mode_graphs: dict[bool, fx.Graph] | None = None
     constants: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    mode_error: str | None = None  # why the other training mode could not be exported
 
 
 def _short(e: BaseException) -> str:
@@ -279,7 +280,9 @@ def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
     graphs: dict[bool, fx.Graph] = {}
     constants: dict[str, Any] = {}
     notes: list[str] = []
-    order = [model.training] + ([not model.training] if _reads_training(model) else [])
+    current = model.training
+    order = [current] + ([not current] if _reads_training(model) else [])
+    mode_error = None
     for training in order:
         with modes(model, training=training), kept_buffers(model):
             try:
@@ -287,6 +290,9 @@ def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
             except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
                 if dynamic is None or not _about_sizes(e):
                     steps.append(f"torch.export ({_mode(training)} mode): {_short(e)}")
+                    if training != current:  # the conversion-time mode exported: keep it
+                        mode_error = _short(e)
+                        break
                     raise ExportFailed(_short(e), steps) from e
                 steps.append(f"torch.export with dynamic sizes ({_mode(training)} mode): {_short(e)}")
                 dynamic = None
@@ -294,6 +300,9 @@ def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
                     ep = _export(model, args, kwargs, None)
                 except Exception as e2:  # noqa: BLE001
                     steps.append(f"torch.export with static sizes ({_mode(training)} mode): {_short(e2)}")
+                    if training != current:
+                        mode_error = _short(e2)
+                        break
                     raise ExportFailed(_short(e2), steps) from e2
         gm = _unlift(ep)
         found, cleaned = _clean(gm, model, paths)
@@ -308,7 +317,24 @@ def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
         notes.append("torch.export specialised every input size to the example's: other sizes fail the "
                      "converted module's graph (convert again for other sizes)")
     return ExportCapture(graph=graphs[model.training], steps=steps, mode_graphs=None if same else graphs,
-                         constants=constants, notes=notes)
+                         constants=constants, notes=notes, mode_error=mode_error)
+
+
+class ModeUnavailable(nn.Module):
+    """Stands in for the graph of a training mode that could not be exported:
+    calling the converted module in that mode raises, saying what to do."""
+
+    def __init__(self, training: bool, why: str) -> None:
+        super().__init__()
+        self.mode, self.why = _mode(training), why
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        other = "train" if self.mode == "eval" else "eval"
+        raise RuntimeError(
+            f"this converted module has no {self.mode}-mode graph: torch.export failed on the model in "
+            f"{self.mode} mode ({self.why}). Convert the model in {self.mode} mode for that "
+            f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only, or convert with "
+            "tracer='fx'.")
 
 
 def _mode(training: bool) -> str:

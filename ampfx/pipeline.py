@@ -195,7 +195,7 @@ def _capture(work: nn.Module, policy: Policy, example_inputs: Any, tracer: str) 
             return fx_capture
         return [*steps, *e.steps]
     return Capture(graph=ex.graph, method="export", steps=[*steps, *ex.steps], mode_graphs=ex.mode_graphs,
-                   constants=ex.constants, notes=ex.notes)
+                   constants=ex.constants, notes=ex.notes, mode_error=ex.mode_error)
 
 
 def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
@@ -266,6 +266,11 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         notes.append(f"the model's Python reads self.training: a second graph for "
                      f"{'eval' if work.training else 'train'} mode was converted and runs whenever the module is "
                      "in that mode (the records here are the conversion-time mode's)")
+    if capture.mode_error is not None:
+        missing = "eval" if work.training else "train"
+        gm.set_mode_graph(not work.training, export_mod.ModeUnavailable(not work.training, capture.mode_error))
+        notes.append(f"torch.export failed on the model in {missing} mode ({capture.mode_error}); the converted "
+                     f"module raises in {missing} mode: convert model.{missing}() for that")
     records, casts = [], []
     for node in gm.graph.nodes:
         rec = node.meta.get("ampfx")

@@ -147,6 +147,7 @@ class Capture:
     mode_graphs: dict[bool, fx.Graph] | None = None  # export: the graph of each training mode, when they differ
     constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
     notes: list[str] = field(default_factory=list)
+    mode_error: str | None = None  # export: why the other training mode could not be exported
 
 
 def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:

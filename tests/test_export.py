@@ -375,3 +375,32 @@ def test_export_says_it_traced_through_named_leaves():
     rep = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export", leaf_modules=["blocks.0"]).ampfx_report
     assert any("traces through leaf_modules" in n for n in rep.notes)
     assert any(r.module == "blocks.0.fc" for r in rep.compute)
+
+
+class EvalOnlyBranch(nn.Module):
+    """Exports in train mode; in eval mode a branch on values stops torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        if not self.training and h.sum() > 0:
+            h = h * 2
+        return h
+
+
+def test_a_mode_that_does_not_export_fails_clearly():
+    """The other training mode could not be exported: switching to it raises and says what to do; the report
+    says so; the exported mode works."""
+    m, x = EvalOnlyBranch(), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    assert any("converted module raises in eval mode" in n for n in amp.ampfx_report.notes)
+    assert amp(x).shape == (3, 8)
+    amp.eval()
+    with pytest.raises(RuntimeError, match=r"no eval-mode graph.*ampfx.convert\(model.eval\(\)"):
+        amp(x)
+    again = pickle.loads(pickle.dumps(amp))
+    with pytest.raises(RuntimeError, match="no eval-mode graph"):
+        again(x)
