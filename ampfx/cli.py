@@ -101,7 +101,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input) or None
-    amp = convert(model, args.dtype, example_inputs=inputs)
+    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     rep = amp.ampfx_report
     if args.format == "json":
         for r in rep.records:
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
     e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
+    e.add_argument("--tracer", choices=["auto", "fx", "export"], default="auto",
+                   help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
     e.add_argument("--format", choices=["table", "json", "html"], default="table",
                    help="table (default), json (one record per line) or html (the graph page, to stdout)")
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")

@@ -404,3 +404,14 @@ def test_a_mode_that_does_not_export_fails_clearly():
     again = pickle.loads(pickle.dumps(amp))
     with pytest.raises(RuntimeError, match="no eval-mode graph"):
         again(x)
+
+
+def test_cli_explain_takes_a_tracer(capsys):
+    """ampfx explain --tracer export: the table's records come from the exported graph."""
+    import json
+
+    from ampfx.cli import main
+
+    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--tracer", "export", "--format", "json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert any(r["op"] == "linear" and r["target"] == "aten.linear.default" and r["module"] == "fc1" for r in rows)
