@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from . import integrations
 from . import policy as policy_mod
 from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
@@ -366,6 +367,10 @@ def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, pref
                 visit(child, f"{sub}.")
             elif not called:
                 regions.append(Region(f"{prefix}{sub}", "left as is: not called on the example inputs"))
+            elif (leaf := integrations.convert_eager_leaf(child, policy, inputs.get(sub), f"{prefix}{sub}",
+                                                          _device_of(child, inputs.get(sub)))) is not None:
+                setattr(parent, name, leaf[0])  # a DGL module: one leaf, run as its library's table says
+                parts.append(leaf[1])
             elif (not list(child.children()) and AmpTracer(policy).is_leaf_module(child, sub)
                   and type(child) not in TRACE_THROUGH):
                 regions.append(Region(f"{prefix}{sub}", "left as is: a single torch.nn leaf module called "

@@ -406,8 +406,8 @@ def test_minibatch_training_over_sampled_blocks():
 
 
 def test_a_forward_that_iterates_the_blocks_falls_back_to_eager_and_still_trains():
-    """``zip(self.layers, blocks)`` cannot be traced (a traced list cannot be iterated): the root stays eager,
-    each SAGEConv runs its own Python in float32 with its linear layers converted, and the log says so."""
+    """``zip(self.layers, blocks)`` cannot be traced (a traced list cannot be iterated): the root stays eager
+    and each SAGEConv it calls runs as one bf16 leaf (EagerLeaf), and the log says so."""
     g = graph(200, 1000)
     x = torch.randn(200, 8)
     loader = dgl.dataloading.DataLoader(g, torch.arange(200), dgl.dataloading.NeighborSampler([5, 5]),
@@ -417,6 +417,7 @@ def test_a_forward_that_iterates_the_blocks_falls_back_to_eager_and_still_trains
     model = ZipSAGE()
     amp = ampfx.convert(model, "bf16", example_inputs=(blocks, feats))
     assert "capture <root>: eager (children converted separately)" in amp.ampfx_report.summary()
+    assert [(r.op, r.dtype) for r in records(amp)] == [("dgl.SAGEConv", torch.bfloat16)] * 2
     torch.testing.assert_close(amp(blocks, feats), model(blocks, feats), atol=0.05, rtol=0.05)
     amp(blocks, feats).sum().backward()
     assert model.layers[0].fc_neigh.weight.grad.dtype == torch.float32
@@ -446,3 +447,69 @@ def test_inference_mode_stores_dgl_leaf_weights_low_once():
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert "12 parameters stored in bfloat16 once" in amp.ampfx_report.summary()
     torch.testing.assert_close(amp(g, x), train_amp.eval()(g, x), atol=0, rtol=0)
+
+
+class GraphClassifier(nn.Module):
+    """DGL's graph-classification tutorial model: its forward uses g.local_scope() and dgl.mean_nodes, which
+    torch.fx cannot trace, so the root stays eager and the convolutions are called from eager code."""
+
+    def __init__(self, in_dim, hidden_dim, n_classes):
+        super().__init__()
+        self.conv1 = dglnn.GraphConv(in_dim, hidden_dim)
+        self.conv2 = dglnn.GraphConv(hidden_dim, hidden_dim)
+        self.classify = nn.Linear(hidden_dim, n_classes)
+
+    def forward(self, g, h):
+        h = F.relu(self.conv1(g, h))
+        h = F.relu(self.conv2(g, h))
+        with g.local_scope():
+            g.ndata["h"] = h
+            return self.classify(dgl.mean_nodes(g, "h"))
+
+
+def minigc(n=100):
+    ds = dgl.data.MiniGCDataset(n, 10, 20, seed=0)
+    graphs, labels = zip(*[ds[i] for i in range(len(ds))])
+    g = dgl.batch([dgl.add_self_loop(x) for x in graphs])
+    return g, g.in_degrees().float().view(-1, 1), torch.stack(labels), ds.num_classes
+
+
+def test_dgl_modules_called_from_an_untraceable_forward_still_run_in_bf16():
+    """On DGL's offline MiniGC: the root stays eager (local_scope, mean_nodes); each GraphConv it calls is
+    replaced by an EagerLeaf running call_dgl_low (same parameters and state_dict keys, float32 out, so
+    mean_nodes gets float32: no bf16 SegmentSum on CPU); AMPFX_FP32_MODULES still applies; the result
+    saves, loads, deep-copies and switches train/eval."""
+    g, feat, y, n_classes = minigc()
+    torch.manual_seed(0)
+    model = GraphClassifier(1, 16, n_classes)
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, feat))
+    rep = amp.ampfx_report
+    assert "capture <root>: eager (children converted separately)" in rep.summary()
+    convs = records(amp)
+    assert [(r.module, r.op, r.dtype) for r in convs] == [("conv1", "dgl.GraphConv", torch.bfloat16),
+                                                          ("conv2", "dgl.GraphConv", torch.bfloat16)]
+    assert all("called from eager code" in r.reason for r in convs)
+    assert isinstance(amp.conv1, integ.EagerLeaf) and amp.conv1.leaf.weight is model.conv1.weight
+    assert list(amp.state_dict()) == list(model.state_dict())
+    out = amp(g, feat)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model(g, feat), atol=0.05, rtol=0.05)
+    F.cross_entropy(out, y).backward()
+    grad_low = model.conv1.weight.grad.clone()
+    model.zero_grad()
+    F.cross_entropy(model(g, feat), y).backward()
+    assert ((grad_low - model.conv1.weight.grad).norm() / model.conv1.weight.grad.norm()).item() < 0.05
+    for other in (copy.deepcopy(amp), _reload(amp)):
+        assert torch.equal(other(g, feat), amp(g, feat))
+    amp.eval()
+    assert not amp.conv1.leaf.training
+    kept = ampfx.convert(model, "bf16", example_inputs=(g, feat), environ={"AMPFX_FP32_MODULES": "conv1"})
+    assert type(kept.conv1) is dglnn.GraphConv and [(r.dtype, r.rule) for r in records(kept)] == [
+        (torch.float32, "fp32_modules"), (torch.bfloat16, "table")]
+
+
+def _reload(module):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf)

@@ -43,6 +43,13 @@ def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
     return decision if lib is None else lib.refine(decision, module, node, gm, ctx)
 
 
+def convert_eager_leaf(module: Any, policy: Any, example_inputs: Any, path: str, device: str) -> Any:
+    """For a library module called from eager code (its parent could not be traced): ``(replacement,
+    Report)`` running it as the library's table says, or ``None`` for modules of no library."""
+    lib = library_of(module)
+    return None if lib is None else lib.convert_eager_leaf(module, policy, example_inputs, path, device)
+
+
 def runs_on_fake_tensors(module: Any) -> bool:
     """Can ``module`` run on meta / fake tensors for shape propagation? (DGL's kernels cannot.)"""
     lib = library_of(module)

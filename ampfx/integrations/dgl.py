@@ -293,6 +293,89 @@ def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
     return decision
 
 
+# --------------------------------------------------------------------------- leaves called from eager code
+
+class EagerLeaf(torch.nn.Module):
+    """A DGL module called from Python that ampfx cannot trace (a root whose
+    ``forward`` uses ``g.local_scope()`` or ``dgl.mean_nodes``), run in ``dtype``
+    by :func:`call_dgl_low`; float outputs return in the dtype of its float inputs.
+
+    It holds the module's own parameters, buffers and children (the same
+    objects, so the same ``state_dict`` keys) and keeps the module itself
+    unregistered, so nothing appears twice.
+    """
+
+    def __init__(self, leaf: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["leaf"] = leaf  # not a registered child: state_dict keys stay the leaf's own
+        self._parameters = leaf._parameters
+        self._buffers = leaf._buffers
+        self._modules = leaf._modules
+        self._non_persistent_buffers_set = leaf._non_persistent_buffers_set
+        self.low_dtype = dtype
+        self.training = leaf.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        floats = [t.dtype for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.dtype in CASTABLE]
+        return _cast_tree(call_dgl_low(self.leaf, self.low_dtype, *args, **kwargs),
+                          floats[0] if floats else torch.float32)
+
+    def train(self, mode: bool = True) -> "EagerLeaf":
+        self.leaf.training = mode
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.leaf).__name__} run in {_short(self.low_dtype)} by ampfx.integrations.dgl.call_dgl_low"
+
+
+def convert_eager_leaf(module: torch.nn.Module, policy: Any, example_inputs: Any, path: str,
+                       device: str) -> tuple[torch.nn.Module, Any]:
+    """A DGL module called from eager code: ``(module to put in its place, Report with its one record)``.
+
+    The same lists, table and rules as a traced leaf (:func:`decide`); a low
+    result is an :class:`EagerLeaf`, a float32 one the module unchanged.
+    """
+    from .. import ops
+    from ..report import Decision, Region, Report
+
+    name = policy.op_name(type(module)) or ops.qualified_name(type(module))
+    record = dict(node=path.replace(".", "_") or "leaf", op=name, target=path, module=path, kind="call_module")
+    listed = policy.category_of(name)
+    fp32 = next((p for p in policy.fp32_modules if path == p or path.startswith(p + ".")), None)
+    rejected = policy.module_filter_fn is not None and not policy.module_filter_fn(module, path)
+    dtype, category = torch.float32, Category.FP32
+    if fp32 is not None:
+        rule, reason = "fp32_modules", f"inside module {fp32!r}, named in fp32_modules: kept float32"
+    elif rejected:
+        rule, reason = "module_filter_fn", f"module_filter_fn rejected module {path!r}: kept float32"
+    elif listed is None:
+        qual = ops.qualified_name(type(module))
+        rule, reason = "unlisted", (f"dgl.nn module {type(module).__name__} is not in ampfx's DGL table: float32; "
+                                    f"allow it with AMPFX_ALLOWLIST_ADD={qual}")
+    elif listed[0] is Category.ALLOW:
+        rule_entry = rule_for(module)
+        aggregation = rule_entry.aggregation_of(module) if rule_entry is not None else None
+        stats = (stats_of(example_inputs, {}) if example_inputs is not None and policy.dtype == torch.float16
+                 and aggregation in ("sum", "mean") else None)
+        choice = decide(rule_entry, module, policy.dtype, device, stats=stats, source=listed[1], reason=listed[2],
+                        coo_only=any(_coo_only(g) for g in _graphs(example_inputs)))
+        dtype, rule, reason = choice.dtype, choice.rule, choice.reason
+        category = Category.ALLOW if dtype != torch.float32 else Category.FP32
+    else:
+        category, rule, reason = listed[0], listed[1], listed[2]
+    where = "called from eager code (its parent could not be traced)"
+    if dtype != torch.float32:
+        reason += f"; {where}: runs by call_dgl_low, float outputs back in its inputs' dtype"
+        replacement: torch.nn.Module = EagerLeaf(module, dtype)
+    else:
+        reason += f"; {where}: runs as written"
+        replacement = module
+    decision = Decision(category=category, dtype=dtype, rule=rule, reason=reason, out=torch.float32, **record)
+    return replacement, Report(dtype=policy.dtype, records=(decision,), regions=(
+        Region(path, f"a DGL module called from eager code: {_short(dtype)} leaf"),))
+
+
 # --------------------------------------------------------------------------- example-input facts
 
 def leaf_stats(gm: torch.fx.GraphModule, ctx: Any) -> dict[str, LeafStats]:
