@@ -271,8 +271,6 @@ def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
     ALLOW leaves get :func:`decide`'s dtype (a float32 result makes the leaf
     ``FP32``); leaves in no list get a DGL-specific reason; others are kept.
     """
-    from ..report import Decision  # noqa: F401 - the record type being replaced
-
     if decision.category is Category.ALLOW:
         rule = rule_for(module)
         aggregation = rule.aggregation_of(module) if rule is not None else None
