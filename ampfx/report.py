@@ -42,6 +42,7 @@ RULES_DOC: dict[str, str] = {
     "paint:between-allow": "on a path between low-precision ops (TF-AMP)",
     "paint:follow-allow": "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)",
     "paint:clear": "a clear op next to a low-precision op (TF-AMP clear propagation)",
+    "paint:save-cast": "every user computes in float32 and the inputs are cast to float32 anyway: float32 saves a cast",
     "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
     "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
     "dgl:device": "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32",
@@ -275,7 +276,8 @@ class Report:
 
 def _rule_word(rule: str) -> str:
     return {"table": "deny list", "paint:deny": "follows deny", "paint:default": "no low neighbour",
-            "probe": "no low kernel here", "fp32_modules": "fp32 module", "inplace": "in-place"}.get(rule, rule)
+            "probe": "no low kernel here", "fp32_modules": "fp32 module", "inplace": "in-place",
+            "paint:save-cast": "saves a cast"}.get(rule, rule)
 
 
 def _write_lines(path: Path, rows: Iterable[dict]) -> None:

@@ -149,6 +149,54 @@ def test_infer_between_allows_goes_low_and_records_the_rule():
     assert (gelu.dtype, gelu.rule) == (torch.float16, "paint:between-allow")
 
 
+
+def test_fp16_layer_norm_after_a_clear_op_goes_low_its_affine_slots_do_not_count():
+    """Under float16 an infer op goes low only when all its float inputs are low;
+    a norm's float32 weight and bias are not data inputs, and a dropout painted
+    low by clear propagation counts (steps 4 and 5 repeat)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = F.dropout(x + 1, 0.1, self.training)  # fed by float32: low only by clear propagation
+            return self.b(self.norm(h) + self.a(h))
+
+    amp = ampfx.convert(Net(), "fp16", example_inputs=(torch.randn(2, 8),))
+    norm = record(amp.ampfx_report, op="layer_norm")[0]
+    assert norm.dtype == torch.float16, norm
+    assert record(amp.ampfx_report, op="dropout")[0].dtype == torch.float16
+    with torch.no_grad():
+        assert amp(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_an_op_whose_users_all_want_fp32_moves_to_fp32_when_that_saves_a_cast():
+    """tanh-GELU under float16 (pow on the deny list): ``0.5 * h`` only feeds the
+    float32 product and ``h`` is cast for pow anyway, so it computes in float32."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            half = h * 0.5
+            return self.b(half * (1 + torch.tanh(h + 0.044715 * torch.pow(h, 3))))
+
+    m = Net()
+    amp = ampfx.convert(m, "fp16", example_inputs=(torch.randn(2, 8),))
+    rep = amp.ampfx_report
+    half = [r for r in rep.records if r.op == "mul" and r.in_shapes and len(r.in_shapes) == 1][0]
+    assert (half.dtype, half.rule) == (torch.float32, "paint:save-cast"), half
+    assert "saves a cast" in rep.summary()
+    # x in, h once to float32 (pow, add, the product), the product back for b, b's output: no cast of `half`
+    sources = collections.Counter(c.value for c in rep.casts if not c.weight)
+    assert sources[half.node] == 0 and sum(sources.values()) == 4, sources
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(amp(x), m(x), rtol=0.02, atol=0.02)
+
 def test_unlisted_ops_stay_fp32_and_are_counted():
     class Net(nn.Module):
         def __init__(self):

@@ -13,6 +13,11 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
    inputs' dtype, as autocast would; range-risky ops are on the fp16 deny list);
 5. clear propagation: CLEAR nodes next to low nodes go low, both directions.
 
+Steps 4 and 5 repeat until nothing changes. Step 6 moves an infer/clear op
+painted low to float32 where that removes a cast and adds none. A slot the op's rule pins to
+float32 (a norm's weight and bias, ``OpRule.fp32_args``) is not counted as a
+float input in step 4.
+
 Unpainted INFER/CLEAR nodes stay float32. Then, in graph order, every node
 gets ``out``: the dtype of the value it produces once converted. An in-place
 op computes in the dtype of the tensor it mutates, whatever its paint.
@@ -101,28 +106,20 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
     #    low (then it runs in its inputs' dtype, as under autocast; range-risky ops are on the float16
     #    deny list)
+    #    Steps 4 and 5 repeat until nothing changes: a clear op painted in 5 can make an infer op's
+    #    inputs all low.
     decided = {n: n.meta[META] for n in nodes}
-    for n in nodes:
-        if n in color or n in denied or cat[n] not in (Category.INFER, Category.CLEAR):
-            continue
-        feeds = [p for p in n.all_input_nodes if carries_float(p, decided)]
-        lows = [p for p in feeds if color.get(p, (None,))[0] == low]
-        if not lows or any(p in denied for p in feeds):
-            continue
-        if cat[n] is Category.CLEAR:
-            color[n] = (low, "paint:follow-allow", f"clear op fed by low-precision {lows[0].name}: {low_name}")
-        elif low == torch.bfloat16:
-            color[n] = (low, "paint:follow-allow",
-                        f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
-        elif len(lows) == len(feeds):
-            color[n] = (low, "paint:follow-allow",
-                        f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
-
-    # 5. clear propagation, both directions
-    lows = [n for n, c in color.items() if c[0] == low]
-    both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
-    for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
-        color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
+    while True:
+        painted = len(color)
+        _follow_allow(nodes, cat, color, denied, decided, low)
+        # 5. clear propagation, both directions
+        lows = [n for n, c in color.items() if c[0] == low]
+        both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
+        for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
+            color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
+        if len(color) == painted:
+            break
+    _save_casts(nodes, cat, color, denied, decided, low)
 
     for n in nodes:
         d: Decision = n.meta[META]
@@ -138,6 +135,75 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
                                     reason=f"{cat[n].value} op {why}: float32" + earlier)
         n.meta[META] = d
     _values(gm, low)
+
+
+def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
+                  low: torch.dtype) -> None:
+    """Step 4, one pass in graph order (see the module docstring)."""
+    low_name = str(low).replace("torch.", "")
+    for n in nodes:
+        if n in color or n in denied or cat[n] not in (Category.INFER, Category.CLEAR):
+            continue
+        pinned = _fp32_slot_inputs(n)  # statistics/affine slots stay float32 whatever the op's dtype
+        feeds = [p for p in n.all_input_nodes if carries_float(p, decided) and p not in pinned]
+        lows = [p for p in feeds if color.get(p, (None,))[0] == low]
+        if not lows or any(p in denied for p in feeds):
+            continue
+        if cat[n] is Category.CLEAR:
+            color[n] = (low, "paint:follow-allow", f"clear op fed by low-precision {lows[0].name}: {low_name}")
+        elif low == torch.bfloat16:
+            color[n] = (low, "paint:follow-allow",
+                        f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
+        elif len(lows) == len(feeds):
+            color[n] = (low, "paint:follow-allow",
+                        f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
+
+
+def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
+                low: torch.dtype) -> None:
+    """Step 6: an infer/clear op painted low whose every user computes in
+    float32, and whose every float input is float32 or cast to float32 for
+    another user anyway, computes in float32 instead: its output cast goes and
+    no cast is added (fewer bytes too: the op writes what the cast wrote).
+    In reverse graph order, so chains of such ops all move.
+
+    E.g. GPT-2's tanh GELU under float16, where ``pow`` is on the deny list:
+    ``0.5 * x`` only feeds the float32 product, and ``x`` is cast for ``pow``.
+    """
+    def wants_fp32(u: fx.Node) -> bool:  # takes its input as a float32 copy (not through a dtype= argument)
+        rule = ops.RULES.get(decided[u].op)
+        if rule is not None and rule.accum_dtype:
+            return False
+        return u in denied or color.get(u, (None,))[0] == torch.float32
+
+    for n in reversed(nodes):
+        if color.get(n, (None,))[0] != low or cat[n] not in (Category.INFER, Category.CLEAR):
+            continue
+        if decided[n].inplace or not n.users or not all(wants_fp32(u) for u in n.users):
+            continue
+        pinned = _fp32_slot_inputs(n)
+        feeds = [p for p in n.all_input_nodes if carries_float(p, decided) and p not in pinned]
+        low_feeds = [p for p in feeds if color.get(p, (None,))[0] == low]
+        if any(not any(u is not n and wants_fp32(u) for u in p.users) for p in low_feeds):
+            continue
+        users = ", ".join(u.name for u in n.users)
+        color[n] = (torch.float32, "paint:save-cast",
+                    f"every user ({users}) computes in float32 and its inputs are cast to float32 anyway: "
+                    "float32 saves a cast")
+
+
+def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
+    """Input nodes in the slots the op's rule pins to float32 (``OpRule.fp32_args``):
+    a layer norm's weight and bias are float32 whatever dtype its data runs in."""
+    rule = ops.RULES.get(n.meta[META].op)
+    if rule is None or not rule.fp32_args:
+        return set()
+    pinned: set[fx.Node] = set()
+    for slot in rule.fp32_args:
+        arg = n.args[slot] if isinstance(slot, int) and slot < len(n.args) else (
+            n.kwargs.get(slot) if isinstance(slot, str) else None)
+        fx.map_arg(arg, pinned.add)
+    return pinned
 
 
 def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
