@@ -3,6 +3,7 @@
 #   core: torch 2.13 CPU (.venv) - unit tests, doctests in ampfx/, the docs' examples, the examples'
 #   smoke tests, and a headless-Chromium check of the HTML report (chromium installed here if missing).
 #   models: torch 2.14.1 + torchvision + timm + transformers (.venv-models), scripts/test-models.sh.
+#   dgl: torch 2.2.1 + dgl 2.1.0 (.venv-dgl, ~5 GB on first build), scripts/test-dgl.sh.
 # Arguments go to the core lane's pytest; SKIP_LANES="models" (or "models dgl") skips those lanes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +15,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 .venv/bin/python -m pytest -q ampfx tests "$@"
 bash scripts/test-models.sh
+bash scripts/test-dgl.sh
