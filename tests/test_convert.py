@@ -678,3 +678,23 @@ def test_notes_of_regions_reach_the_report():
 
     rep = ampfx.convert(Root(), "bf16", example_inputs=(torch.randn(4, 8),)).ampfx_report
     assert sum("reads self.training" in n for n in rep.notes) == 1
+
+
+def test_a_view_of_returned_logits_is_taken_of_the_float32_copy():
+    """Logits returned as a float32 output and viewed for the loss: one cast, not two."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            logits = self.fc(x)
+            return logits, F.cross_entropy(logits.view(-1, 4), y)
+
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    amp = ampfx.convert(Net(), "bf16", example_inputs=(x, y))
+    view = record(amp.ampfx_report, op="view")[0]
+    assert (view.dtype, view.rule) == (torch.float32, "paint:save-cast"), view
+    assert ampfx.count_casts(lambda: amp(x, y)) == 3  # x and the weight in, the logits out once
+    logits, loss = amp(x, y)
+    assert logits.dtype == loss.dtype == torch.float32

@@ -48,9 +48,21 @@ def test_fp16_reductions_follow_inputs_when_small_and_accumulate_in_fp32_when_la
 
 
 def test_large_fp32_reduction_uses_the_ops_dtype_argument():
-    gm = ampfx.convert(Reducer(), "fp16", example_inputs=(torch.randn(4, 512),), reduction_threshold=100)
-    total = [n for n in gm.graph.nodes if getattr(n.meta.get("ampfx"), "op", "") == "sum"][1]
+    """A float32 sum of a low value that stays low for another op reads it through
+    ``dtype=``, with no cast."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(512, 512)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.fc(h), h.sum()
+
+    gm = ampfx.convert(Net(), "fp16", example_inputs=(torch.randn(4, 512),), reduction_threshold=100)
+    total = next(n for n in gm.graph.nodes if getattr(n.meta.get("ampfx"), "op", "") == "sum")
     assert total.kwargs.get("dtype") == torch.float32
+    assert total.args[0].meta["ampfx"].op == "linear" and total.args[0].meta["ampfx"].dtype == torch.float16
 
 
 def test_bf16_large_sum_stays_low_and_says_why():

@@ -46,15 +46,9 @@ from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision
 from ..runtime import CASTABLE
 from . import PassContext
-from .classify import META, attr_of
+from .classify import META, attr_of, original_dtype
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def _original_dtype(n: fx.Node) -> torch.dtype:
-    infos = n.meta.get("ampfx_out")
-    floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
-    return floats[0] if floats else torch.float32
 
 
 class _Casts:
@@ -121,7 +115,7 @@ def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
         if not isinstance(d, Decision):
             return False
         if d.kind == "output":
-            if not ctx.policy.keep_output_dtype or _original_dtype(node) != torch.float32:
+            if not ctx.policy.keep_output_dtype or original_dtype(node) != torch.float32:
                 return False
         elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule == "select":
             return False
@@ -187,7 +181,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if d.kind == "output":
             if ctx.policy.keep_output_dtype:
-                node.args = fx.map_arg(node.args, lambda n: casts.get(n, _original_dtype(n), node,
+                node.args = fx.map_arg(node.args, lambda n: casts.get(n, original_dtype(n), node,
                                                                       "outputs keep their original dtype"))
             continue
         if d.kind not in COMPUTE:

@@ -95,6 +95,13 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     return not (d.category is Category.PASS and rule is not None and rule.result == "nonfloat")
 
 
+def original_dtype(n: fx.Node) -> torch.dtype:
+    """The float dtype ``n`` produced before conversion (float32 when unknown)."""
+    infos = n.meta.get("ampfx_out")
+    floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
+    return floats[0] if floats else torch.float32
+
+
 def attr_of(gm: fx.GraphModule, target: str) -> Any:
     """The object a ``get_attr`` target names (``"layer1.0.conv1.weight"``)."""
     return operator.attrgetter(target)(gm)

@@ -39,7 +39,7 @@ from ..ops import Category
 from ..report import Decision
 from ..runtime import CASTABLE
 from . import PassContext
-from .classify import META, carries_float
+from .classify import META, carries_float, original_dtype
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
@@ -119,7 +119,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
         if len(color) == painted:
             break
-    _save_casts(nodes, cat, color, denied, decided, low)
+    _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
 
     for n in nodes:
         d: Decision = n.meta[META]
@@ -160,7 +160,7 @@ def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, dec
 
 
 def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
-                low: torch.dtype) -> None:
+                low: torch.dtype, keep_output_dtype: bool) -> None:
     """Step 6: an infer/clear op painted low whose every user computes in
     float32, and whose every float input is float32 or cast to float32 for
     another user anyway, computes in float32 instead: its output cast goes and
@@ -169,8 +169,12 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
 
     E.g. GPT-2's tanh GELU under float16, where ``pow`` is on the deny list:
     ``0.5 * x`` only feeds the float32 product, and ``x`` is cast for ``pow``.
+    Or logits returned as a float32 output whose view feeds the loss: the view
+    is taken of the float32 copy instead of being cast a second time.
     """
-    def wants_fp32(u: fx.Node) -> bool:  # takes its input as a float32 copy (not through a dtype= argument)
+    def wants_fp32(u: fx.Node, value: fx.Node) -> bool:  # takes value as a float32 copy (not through dtype=)
+        if u.op == "output":  # outputs return in their original dtype
+            return keep_output_dtype and original_dtype(value) == torch.float32
         rule = ops.RULES.get(decided[u].op)
         if rule is not None and rule.accum_dtype:
             return False
@@ -179,12 +183,12 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
     for n in reversed(nodes):
         if color.get(n, (None,))[0] != low or cat[n] not in (Category.INFER, Category.CLEAR):
             continue
-        if decided[n].inplace or not n.users or not all(wants_fp32(u) for u in n.users):
+        if decided[n].inplace or not n.users or not all(wants_fp32(u, n) for u in n.users):
             continue
         pinned = _fp32_slot_inputs(n)
         feeds = [p for p in n.all_input_nodes if carries_float(p, decided) and p not in pinned]
         low_feeds = [p for p in feeds if color.get(p, (None,))[0] == low]
-        if any(not any(u is not n and wants_fp32(u) for u in p.users) for p in low_feeds):
+        if any(not any(u is not n and wants_fp32(u, p) for u in p.users) for p in low_feeds):
             continue
         users = ", ".join(u.name for u in n.users)
         color[n] = (torch.float32, "paint:save-cast",
