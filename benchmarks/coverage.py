@@ -26,7 +26,8 @@ import traceback
 MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_b_16", "tv_convnext_tiny",
           "timm_resnet18", "timm_vit_tiny", "timm_deit_tiny", "timm_mobilenetv3_small_050", "timm_efficientnet_b0",
           "hf_bert_seqcls", "hf_gpt2_lm", "hf_roberta", "hf_distilbert", "hf_t5",
-          "hf_gpt2_lm_nocache", "hf_t5_nocache",
+          "hf_gpt2_lm_nocache", "hf_t5_nocache", "hf_llama_nocache", "hf_bart_nocache", "hf_vit", "hf_albert",
+          "timm_convnext_atto", "timm_swin_tiny", "tv_regnet_y_400mf", "tv_densenet121",
           "nn_lstm_cls", "nn_transformer"]
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
@@ -53,8 +54,11 @@ def build(name):
         import timm
         arch = {"timm_resnet18": "resnet18", "timm_vit_tiny": "vit_tiny_patch16_224",
                 "timm_deit_tiny": "deit_tiny_patch16_224", "timm_mobilenetv3_small_050": "mobilenetv3_small_050",
-                "timm_efficientnet_b0": "efficientnet_b0"}[name]
+                "timm_efficientnet_b0": "efficientnet_b0", "timm_convnext_atto": "convnext_atto",
+                "timm_swin_tiny": "swin_tiny_patch4_window7_224"}[name]
         kw = {"img_size": 64} if "vit" in arch or "deit" in arch else {}
+        if "swin" in arch:
+            kw = {"img_size": 64, "window_size": 2}  # 64 px: 16, 8, 4, 2 patches a side per stage
         m = timm.create_model(arch, pretrained=False, num_classes=NC, **kw)
         return m, (img(64),), ("ce", tgt)
     if name.endswith("_nocache"):
@@ -84,6 +88,29 @@ def build(name):
                                       max_position_embeddings=64)
             m = tf.DistilBertModel(cfg)
             return m, {"input_ids": ids, "attention_mask": mask}, ("ce_hidden", torch.randint(0, 64, (B, S), generator=g))
+        if name == "hf_llama":
+            cfg = tf.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+            m = tf.LlamaForCausalLM(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": ids}, ("hf", None)
+        if name == "hf_bart":
+            cfg = tf.BartConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                max_position_embeddings=64)
+            m = tf.BartForConditionalGeneration(cfg)
+            labels = torch.randint(3, V, (B, S), generator=g)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": labels}, ("hf", None)
+        if name == "hf_vit":
+            cfg = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=128, num_labels=NC)
+            m = tf.ViTForImageClassification(cfg)
+            return m, {"pixel_values": img(32), "labels": tgt}, ("hf", None)
+        if name == "hf_albert":
+            cfg = tf.AlbertConfig(vocab_size=V, embedding_size=32, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                  num_labels=NC)
+            m = tf.AlbertForSequenceClassification(cfg)
+            return m, {"input_ids": ids, "attention_mask": mask, "labels": tgt}, ("hf", None)
         if name == "hf_t5":
             cfg = tf.T5Config(vocab_size=V, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
                               num_heads=2, decoder_start_token_id=0, pad_token_id=0)
