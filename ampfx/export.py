@@ -324,17 +324,18 @@ class ModeUnavailable(nn.Module):
     """Stands in for the graph of a training mode that could not be exported:
     calling the converted module in that mode raises, saying what to do."""
 
-    def __init__(self, training: bool, why: str) -> None:
+    def __init__(self, training: bool, why: str, front: str = "torch.export") -> None:
         super().__init__()
-        self.mode, self.why = _mode(training), why
+        self.mode, self.why, self.front = _mode(training), why, front
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         other = "train" if self.mode == "eval" else "eval"
+        alternative = "tracer='fx'" if self.front == "torch.export" else "tracer='export'"
         raise RuntimeError(
-            f"this converted module has no {self.mode}-mode graph: torch.export failed on the model in "
+            f"this converted module has no {self.mode}-mode graph: {self.front} failed on the model in "
             f"{self.mode} mode ({self.why}). Convert the model in {self.mode} mode for that "
             f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only, or convert with "
-            "tracer='fx'.")
+            f"{alternative}.")
 
 
 def _mode(training: bool) -> str:

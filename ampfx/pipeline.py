@@ -253,10 +253,12 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
             other = (capture.mode_graphs or {}).get(not work.training)
         else:
             other = trace_other_mode(work, policy, capture)
-    except Exception as e:  # noqa: BLE001 - keep the one graph, and say so
+    except Exception as e:  # noqa: BLE001 - this mode's graph only; the other mode raises, saying what to do
         other = None
-        notes.append(f"the model in {'eval' if work.training else 'train'} mode could not be traced ({e}); "
-                     f"this module runs its {'train' if work.training else 'eval'}-mode graph in both modes")
+        missing = "eval" if work.training else "train"
+        gm.set_mode_graph(not work.training, export_mod.ModeUnavailable(not work.training, str(e), "torch.fx"))
+        notes.append(f"the model reads self.training but could not be traced in {missing} mode ({e}); the "
+                     f"converted module raises in {missing} mode: convert model.{missing}() for that")
     if other is not None:
         alt = graph_module(work, other)
         alt.training = not work.training  # its own flag only: the module tree is shared

@@ -625,6 +625,28 @@ def test_train_and_eval_switch_graphs_when_the_python_reads_self_training(start_
         assert not torch.equal(model(x), model(x))  # dropout in training
 
 
+def test_a_mode_that_does_not_trace_raises_instead_of_running_the_other_modes_graph():
+    """Eval-mode Python that fx cannot trace: the converted module raises in eval
+    mode with the fix, rather than running the train graph (dropout on) there."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if self.training:
+                return F.dropout(h, 0.5)
+            return h if h.sum() > 0 else -h  # data-dependent: no fx graph in eval mode
+
+    gm = ampfx.convert(Net().train(), "bf16", example_inputs=(torch.randn(2, 4),), tracer="fx")
+    assert any("raises in eval mode" in n for n in gm.ampfx_report.notes), gm.ampfx_report.notes
+    assert gm(torch.randn(2, 4)).shape == (2, 4)
+    with pytest.raises(RuntimeError, match=r"no eval-mode graph.*model\.eval\(\)"):
+        gm.eval()(torch.randn(2, 4))
+    assert gm.train()(torch.randn(2, 4)).dtype == torch.float32
+
+
 def test_models_that_do_not_read_training_get_one_graph():
     m, ex, _ = build("mlp")
     gm = ampfx.convert(m, "bf16", example_inputs=ex)
