@@ -104,7 +104,8 @@ def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     hint = ""
     if "Cache" in text and ("not a known type" in text or "Unsupported input type" in text):
-        hint = " (HF models: give use_cache=False in example_inputs; a training forward needs no cache)"
+        hint = (" (HF models: give use_cache=False in example_inputs, a training forward needs no cache; or "
+                "call transformers.integrations.executorch.register_dynamic_cache_export_support() first)")
     return f"{type(e).__name__}: {text[:300]}{hint}"
 
 
