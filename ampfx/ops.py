@@ -23,6 +23,8 @@ from __future__ import annotations
 import builtins
 import enum
 import operator
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -417,6 +419,19 @@ for _rule in _dgl.TABLE:
 
 
 # --------------------------------------------------------------------------- lookup
+def library_functions() -> list[Callable]:
+    """The functions of other libraries named in the tables (``_BY_QUALNAME``)
+    whose library is already imported (this imports nothing). The tracer keeps
+    them whole, so the table, not their body, decides their dtype."""
+    found = []
+    for qualname in _BY_QUALNAME:
+        module_name, _, attr = qualname.rpartition(".")
+        fn = getattr(sys.modules.get(module_name), attr, None)
+        if isinstance(fn, types.FunctionType) and qualified_name(fn) == qualname:
+            found.append(fn)
+    return found
+
+
 def lookup_name(key: Any) -> str | None:
     """The canonical op name for a torch callable, ``Tensor`` method name,
     module type or ATen op; ``None`` if it is in no table.

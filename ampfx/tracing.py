@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import ops
 from .policy import Policy
 from .state import modes
 
@@ -72,8 +73,10 @@ class AmpTracer(fx.Tracer):
 
     def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset()) -> None:
         policy = policy if policy is not None else Policy()
-        # user functions named on a list stay one node (fx would trace into them)
+        # user functions named on a list, and other libraries' functions in the tables (timm's drop_path),
+        # stay one node (fx would trace into them)
         functions = tuple(obj for obj, _ in policy.user_ops if isinstance(obj, types.FunctionType))
+        functions += tuple(fn for fn in ops.library_functions() if fn not in functions)
         super().__init__(autowrap_functions=functions)
         self.policy = policy
         self.user_functions = functions

@@ -311,8 +311,8 @@ def capture(res):
     methods = res.get("methods") or []
     if not methods:
         return "-"
-    root = methods[0][1]
-    regions = sum(1 for path, how in methods[1:] if not how.startswith("left as is"))
+    root = next((how for path, how in methods if path == ""), methods[0][1])
+    regions = sum(1 for path, how in methods if path and not how.startswith("left as is"))
     return root + (f" + {regions} regions" if regions else "")
 
 

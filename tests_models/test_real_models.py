@@ -180,3 +180,23 @@ def test_lstm_classifier(dtype):
         assert o.casts_ampfx < o.casts_autocast
     # the LSTM runs low where the device's kernel works, else float32 with the probe's reason
     assert lstm.dtype == dtype or (lstm.rule == "probe" and "LSTM" in lstm.reason + lstm.op.upper())
+
+
+def test_timm_drop_path_is_one_dropout_node_not_its_body():
+    """timm's drop_path is in the tables by qualified name; the tracer keeps it
+    whole, so its random mask is not made in float32 and cast every block."""
+    timm = pytest.importorskip("timm")
+    import ampfx
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=NC, img_size=32,
+                              drop_path_rate=0.1, depth=2)
+    x = torch.randn(B, 3, 32, 32, generator=gen())
+    amp = ampfx.convert(model.train(), torch.bfloat16, example_inputs=(x,), tracer="fx")
+    rep = amp.ampfx_report
+    drops = [r for r in rep.compute if r.target.endswith("drop_path")]
+    # rates rise linearly from 0: block 0 has none, block 1 two (attention and MLP branches)
+    assert [r.module for r in drops] == ["blocks.1.drop_path1", "blocks.1.drop_path2"]
+    assert all(r.op == "dropout" for r in drops)
+    assert not [r for r in rep.records if "bernoulli" in r.op]
+    assert not [c for c in rep.casts if not c.weight and c.value.startswith("new_empty")]
+    assert amp(x).dtype == torch.float32
