@@ -69,6 +69,10 @@ class OpRule:
     ``"fp32"`` or ``None`` (unknown until run). ``gemm`` is the operand layout
     the padding pass needs: ``"linear"`` (x[..., K], weight[N, K], bias[N]),
     ``"matmul"`` (a[..., M, K], b[..., K, N]) or ``"addmm"`` (c, a, b).
+    ``promotes``: the kernel takes mixed float dtypes and computes in the
+    widest (PyTorch's type promotion, an exact upcast), so a float32 op needs
+    no cast of a low input when another input is a float32 tensor with at
+    least one dimension.
     """
 
     name: str
@@ -82,6 +86,7 @@ class OpRule:
     result: str | None = None
     probe: str | None = None
     gemm: str | None = None
+    promotes: bool = False
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -234,7 +239,7 @@ for _name, _extra_fns, _methods, _mod in [
     ("erf", [], ["erf"], ()),
 ]:
     _op(_name, I, _ELEMENTWISE, fns=[*_torch_fns(_name), *_extra_fns], methods=_methods, modules=_mods(*_mod),
-        aten=[_name])
+        aten=[_name], promotes=_name in ("add", "sub", "mul", "div"))
 _op("avg_pool", I, "window mean: the kernel accumulates in float32",
     fns=_torch_fns("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                    "adaptive_avg_pool3d"),

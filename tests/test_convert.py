@@ -720,3 +720,35 @@ def test_a_view_of_returned_logits_is_taken_of_the_float32_copy():
     assert ampfx.count_casts(lambda: amp(x, y)) == 3  # x and the weight in, the logits out once
     logits, loss = amp(x, y)
     assert logits.dtype == loss.dtype == torch.float32
+
+
+def test_a_float32_add_does_not_cast_a_low_input_that_type_promotion_upcasts():
+    """fp16: scores (low) + a float32 bias with dimensions, added in float32: the
+    kernel's type promotion upcasts the scores exactly, so no cast is inserted."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.bias = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            scores = self.q(x) @ x.transpose(-1, -2)
+            return torch.softmax(scores + self.bias, -1)
+
+    m, x = Net(), torch.randn(2, 4, 8)
+    amp = ampfx.convert(m, "fp16", example_inputs=(x,))
+    add = record(amp.ampfx_report, op="add")[0]
+    assert add.dtype == torch.float32, add
+    assert not [c for c in amp.ampfx_report.casts if add.node in c.consumers], amp.ampfx_report.casts
+    with torch.no_grad():
+        torch.testing.assert_close(amp(x), m(x), rtol=0.02, atol=0.01)
+    # a 0-dim float32 tensor does not promote: the scores are cast
+    class Scalar(Net):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.tensor(0.5))
+
+    amp = ampfx.convert(Scalar(), "fp16", example_inputs=(x,))
+    add = record(amp.ampfx_report, op="add")[0]
+    assert add.dtype == torch.float32, add
+    assert [c for c in amp.ampfx_report.casts if add.node in c.consumers and c.to == torch.float32]

@@ -159,6 +159,33 @@ def _takes(target: Any, name: str) -> bool:
     return schema is None or any(a.name == name for a in schema.arguments)
 
 
+def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype, casts: "_Casts") -> set[fx.Node]:
+    """Low inputs of a float32 op that type promotion upcasts with no cast:
+    the op ``promotes`` and another positional input is a float32 tensor with
+    at least one dimension (a 0-dim tensor does not promote a dimensioned one).
+    Inputs the pass has given a bespoke float32 form (``casts.fixed``) are not.
+
+    E.g. Swin under float16: ``attn + mask``, attention scores in float16 and a
+    float32 mask, adds in float32 without casting the scores first.
+    """
+    if rule is None or not rule.promotes or want != torch.float32:
+        return set()
+    tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get(META), Decision)]
+    wide = [a for a in tensors if a.meta[META].out == torch.float32 and _ndim(a) not in (None, 0)]
+    if not wide:
+        return set()
+    # a value with a bespoke float32 form (a GEMM whose bias is added after its float32 cast) is not promoted
+    return {a for a in tensors if a.meta[META].out in (torch.float16, torch.bfloat16) and _ndim(a) is not None
+            and (a, torch.float32) not in casts.fixed}
+
+
+def _ndim(n: fx.Node) -> int | None:
+    infos = n.meta.get("ampfx_out")
+    if not infos or len(infos) != 1:
+        return None
+    return len(infos[0].shape)
+
+
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
               casts: _Casts) -> Any:
     if rule is not None and slot in rule.index_args:
@@ -206,7 +233,10 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             start = 1
         else:
             start = 0
+        promoted = _promoted_inputs(node, rule, want, casts)
         for i in range(start, len(args)):
+            if args[i] in promoted:
+                continue  # the kernel upcasts it (exactly) beside a float32 tensor
             args[i] = _map_slot(args[i], i, node, rule, want, casts)
         for k in list(kwargs):
             if k != (rule.accum_dtype if rule else None):
