@@ -135,6 +135,7 @@ def _one_node(fn: Any) -> Any:
             if isinstance(a, fx.Proxy):
                 return a.tracer.create_proxy("call_function", fn, args, kwargs)
         return fn(*args, **kwargs)
+    wrapper._ampfx_one_node = fn  # a library's own torch.fx.wrap may record the wrapper: _finish unwraps it
     return wrapper
 
 
@@ -230,7 +231,9 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     """Arguments fixed while tracing keep their names in the converted module's
     signature (fx renames them ``name_1``, which breaks keyword calls), and
     fx's ``_assert_is_none`` guards, which do not survive pickling, become
-    ampfx's importable equivalent."""
+    ampfx's importable equivalent. A function kept whole that its library also
+    ``torch.fx.wrap``-s (torchvision's ``stochastic_depth``) is recorded as
+    itself, not as ampfx's wrapper."""
     from . import runtime
 
     for node in graph.nodes:
@@ -239,6 +242,8 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
             node.target = node.target[:-2]
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
             node.target = runtime.assert_is_none
+        if node.op == "call_function" and hasattr(node.target, "_ampfx_one_node"):
+            node.target = node.target._ampfx_one_node
 
 
 def node_module_path(node: fx.Node) -> str:

@@ -200,3 +200,18 @@ def test_timm_drop_path_is_one_dropout_node_not_its_body():
     assert not [r for r in rep.records if "bernoulli" in r.op]
     assert not [c for c in rep.casts if not c.weight and c.value.startswith("new_empty")]
     assert amp(x).dtype == torch.float32
+
+
+def test_torchvision_stochastic_depth_is_one_dropout_node():
+    """torchvision fx.wrap-s stochastic_depth itself; ampfx keeping it whole too must
+    still record torchvision's function (it was recorded as ampfx's wrapper,
+    unlisted, and every block's residual branch stayed float32)."""
+    tvm = pytest.importorskip("torchvision.models")
+    import ampfx
+
+    model = tvm.convnext_tiny(num_classes=NC, stochastic_depth_prob=0.1)
+    amp = ampfx.convert(model.train(), torch.bfloat16, example_inputs=(torch.randn(1, 3, 32, 32),), tracer="fx")
+    rep = amp.ampfx_report
+    depth = [r for r in rep.compute if "stochastic_depth" in r.target]
+    assert len(depth) == 18 and all(r.op == "dropout" and r.dtype == torch.bfloat16 for r in depth)
+    assert not [r for r in rep.compute if r.rule == "unlisted"]
