@@ -138,29 +138,32 @@ A, I, C, D, P = Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY, C
 
 # --------------------------------------------------------------------------- ALLOW
 _GEMM = "GEMM: tensor-core friendly, low-precision inputs with float32 accumulation halve the bytes moved"
-_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear")
-_op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"])
+_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear", probe="linear")
+_op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"], probe="bilinear")
 _op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"],
-    gemm="matmul")
-_op("mm", A, _GEMM, fns=[torch.mm], methods=["mm"], aten=["mm"], gemm="matmul")
-_op("mv", A, _GEMM, fns=[torch.mv], methods=["mv"], aten=["mv"])
-_op("bmm", A, _GEMM, fns=[torch.bmm], methods=["bmm"], aten=["bmm"], gemm="matmul")
-_op("baddbmm", A, _GEMM, fns=[torch.baddbmm], methods=["baddbmm"], aten=["baddbmm"], gemm="addmm")
-_op("addmm", A, _GEMM, fns=[torch.addmm], methods=["addmm"], aten=["addmm"], gemm="addmm")
-_op("addbmm", A, _GEMM, fns=[torch.addbmm], methods=["addbmm"], aten=["addbmm"])
-_op("einsum", A, _GEMM + " (einsum contracts like a batched matmul)", fns=[torch.einsum], aten=["einsum"])
+    gemm="matmul", probe="matmul")
+_op("mm", A, _GEMM, fns=[torch.mm], methods=["mm"], aten=["mm"], gemm="matmul", probe="mm")
+_op("mv", A, _GEMM, fns=[torch.mv], methods=["mv"], aten=["mv"], probe="mv")
+_op("bmm", A, _GEMM, fns=[torch.bmm], methods=["bmm"], aten=["bmm"], gemm="matmul", probe="bmm")
+_op("baddbmm", A, _GEMM, fns=[torch.baddbmm], methods=["baddbmm"], aten=["baddbmm"], gemm="addmm", probe="baddbmm")
+_op("addmm", A, _GEMM, fns=[torch.addmm], methods=["addmm"], aten=["addmm"], gemm="addmm", probe="addmm")
+_op("addbmm", A, _GEMM, fns=[torch.addbmm], methods=["addbmm"], aten=["addbmm"], probe="addbmm")
+_op("einsum", A, _GEMM + " (einsum contracts like a batched matmul)", fns=[torch.einsum], aten=["einsum"], probe="einsum")
 _CONV = "convolution: tensor-core friendly, low-precision inputs with float32 accumulation"
 for _d in (1, 2, 3):
-    _op(f"conv{_d}d", A, _CONV, fns=_torch_fns(f"conv{_d}d"), modules=_mods(f"Conv{_d}d", f"LazyConv{_d}d"), aten=[f"conv{_d}d"])
+    _op(f"conv{_d}d", A, _CONV, fns=_torch_fns(f"conv{_d}d"), modules=_mods(f"Conv{_d}d", f"LazyConv{_d}d"), aten=[f"conv{_d}d"],
+        probe="conv")
     _op(f"conv_transpose{_d}d", A, _CONV, fns=_torch_fns(f"conv_transpose{_d}d"),
-        modules=_mods(f"ConvTranspose{_d}d", f"LazyConvTranspose{_d}d"), aten=[f"conv_transpose{_d}d"])
-_op("convolution", A, _CONV, aten=["convolution", "_convolution"])
+        modules=_mods(f"ConvTranspose{_d}d", f"LazyConvTranspose{_d}d"), aten=[f"conv_transpose{_d}d"],
+        probe="conv_transpose")
+_op("convolution", A, _CONV, aten=["convolution", "_convolution"], probe="conv")
 _op("scaled_dot_product_attention", A,
     "fused attention: GEMMs inside, the kernel keeps softmax statistics in float32",
-    fns=[F.scaled_dot_product_attention], aten=["scaled_dot_product_attention"])
+    fns=[F.scaled_dot_product_attention], aten=["scaled_dot_product_attention"],
+    probe="scaled_dot_product_attention")
 _op("multi_head_attention", A,
     "projections and attention are GEMMs; runs as one leaf with low-precision copies of its weights",
-    fns=[F.multi_head_attention_forward], modules=_mods("MultiheadAttention"))
+    fns=[F.multi_head_attention_forward], modules=_mods("MultiheadAttention"), probe="multi_head_attention")
 _RNN = "recurrent cell: its gates are GEMMs; runs as a leaf with low-precision copies of its weights"
 _op("lstm", A, _RNN, modules=_mods("LSTM"), aten=["lstm"], probe="lstm")
 _op("gru", A, _RNN, modules=_mods("GRU"), aten=["gru"], probe="gru")
@@ -185,7 +188,8 @@ _op("cat", C, _NEUTRAL, fns=_torch_fns("cat", "concat", "concatenate"), aten=["c
 _op("stack", C, _NEUTRAL, fns=_torch_fns("stack", "hstack", "vstack"), aten=["stack"])
 _op("pad", C, "pads with a constant: neutral", fns=[F.pad], aten=["constant_pad_nd"], modules=_mods(
     "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
-    "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d"))
+    "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d", "ReplicationPad2d",
+    "ReplicationPad3d", "CircularPad1d", "CircularPad2d", "CircularPad3d"), probe="pad")
 _op("identity", C, _NEUTRAL, modules=_mods("Identity", "Flatten", "Unflatten"))
 _op("dropout", C, "zeroes and rescales: no range or precision risk",
     fns=_torch_fns("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"),
@@ -208,7 +212,7 @@ _op("max_pool", C, "max over windows: exact in any float format",
     fns=_torch_fns("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
                    "adaptive_max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"),
     modules=_mods("MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d"),
-    aten=["max_pool2d", "max_pool2d_with_indices", "max_pool1d", "max_pool3d", "adaptive_max_pool2d"])
+    aten=["max_pool2d", "max_pool2d_with_indices", "max_pool1d", "max_pool3d", "adaptive_max_pool2d"], probe="max_pool")
 
 # --------------------------------------------------------------------------- INFER
 _ELEMENTWISE = "elementwise: as accurate as its inputs; low precision when its neighbours are"
@@ -244,10 +248,10 @@ _op("avg_pool", I, "window mean: the kernel accumulates in float32",
     fns=_torch_fns("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                    "adaptive_avg_pool3d"),
     modules=_mods("AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d"),
-    aten=["avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d", "avg_pool3d"])
+    aten=["avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d", "avg_pool3d"], probe="avg_pool")
 _op("interpolate", I, "weighted sums of a few neighbours: as accurate as its inputs",
     fns=[F.interpolate, F.upsample], modules=_mods("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"),
-    aten=["upsample_nearest2d", "upsample_bilinear2d"])
+    aten=["upsample_nearest2d", "upsample_bilinear2d"], probe="interpolate")
 _NORM = ("normalisation: low-precision data in and out, statistics and affine parameters stay float32 "
          "(the kernel accumulates in float32)")
 _op("batch_norm", I, _NORM, fns=[F.batch_norm, torch.batch_norm],

@@ -124,6 +124,16 @@ def _fp32_module(path: str, ctx: PassContext, gm: fx.GraphModule) -> tuple[str, 
     return None
 
 
+def _probe_variant(kind: str, node: fx.Node, gm: fx.GraphModule) -> probes.Variant:
+    """Which kernel of probe ``kind`` the node runs (dimensions, mode): see :func:`ampfx.probes.variant_of`."""
+    module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    target = type(module).__name__ if module is not None else target_str(node)
+    first = next(iter(node.all_input_nodes), None)
+    infos = out_infos(first) if first is not None else None
+    rank = len(infos[0].shape) if infos else None
+    return probes.variant_of(kind, target, node.kwargs, module, rank, node.args)
+
+
 def _out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
     """A Python float among ``node``'s arguments that ``low`` cannot hold, else ``None``.
     (Exported graphs bake in constants such as ``torch.finfo(torch.float32).min`` for masks:
@@ -207,10 +217,12 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
             d = decide(category, torch.float32 if category is Category.DENY else None, source, reason)
             if (category in (Category.ALLOW, Category.INFER, Category.CLEAR) and policy.probe
                     and rule is not None and rule.probe):
-                err = probes.check(rule.probe, low, ctx.device)
+                variant = _probe_variant(rule.probe, node, gm)
+                err = probes.check(rule.probe, low, ctx.device, variant)
                 if err is not None:
                     d = decide(Category.FP32, torch.float32, "probe",
-                               f"{name} has no working {str(low)[6:]} kernel on {ctx.device} ({err}): float32")
+                               f"{name}{probes.describe(variant)} has no working {str(low)[6:]} kernel on "
+                               f"{ctx.device} ({err}): float32")
             if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and (
                     big := _out_of_range(node, low)) is not None:
                 d = decide(Category.FP32, torch.float32, "range:constant",
