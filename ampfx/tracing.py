@@ -23,6 +23,8 @@ convert the children one by one.
 """
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import copy
 import inspect
@@ -269,7 +271,9 @@ def copy_tree(m: nn.Module) -> nn.Module:
     new = m.__class__.__new__(m.__class__)
     new.__dict__.update(m.__dict__)
     for k, v in list(new.__dict__.items()):
-        if isinstance(v, (dict, list, set)):
+        # torch's own containers (parameters, buffers, hooks); a subclass such as diffusers' FrozenDict config
+        # stays shared (its copy() loses the attributes it mirrors its keys in)
+        if type(v) in (dict, list, set, collections.OrderedDict):
             new.__dict__[k] = v.copy()
     new._modules = {k: (copy_tree(v) if v is not None else None) for k, v in m._modules.items()}
     return new
