@@ -1,10 +1,12 @@
-"""Counting what a step costs: dtype-changing copies at the ATen level.
+"""Counting what a step costs: dtype-changing copies at the ATen level, and
+the bytes every op writes.
 
 >>> import torch
+>>> x = torch.ones(3)
 >>> with CastCounter() as c:
-...     _ = torch.ones(3).to(torch.bfloat16)
->>> c.count
-1
+...     _ = x.to(torch.bfloat16) * 2        # a cast writes 3 x 2 bytes, the product 3 x 2 more
+>>> c.count, c.bytes, c.written
+(1, 6, 12)
 """
 from __future__ import annotations
 
@@ -12,16 +14,20 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class CastCounter(TorchDispatchMode):
     """Counts ``aten._to_copy`` calls that change dtype (forward and backward,
-    autocast's casts included) and the bytes they write."""
+    autocast's casts included) and the bytes they write (``bytes``), and the
+    bytes written by every op's tensor outputs, casts included (``written``: a
+    measure of the memory traffic a dtype choice causes, views excluded)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
         self.bytes = 0
+        self.written = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -30,6 +36,8 @@ class CastCounter(TorchDispatchMode):
             if "dtype" in kwargs and kwargs["dtype"] is not None and kwargs["dtype"] != args[0].dtype:
                 self.count += 1
                 self.bytes += out.numel() * out.element_size()
+        if not func.is_view:
+            self.written += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
@@ -39,3 +47,10 @@ def count_casts(step: Callable[[], Any]) -> int:
     with CastCounter() as counter:
         step()
     return counter.count
+
+
+def measure_step(step: Callable[[], Any]) -> CastCounter:
+    """Run ``step()`` and return its :class:`CastCounter` (``count``, ``bytes``, ``written``)."""
+    with CastCounter() as counter:
+        step()
+    return counter

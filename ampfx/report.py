@@ -42,7 +42,8 @@ RULES_DOC: dict[str, str] = {
     "paint:between-allow": "on a path between low-precision ops (TF-AMP)",
     "paint:follow-allow": "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)",
     "paint:clear": "a clear op next to a low-precision op (TF-AMP clear propagation)",
-    "paint:save-cast": "every user computes in float32 and the inputs are cast to float32 anyway: float32 saves a cast",
+    "paint:save-cast": "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
+                       "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
     "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
     "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
     "dgl:device": "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32",

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -129,6 +129,8 @@ def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
     bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
     if not isinstance(bias, fx.Node) or bias.meta[META].out != torch.float32 or not _wants_fp32(node, ctx):
         return None
+    if any(node in _promoted_inputs(u, ops.RULES.get(u.meta[META].op), u.meta[META].dtype) for u in node.users):
+        return None  # a float32 consumer reads the low output as it is (type promotion): no float32 copy to ride on
     node.args = tuple(args[:2])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
     return bias
@@ -159,24 +161,32 @@ def _takes(target: Any, name: str) -> bool:
     return schema is None or any(a.name == name for a in schema.arguments)
 
 
-def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype, casts: "_Casts") -> set[fx.Node]:
+def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
+                     out_of: Callable[[fx.Node], Any] = None, fixed: Any = ()) -> set[fx.Node]:
     """Low inputs of a float32 op that type promotion upcasts with no cast:
     the op ``promotes`` and another positional input is a float32 tensor with
     at least one dimension (a 0-dim tensor does not promote a dimensioned one).
-    Inputs the pass has given a bespoke float32 form (``casts.fixed``) are not.
+    Inputs with a bespoke float32 form (``(value, float32) in fixed``) are not.
+    ``out_of(value)`` is the dtype a value has (default: its decision's ``out``).
 
     E.g. Swin under float16: ``attn + mask``, attention scores in float16 and a
     float32 mask, adds in float32 without casting the scores first.
     """
     if rule is None or not rule.promotes or want != torch.float32:
         return set()
+    out_of = out_of or _out
     tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get(META), Decision)]
-    wide = [a for a in tensors if a.meta[META].out == torch.float32 and _ndim(a) not in (None, 0)]
+    wide = [a for a in tensors if out_of(a) == torch.float32 and _ndim(a) not in (None, 0)]
     if not wide:
         return set()
     # a value with a bespoke float32 form (a GEMM whose bias is added after its float32 cast) is not promoted
-    return {a for a in tensors if a.meta[META].out in (torch.float16, torch.bfloat16) and _ndim(a) is not None
-            and (a, torch.float32) not in casts.fixed}
+    return {a for a in tensors if out_of(a) in (torch.float16, torch.bfloat16) and _ndim(a) is not None
+            and (a, torch.float32) not in fixed}
+
+
+def _out(n: fx.Node) -> Any:
+    d = n.meta.get(META)
+    return d.out if isinstance(d, Decision) else None
 
 
 def _ndim(n: fx.Node) -> int | None:
@@ -186,11 +196,64 @@ def _ndim(n: fx.Node) -> int | None:
     return len(infos[0].shape)
 
 
+def _slot_dtype(slot: int | str, rule: ops.OpRule | None, want: torch.dtype) -> torch.dtype | None:
+    """The dtype an argument slot is cast to: ``want``, float32 for pinned slots, ``None`` for index slots."""
+    if rule is not None and slot in rule.index_args:
+        return None
+    return torch.float32 if rule is not None and slot in rule.fp32_args else want
+
+
+def _accumulates(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype, out_of: Callable[[fx.Node], Any],
+                 fixed: Any = ()) -> bool:
+    """Does a float32 op take its low first input as is, accumulating through its own ``dtype=`` argument
+    (``softmax(x, dim, dtype=torch.float32)``)?"""
+    args = node.args
+    return bool(rule is not None and rule.accum_dtype and want == torch.float32 and args
+                and _takes(node.target, rule.accum_dtype) and isinstance(args[0], fx.Node)
+                and node.kwargs.get(rule.accum_dtype) is None and len(args) < 4
+                and out_of(args[0]) in (torch.float16, torch.bfloat16)
+                and (args[0], torch.float32) not in fixed)  # a split bias must be added first
+
+
+def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any],
+                 keep_output_dtype: bool) -> set[tuple[fx.Node, torch.dtype]]:
+    """The ``(value, dtype)`` casts :func:`insert_casts` would give ``node`` if it
+    computed in ``want`` and every value had the dtype ``out_of(value)``; for
+    weighing alternatives before anything is rewritten (``paint``, step 7).
+    Ignores the linear-bias split, which only removes casts."""
+    d = node.meta.get(META)
+    pairs: set[tuple[fx.Node, torch.dtype]] = set()
+
+    def need(value: fx.Node, dtype: torch.dtype | None) -> None:
+        src = out_of(value)
+        if dtype is not None and src in CASTABLE and src != dtype:
+            pairs.add((value, dtype))
+
+    if not isinstance(d, Decision):
+        return pairs
+    if d.kind == "output":
+        if keep_output_dtype:
+            fx.map_arg(node.args, lambda n: need(n, original_dtype(n)))
+        return pairs
+    if d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want is None or d.rule == "select":
+        return pairs
+    rule = ops.RULES.get(d.op)
+    start = 1 if _accumulates(node, rule, want, out_of) else 0
+    promoted = _promoted_inputs(node, rule, want, out_of)
+    for i, arg in enumerate(node.args[start:], start):
+        if arg not in promoted:
+            fx.map_arg(arg, lambda n, dt=_slot_dtype(i, rule, want): need(n, dt))
+    for k, arg in node.kwargs.items():
+        if k != (rule.accum_dtype if rule else None):
+            fx.map_arg(arg, lambda n, dt=_slot_dtype(k, rule, want): need(n, dt))
+    return pairs
+
+
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
               casts: _Casts) -> Any:
-    if rule is not None and slot in rule.index_args:
+    dtype = _slot_dtype(slot, rule, want)
+    if dtype is None:
         return arg
-    dtype = torch.float32 if rule is not None and slot in rule.fp32_args else want
     why = (f"{node.name} pins this slot to float32" if dtype != want
            else f"{node.name} computes in {str(dtype)[6:]}")
     return fx.map_arg(arg, lambda n: casts.get(n, dtype, node, why))
@@ -224,16 +287,12 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         split = _bias_to_split(node, ctx) if d.op == "linear" and node.op == "call_function" and want == low else None
         args = list(node.args)
         kwargs = dict(node.kwargs)
-        if (rule is not None and rule.accum_dtype and want == torch.float32 and args
-                and _takes(node.target, rule.accum_dtype) and isinstance(args[0], fx.Node)
-                and kwargs.get(rule.accum_dtype) is None and len(args) < 4
-                and args[0].meta[META].out in (torch.float16, torch.bfloat16)
-                and (args[0], torch.float32) not in casts.fixed):  # a split bias must be added first
+        if _accumulates(node, rule, want, _out, casts.fixed):
             kwargs[rule.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
             start = 1
         else:
             start = 0
-        promoted = _promoted_inputs(node, rule, want, casts)
+        promoted = _promoted_inputs(node, rule, want, _out, casts.fixed)
         for i in range(start, len(args)):
             if args[i] in promoted:
                 continue  # the kernel upcasts it (exactly) beside a float32 tensor

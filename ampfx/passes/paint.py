@@ -14,7 +14,9 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 5. clear propagation: CLEAR nodes next to low nodes go low, both directions.
 
 Steps 4 and 5 repeat until nothing changes. Step 6 moves an infer/clear op
-painted low to float32 where that removes a cast and adds none. A slot the op's rule pins to
+painted low to float32 where that removes a cast and adds none; step 7 moves a
+whole connected region of them where that needs fewer casts and moves no more
+bytes. A slot the op's rule pins to
 float32 (a norm's weight and bias, ``OpRule.fp32_args``) is not counted as a
 float input in step 4.
 
@@ -39,6 +41,7 @@ from ..ops import Category
 from ..report import Decision
 from ..runtime import CASTABLE
 from . import PassContext
+from .casts import VIEWS, needed_casts
 from .classify import META, carries_float, original_dtype
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
@@ -135,6 +138,8 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
                                     reason=f"{cat[n].value} op {why}: float32" + earlier)
         n.meta[META] = d
     _values(gm, low)
+    if _float32_regions(gm, ctx):
+        _values(gm, low)
 
 
 def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
@@ -194,6 +199,121 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
         color[n] = (torch.float32, "paint:save-cast",
                     f"every user ({users}) computes in float32 and its inputs are cast to float32 anyway: "
                     "float32 saves a cast")
+
+
+def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Step 7: a connected region of infer/clear ops painted low computes in
+    float32 instead when that needs fewer casts and moves no more bytes.
+    Returns whether any region moved.
+
+    Casts are counted as :func:`~ampfx.passes.casts.needed_casts` would insert
+    them (one per value and dtype, shared with consumers outside the region;
+    type promotion reads low inputs of a float32 add/mul beside a float32
+    tensor directly). Bytes are those the region's ops and its casts read and
+    write, from the example shapes (each value counts as one element without).
+
+    E.g. Swin under bfloat16: the relative-position bias is gathered from a
+    float32 table, reshaped and added to the attention scores, then the shift
+    mask, then softmax. Step 4 paints the adds low (fed by a GEMM), step 5 the
+    reshapes of the table: the table, the mask and the scores are cast each
+    block. In float32 the adds read the scores as they are (promotion), and
+    nothing is cast.
+    """
+    low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
+    nodes = list(gm.graph.nodes)
+    dec = {n: n.meta[META] for n in nodes}
+
+    def candidate(n: fx.Node) -> bool:
+        d = dec[n]
+        if d.out != low or d.category not in (Category.INFER, Category.CLEAR) or d.inplace:
+            return False
+        return d.rule != "select" or (isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
+
+    parent = {n: n for n in nodes if candidate(n)}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in parent:
+        for p in n.all_input_nodes:
+            if p in parent:
+                parent[root(p)] = root(n)
+    regions: dict[fx.Node, list[fx.Node]] = {}
+    for n in parent:
+        regions.setdefault(root(n), []).append(n)
+
+    def want_of(n: fx.Node) -> torch.dtype | None:
+        return dec[n].dtype
+
+    def pairs_of(n: fx.Node, out_of: Callable[[fx.Node], object], want: torch.dtype | None) -> set:
+        return needed_casts(n, want, out_of, keep)
+
+    current = lambda n: dec[n].out  # noqa: E731
+    users_of_pair: dict[tuple, set[fx.Node]] = {}
+    for n in nodes:
+        for pair in pairs_of(n, current, want_of(n)):
+            users_of_pair.setdefault(pair, set()).add(n)
+
+    moved = False
+    for region in regions.values():
+        members = set(region)
+        consumers = {u for n in region for u in n.users if u not in members}
+        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule != "select"
+                                  and dec[u].out in CASTABLE) for u in consumers):
+            continue  # a consumer whose own dtype would follow the region's: leave it
+        touched = members | consumers
+        cost = {}
+        for option in (low, torch.float32):
+            out_of = (lambda n, o=option: o if n in members else dec[n].out)
+            pairs = set()
+            for n in touched:
+                want = option if n in members and dec[n].rule != "select" else want_of(n)
+                pairs |= {(n, pair) for pair in pairs_of(n, out_of, want)}
+            new = {pair for _, pair in pairs if not (users_of_pair.get(pair, set()) - touched)}
+            moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
+            for n in region:  # the region's ops read their inputs and write their outputs
+                if dec[n].op in VIEWS:
+                    continue
+                casted = {v: to for m, (v, to) in pairs if m is n}
+                moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
+                    _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
+                    if out_of(p) in CASTABLE)
+            cost[option] = (len(new), moved_bytes, pairs)
+        (n_low, bytes_low, _), (n_fp32, bytes_fp32, pairs_fp32) = cost[low], cost[torch.float32]
+        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+            continue
+        names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
+        for n in region:
+            if dec[n].rule != "select":
+                dec[n] = n.meta[META] = dataclasses.replace(
+                    dec[n], dtype=torch.float32, rule="paint:save-cast",
+                    reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
+                           f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
+            dec[n] = n.meta[META] = dataclasses.replace(dec[n], out=torch.float32)
+        for pair_users in users_of_pair.values():
+            pair_users -= touched
+        for n, pair in pairs_fp32:
+            users_of_pair.setdefault(pair, set()).add(n)
+        moved = True
+    return moved
+
+
+def _numel(n: fx.Node, ctx: PassContext) -> int:
+    """Elements of ``n``'s first output (symbolic sizes at their least; 1 if unknown)."""
+    infos = n.meta.get("ampfx_out")
+    if not infos:
+        return 1
+    count = infos[0].numel()
+    if not isinstance(count, int):
+        count = ctx.symbols.bounds(count)[0] if ctx.symbols is not None else 1
+    return max(int(count), 1)
+
+
+def _itemsize(dtype: object) -> int:
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0
 
 
 def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
