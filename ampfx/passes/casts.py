@@ -129,8 +129,8 @@ def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
     bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
     if not isinstance(bias, fx.Node) or bias.meta[META].out != torch.float32 or not _wants_fp32(node, ctx):
         return None
-    if any(node in _promoted_inputs(u, ops.RULES.get(u.meta[META].op), u.meta[META].dtype) for u in node.users):
-        return None  # a float32 consumer reads the low output as it is (type promotion): no float32 copy to ride on
+    if all(node in _promoted_inputs(u, ops.RULES.get(u.meta[META].op), u.meta[META].dtype) for u in node.users):
+        return None  # float32 consumers read the low output as it is (type promotion): no float32 copy to ride on
     node.args = tuple(args[:2])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
     return bias

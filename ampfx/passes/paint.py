@@ -212,12 +212,11 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     tensor directly). Bytes are those the region's ops and its casts read and
     write, from the example shapes (each value counts as one element without).
 
-    E.g. Swin under bfloat16: the relative-position bias is gathered from a
-    float32 table, reshaped and added to the attention scores, then the shift
-    mask, then softmax. Step 4 paints the adds low (fed by a GEMM), step 5 the
-    reshapes of the table: the table, the mask and the scores are cast each
-    block. In float32 the adds read the scores as they are (promotion), and
-    nothing is cast.
+    E.g. ``exp(gemm(x) * scale)`` under bfloat16: step 4 paints the product
+    low (fed by a GEMM), so the float32 ``scale`` is cast down and the product
+    up for ``exp``. In float32 the product reads the GEMM's output as it is and
+    nothing is cast. Regions with a low consumer (another GEMM) stay low: in
+    float32 they would need a cast for it.
     """
     low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
     nodes = list(gm.graph.nodes)
@@ -227,7 +226,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
         d = dec[n]
         if d.out != low or d.category not in (Category.INFER, Category.CLEAR) or d.inplace:
             return False
-        return d.rule != "select" or (isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
+        return d.rule != "select" or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
 
     parent = {n: n for n in nodes if candidate(n)}
 
@@ -245,17 +244,12 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     for n in parent:
         regions.setdefault(root(n), []).append(n)
 
-    def want_of(n: fx.Node) -> torch.dtype | None:
-        return dec[n].dtype
-
-    def pairs_of(n: fx.Node, out_of: Callable[[fx.Node], object], want: torch.dtype | None) -> set:
-        return needed_casts(n, want, out_of, keep)
-
     current = lambda n: dec[n].out  # noqa: E731
-    users_of_pair: dict[tuple, set[fx.Node]] = {}
-    for n in nodes:
-        for pair in pairs_of(n, current, want_of(n)):
-            users_of_pair.setdefault(pair, set()).add(n)
+    needs = {n: needed_casts(n, dec[n].dtype, current, keep) for n in nodes}  # node -> its (value, dtype) casts
+    users_of: dict[tuple, set[fx.Node]] = {}  # (value, dtype) -> the nodes that need that cast
+    for n, pairs in needs.items():
+        for pair in pairs:
+            users_of.setdefault(pair, set()).add(n)
 
     moved = False
     for region in regions.values():
@@ -268,35 +262,35 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
         cost = {}
         for option in (low, torch.float32):
             out_of = (lambda n, o=option: o if n in members else dec[n].out)
-            pairs = set()
-            for n in touched:
-                want = option if n in members and dec[n].rule != "select" else want_of(n)
-                pairs |= {(n, pair) for pair in pairs_of(n, out_of, want)}
-            new = {pair for _, pair in pairs if not (users_of_pair.get(pair, set()) - touched)}
+            per_node = {n: needed_casts(n, option if n in members and dec[n].rule != "select" else dec[n].dtype,
+                                        out_of, keep) for n in touched}
+            new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
             moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
             for n in region:  # the region's ops read their inputs and write their outputs
                 if dec[n].op in VIEWS:
                     continue
-                casted = {v: to for m, (v, to) in pairs if m is n}
+                casted = dict(per_node[n])
                 moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
                     _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
                     if out_of(p) in CASTABLE)
-            cost[option] = (len(new), moved_bytes, pairs)
-        (n_low, bytes_low, _), (n_fp32, bytes_fp32, pairs_fp32) = cost[low], cost[torch.float32]
+            cost[option] = (len(new), moved_bytes, per_node)
+        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
         if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
             continue
         names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
         for n in region:
             if dec[n].rule != "select":
-                dec[n] = n.meta[META] = dataclasses.replace(
+                dec[n] = dataclasses.replace(
                     dec[n], dtype=torch.float32, rule="paint:save-cast",
                     reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
                            f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
             dec[n] = n.meta[META] = dataclasses.replace(dec[n], out=torch.float32)
-        for pair_users in users_of_pair.values():
-            pair_users -= touched
-        for n, pair in pairs_fp32:
-            users_of_pair.setdefault(pair, set()).add(n)
+        for n in touched:
+            for pair in needs[n]:
+                users_of[pair].discard(n)
+            needs[n] = per_node[n]
+            for pair in needs[n]:
+                users_of.setdefault(pair, set()).add(n)
         moved = True
     return moved
 
