@@ -1,14 +1,16 @@
 """Coverage (not a test): real models through convert + one training step, per dtype.
 
-Models from torchvision, timm and HF transformers built from configs with random init (no
-downloads), plus torch.nn's LSTM and Transformer. Per model and dtype it prints the capture
-path, nodes converted, casts per step against torch.autocast (loss inside the region), the
-eval-mode output error against FP32, and the status. Needs its own environment (torchvision
-does not import beside the core lane's torch 2.13):
+Models from torchvision, timm, HF transformers and diffusers built from configs with random
+init (no downloads), plus torch.nn's LSTM, GRU and Transformer. Per model and dtype it prints
+the capture path, nodes converted, casts per training step and megabytes written by all ops
+per step against torch.autocast (loss inside the region), the eval-mode output error against
+FP32, and the status. Needs its own environment (torchvision does not import beside the core
+lane's torch 2.13; the test lane's .venv-models plus diffusers will do):
 
     python3 -m venv /tmp/venv-models
     /tmp/venv-models/bin/pip install torch==2.14.1 torchvision==0.29.1
-    /tmp/venv-models/bin/pip install timm "transformers==4.57.*" && /tmp/venv-models/bin/pip install -e .
+    /tmp/venv-models/bin/pip install timm "transformers==4.57.*" "diffusers==0.35.*" "huggingface-hub<1.0"
+    /tmp/venv-models/bin/pip install -e .
     /tmp/venv-models/bin/python benchmarks/coverage.py            # everything (a subprocess per case)
     /tmp/venv-models/bin/python benchmarks/coverage.py --one hf_t5 bf16
 
@@ -28,7 +30,7 @@ MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_
           "hf_bert_seqcls", "hf_gpt2_lm", "hf_roberta", "hf_distilbert", "hf_t5",
           "hf_gpt2_lm_nocache", "hf_t5_nocache", "hf_llama_nocache", "hf_bart_nocache", "hf_vit", "hf_albert",
           "timm_convnext_atto", "timm_swin_tiny", "tv_regnet_y_400mf", "tv_densenet121",
-          "nn_lstm_cls", "nn_transformer"]
+          "tv_r3d_18", "diffusers_unet2d", "nn_lstm_cls", "nn_gru_cls", "nn_transformer"]
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
 
@@ -39,6 +41,16 @@ def build(name):
     g = torch.Generator().manual_seed(0)
     img = lambda hw: torch.randn(B, 3, hw, hw, generator=g)
     tgt = torch.randint(0, NC, (B,), generator=g)
+    if name == "tv_r3d_18":  # video: conv3d, batch norm 3-d, adaptive 3-d pooling
+        import torchvision.models.video as tvv
+        return tvv.r3d_18(num_classes=NC), (torch.randn(B, 3, 4, 32, 32, generator=g),), ("ce", tgt)
+    if name == "diffusers_unet2d":  # group norm, SiLU, attention, nearest upsampling, sinusoidal timesteps
+        import diffusers
+        m = diffusers.UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                                  block_out_channels=(32, 64), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                  up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8)
+        noise = torch.randn(B, 3, 16, 16, generator=g)
+        return m, (torch.randn(B, 3, 16, 16, generator=g), torch.tensor([10, 500])), ("mse", noise)
     if name.startswith("tv_"):
         import torchvision.models as tvm
         arch = name[3:]
@@ -130,6 +142,17 @@ def build(name):
                 return self.head(h[:, -1])
         ids = torch.randint(0, V, (B, S), generator=g)
         return LSTMClassifier(), (ids,), ("ce", tgt)
+    if name == "nn_gru_cls":
+        class GRUClassifier(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gru = nn.GRU(16, 64, num_layers=2, batch_first=True, bidirectional=True)
+                self.head = nn.Linear(128, NC)
+
+            def forward(self, x):
+                h, _ = self.gru(x)
+                return self.head(h.mean(1))
+        return GRUClassifier(), (torch.randn(B, S, 16, generator=g),), ("ce", tgt)
     if name == "nn_transformer":
         m = nn.Transformer(d_model=64, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=128,
                            batch_first=True)
@@ -143,7 +166,7 @@ def primary(out):
     import torch
     if isinstance(out, torch.Tensor):
         return out
-    for k in ("logits", "last_hidden_state"):
+    for k in ("logits", "last_hidden_state", "sample"):
         v = out.get(k) if isinstance(out, dict) else getattr(out, k, None)
         if v is not None:
             return v
@@ -164,6 +187,8 @@ def loss_of(out, spec):
             loss = out[0]
         return loss.float()
     logits = primary(out).float()
+    if kind == "mse":
+        return F.mse_loss(logits, tgt)
     if kind == "ce":
         return F.cross_entropy(logits, tgt)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
@@ -176,6 +201,7 @@ def call(m, inp):
 def run_case(name, dt):
     import torch
     import ampfx
+    from ampfx.measure import measure_step
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -280,17 +306,21 @@ def run_case(name, dt):
                 loss = loss_of(call(model, inp), spec)
             loss.backward()
         torch.manual_seed(0)
-        r["casts_ampfx"] = ampfx.count_casts(step_amp)
+        ours = measure_step(step_amp)
+        r["casts_ampfx"], r["mb_ampfx"] = ours.count, ours.written / 2**20
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
         try:
-            r["casts_autocast"] = ampfx.count_casts(step_ac)
+            theirs = measure_step(step_ac)
+            r["casts_autocast"], r["mb_autocast"] = theirs.count, theirs.written / 2**20
         except Exception:
             r["autocast_baseline_error"] = traceback.format_exc()[-600:]
             r["casts_autocast"] = None
         model.zero_grad(set_to_none=True)
         if r["casts_autocast"] is not None and r["casts_ampfx"] >= r["casts_autocast"]:
             r["problems"].append(f"casts {r['casts_ampfx']} >= autocast {r['casts_autocast']}")
+        if r.get("mb_autocast") is not None and r["mb_ampfx"] > 1.01 * r["mb_autocast"]:  # > 1% more
+            r["problems"].append(f"writes {r['mb_ampfx']:.3g} MB > autocast {r['mb_autocast']:.3g} MB")
     except Exception:
         r["errors"].append({"stage": "casts", "tb": traceback.format_exc()})
     if r["methods"] and r["methods"][0][1].startswith("eager"):
@@ -302,8 +332,8 @@ def run_case(name, dt):
     return r
 
 
-def fmt(x):
-    return "n/a" if x is None else f"{x:.2g}"
+def fmt(x, digits=2):
+    return "n/a" if x is None else f"{x:.{digits}g}"
 
 
 def capture(res):
@@ -336,19 +366,22 @@ def main():
             res = {"model": m, "dtype": d, "status": "timeout", "errors": []}
         res["wall_s"] = round(time.time() - t0, 1)
         print(f"{m:28s} {d} {res['status']:14s} {capture(res):34s} {res.get('converted')}/{res.get('total')} "
-              f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} err {fmt(res.get('rel_err'))} "
+              f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} "
+              f"MB {fmt(res.get('mb_ampfx'), 3)}/{fmt(res.get('mb_autocast'), 3)} err {fmt(res.get('rel_err'))} "
               f"(autocast {fmt(res.get('rel_err_autocast'))}) {res.get('problems') or ''}", flush=True)
         return res
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(one, cases))
-    print("\n| model | dtype | capture | converted | casts ampfx / autocast | error ampfx / autocast | status |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | dtype | capture | converted | casts ampfx / autocast | MB written ampfx / autocast "
+          "| error ampfx / autocast | status |")
+    print("|---|---|---|---|---|---|---|---|")
     for res in sorted(results, key=lambda r: (r["model"], r["dtype"])):
         casts = f"{res.get('casts_ampfx')} / {res.get('casts_autocast') or 'n/a (autocast fails)'}"
         errs = f"{fmt(res.get('rel_err'))} / {fmt(res.get('rel_err_autocast'))}"
+        mb = f"{fmt(res.get('mb_ampfx'), 3)} / {fmt(res.get('mb_autocast'), 3)}"
         status = res["status"] + (": " + "; ".join(res.get("problems") or []) if res.get("problems") else "")
         print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {res.get('converted')}/{res.get('total')} "
-              f"| {casts} | {errs} | {status} |")
+              f"| {casts} | {mb} | {errs} | {status} |")
     out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
     json.dump(results, open(out, "w"), indent=1, default=str)
 
