@@ -5,7 +5,7 @@ converted model trained in one process on the mean of the shares' losses.
 
 ``python tests_dgl/ddp_train.py OUT.pt [--world 2] [--steps 5] [--optimizer sgd|adam] [--model gnn|gat]`` writes
 the state dicts ``ddp``, ``per-share``, ``mean-loss``, ``share-0`` (see :func:`single`) and ``init``, and
-the conversion summary, to ``OUT.pt``.
+the conversion summary and its low-precision ops, to ``OUT.pt``.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def single(world: int, steps: int, opt_name: str, model_name: str, how: str = "p
             loss = sum(F.cross_entropy(logits[nid], data.label[nid]) for nid in used) / len(used)
             loss.backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in amp.state_dict().items()}, amp.ampfx_report.summary()
+    rep = amp.ampfx_report
+    return {k: v.detach().clone() for k, v in amp.state_dict().items()}, rep.summary(), sorted(r.op for r in rep.low())
 
 
 def main() -> None:
@@ -120,7 +121,7 @@ def main() -> None:
             for how in ("per-share", "mean-loss", "share-0")}
     _, init, _ = setup(args.world, args.model)
     torch.save({"ddp": ddp, **{how: r[0] for how, r in runs.items()}, "init": init.state_dict(),
-                "summary": runs["per-share"][1]}, args.out)
+                "summary": runs["per-share"][1], "low_ops": runs["per-share"][2]}, args.out)
 
 
 if __name__ == "__main__":
