@@ -17,9 +17,12 @@ from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
 from .state import modes
-from . import export as export_mod
-from .tracing import (AmpGraphModule, Capture, RootUntraceable, copy_tree, graph_module, reproduces, trace,
-                      trace_other_mode)
+from .capture import export as export_mod
+from .capture.base import Capture
+from .capture.tracer import RootUntraceable, trace, trace_other_mode
+from .capture.verify import reproduces
+from .graph_module import AmpGraphModule, graph_module
+from .state import copy_tree
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ def _capture(work: nn.Module, policy: Policy, example_inputs: Any, tracer: str) 
         else:
             if tracer == "fx" or example_inputs is None:
                 return fx_capture
-            wrong = reproduces(work, fx_capture, example_inputs)
+            wrong = reproduces(work, fx_capture.graph, example_inputs)
             if wrong is None and not fx_capture.leaves:
                 return fx_capture
             steps = [*fx_capture.steps, f"auto: {wrong}; trying torch.export" if wrong is not None else
@@ -353,7 +356,7 @@ def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, pref
     each child it calls. Containers (``ModuleList``, ``ModuleDict``, or
     children never called themselves) are entered and their children
     converted instead."""
-    from .tracing import TRACE_THROUGH, AmpTracer
+    from .capture.tracer import TRACE_THROUGH, AmpTracer
 
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>", steps[-1:])
     inputs = _submodule_inputs(work, example_inputs, [n for n, _ in work.named_modules() if n])

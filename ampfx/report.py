@@ -253,8 +253,8 @@ class Report:
     def html(self) -> str:
         """One self-contained HTML page showing the rewritten graph: nodes coloured
         by dtype, the casts ampfx inserted, modules that collapse and expand
-        (see :mod:`ampfx.html`)."""
-        from .html import render
+        (see :mod:`ampfx.ui.html`)."""
+        from .ui.html import render
 
         return render(self)
 

@@ -13,6 +13,7 @@ put back what that may change.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Iterator
 
@@ -48,3 +49,20 @@ def modes(module: nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, flag in flags.items():
             m.training = flag
+
+
+def copy_tree(m: nn.Module) -> nn.Module:
+    """A copy of every module object in the tree that shares parameters and buffers.
+
+    Training flags, hooks and submodule slots of the copy are its own, so the
+    original model is never changed by what is done to the copy.
+    """
+    new = m.__class__.__new__(m.__class__)
+    new.__dict__.update(m.__dict__)
+    for k, v in list(new.__dict__.items()):
+        # torch's own containers (parameters, buffers, hooks); a subclass such as diffusers' FrozenDict config
+        # stays shared (its copy() loses the attributes it mirrors its keys in)
+        if type(v) in (dict, list, set, collections.OrderedDict):
+            new.__dict__[k] = v.copy()
+    new._modules = {k: (copy_tree(v) if v is not None else None) for k, v in m._modules.items()}
+    return new

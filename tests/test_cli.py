@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ampfx.cli import main
+from ampfx.ui.cli import main
 
 
 def test_demo_runs_end_to_end(capsys):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import ampfx
 from ampfx import Category, ops
-from ampfx.export import unavailable
+from ampfx.capture.export import unavailable
 from ampfx.runtime import cast as runtime_cast
 from models import Outer
 
@@ -410,7 +410,7 @@ def test_cli_explain_takes_a_tracer(capsys):
     """ampfx explain --tracer export: the table's records come from the exported graph."""
     import json
 
-    from ampfx.cli import main
+    from ampfx.ui.cli import main
 
     assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--tracer", "export", "--format", "json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -1,4 +1,4 @@
-"""The HTML picture of the decision log (ampfx.html): structure, edges, size, and a real browser."""
+"""The HTML picture of the decision log (ampfx.ui.html): structure, edges, size, and a real browser."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.html import COLLAPSE_ABOVE, graph, render
+from ampfx.ui.html import COLLAPSE_ABOVE, graph, render
 from ampfx.ops import Category
 from ampfx.report import CastInfo, Decision, Report, dtype_name
 from models import Root, build

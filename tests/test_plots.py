@@ -1,4 +1,4 @@
-"""ampfx.plots: the magnitudes it collects are right, its loss scale is safe, its figures show what they say."""
+"""ampfx.ui.plots: the magnitudes it collects are right, its loss scale is safe, its figures show what they say."""
 import math
 import subprocess
 import sys
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 pytest.importorskip("matplotlib")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ampfx import plots  # noqa: E402
-from ampfx.plots import collect_magnitudes, loss_scale_plot, range_plot, record_loss_scale, suggest_loss_scale  # noqa: E402
+from ampfx.ui import plots  # noqa: E402
+from ampfx.ui.plots import collect_magnitudes, loss_scale_plot, range_plot, record_loss_scale, suggest_loss_scale  # noqa: E402
 
 FP16_MAX = 65504.0
 
@@ -256,7 +256,7 @@ def test_figures_are_written_only_when_given_a_path(tmp_path, monkeypatch):
 
 
 def test_importing_ampfx_and_plots_does_not_import_matplotlib():
-    code = "import sys, ampfx, ampfx.plots; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, ampfx, ampfx.ui.plots; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -283,7 +283,7 @@ def test_synthetic_loss_and_tuple_inputs_as_the_cli_uses_them():
 
 def test_cli_plot_command_once_it_exists(tmp_path, capsys):
     """`ampfx plot` (when cli.py has it): prints describe() and writes the PNG."""
-    from ampfx import cli
+    from ampfx.ui import cli
 
     try:
         cli.build_parser().parse_args(["plot", "m.py:build"])

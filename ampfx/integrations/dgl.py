@@ -3,7 +3,7 @@
 ampfx never imports ``dgl`` to build these rules: modules are matched by the
 qualified name of their class (or of a base class), e.g.
 ``dgl.nn.pytorch.conv.gatconv.GATConv``. Every ``dgl.*`` module is traced as
-an opaque leaf (see :mod:`ampfx.tracing`); this module says what happens to
+an opaque leaf (see :mod:`ampfx.capture.tracer`); this module says what happens to
 the leaf.
 
 **The table** (:data:`TABLE`, one :class:`ModuleRule` per module type, each

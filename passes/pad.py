@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from .. import ops, runtime
 from ..report import CastInfo, Decision
-from . import PassContext
+from .context import PassContext
 from .classify import META, attr_of
 
 MAX_EXTRA = 0.25  # "auto" pads only when the padded weight is at most this much larger

@@ -52,7 +52,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from .report import RULES_DOC, Decision, Report, dtype_name
+from ..report import RULES_DOC, Decision, Report, dtype_name
 
 COLLAPSE_ABOVE = 200
 """Records above which every module group starts collapsed."""

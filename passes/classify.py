@@ -27,8 +27,8 @@ from ..ops import Category
 from ..policy import Policy
 from ..report import Decision
 from ..runtime import CASTABLE
-from ..tracing import node_module_path
-from . import PassContext
+from ..meta import node_module_path
+from .context import PassContext
 
 META = "ampfx"
 

@@ -45,7 +45,7 @@ from .. import integrations, ops, runtime
 from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision
 from ..runtime import CASTABLE
-from . import PassContext
+from .context import PassContext
 from .classify import META, attr_of, original_dtype
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -151,7 +151,7 @@ class _MetaProp(fx.Interpreter):
         return self.meta(super().get_attr(target, args, kwargs))
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        from ..tracing import copy_tree
+        from ..state import copy_tree
 
         mod = self.fetch_attr(target)
         twin = self.twins.get(id(mod))

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..ops import Category
 from ..report import Decision
-from . import PassContext
+from .context import PassContext
 from .classify import META
 
 REDUCTIONS = ("sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp")

@@ -54,7 +54,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .state import kept_buffers, modes
+from ..inputs import snapshot
+from ..state import kept_buffers, modes
+from .tracer import reads_training
 
 MIN_TORCH = (2, 5)
 """``torch.export`` with the non-strict mode and the pre-dispatch IR (older torch decomposes to core ATen)."""
@@ -83,7 +85,7 @@ class ExportFailed(RuntimeError):
 
 @dataclass
 class ExportCapture:
-    """An exported graph ready for :func:`ampfx.tracing.graph_module`.
+    """An exported graph ready for :func:`ampfx.graph_module.graph_module`.
 
     ``graph`` was captured in the model's current mode; ``mode_graphs`` maps
     ``training`` to the graph of each mode when they differ, else ``None``.
@@ -165,8 +167,6 @@ def _quiet() -> Iterator[None]:
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
-    from .tracing import snapshot
-
     fn = getattr(torch.export, "export_for_training", None) or torch.export.export
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
@@ -260,9 +260,7 @@ def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
 
 
 def _reads_training(model: nn.Module) -> bool:
-    from .tracing import _mentions_training
-
-    return any(_mentions_training(type(m)) for m in model.modules())
+    return any(reads_training(type(m)) for m in model.modules())
 
 
 def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:

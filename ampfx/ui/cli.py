@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from .ops import LISTS
-from .policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
+from ..ops import LISTS
+from ..policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
 
 _TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
                   "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64, "long": torch.int64,
@@ -97,7 +97,7 @@ def cmd_lists(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .pipeline import convert
+    from ..pipeline import convert
 
     model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input) or None

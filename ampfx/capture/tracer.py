@@ -23,10 +23,7 @@ convert the children one by one.
 """
 from __future__ import annotations
 
-import collections
-
 import contextlib
-import copy
 import inspect
 import sys
 import types
@@ -37,9 +34,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import ops
-from .policy import Policy
-from .state import modes
+from .. import ops
+from ..policy import Policy
+from ..state import modes
+from .base import Capture, short
 
 TRACE_THROUGH: tuple[type, ...] = tuple(
     getattr(nn, n) for n in (
@@ -59,11 +57,6 @@ class RootUntraceable(RuntimeError):
         super().__init__(f"{type(error).__name__}: {error}")
         self.error = error
         self.steps = steps
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text[:300]}"
 
 
 def is_dgl_module(m: nn.Module) -> bool:
@@ -140,22 +133,6 @@ def _one_node(fn: Any) -> Any:
     wrapper._ampfx_one_node = fn  # a library's own torch.fx.wrap may record the wrapper: _finish unwraps it
     return wrapper
 
-
-@dataclass
-class Capture:
-    """What :func:`trace` produced and how."""
-
-    graph: fx.Graph
-    method: str  # "fx" | "fx, optional arguments fixed" | "export"
-    leaves: dict[str, str] = field(default_factory=dict)  # module path -> trace error that made it a leaf
-    fixed_args: dict[str, Any] = field(default_factory=dict)
-    steps: list[str] = field(default_factory=list)
-    mode_graphs: dict[bool, fx.Graph] | None = None  # export: the graph of each training mode, when they differ
-    constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
-    notes: list[str] = field(default_factory=list)
-    mode_error: str | None = None  # export: why the other training mode could not be exported
-
-
 def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
     """Parameters of ``model.forward`` that have defaults and are not given a tensor."""
     out = {}
@@ -210,16 +187,16 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                 if mode in ("fx", "fx, None defaults fixed"):
                     more = _default_args(model, given_args or set())
                     steps.append(f"whole model, {'None defaults fixed' if fixed else 'all arguments symbolic'}: "
-                                 f"{_short(e)}")
+                                 f"{short(e)}")
                     if more != fixed:
                         fixed, mode = more, "fx, optional arguments fixed"
                         continue
                     mode = "fx, optional arguments fixed" if fixed else "fx, whole model failed"
                 if path and path not in leaves:
-                    leaves[path] = _short(e)
-                    steps.append(f"module {path!r} made a leaf: {_short(e)}")
+                    leaves[path] = short(e)
+                    steps.append(f"module {path!r} made a leaf: {short(e)}")
                     continue
-                steps.append(f"root forward: {_short(e)}")
+                steps.append(f"root forward: {short(e)}")
                 raise RootUntraceable(e, steps) from e
             mode = "fx" if mode == "fx, whole model failed" else mode
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
@@ -236,7 +213,7 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     ampfx's importable equivalent. A function kept whole that its library also
     ``torch.fx.wrap``-s (torchvision's ``stochastic_depth``) is recorded as
     itself, not as ampfx's wrapper."""
-    from . import runtime
+    from .. import runtime
 
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
@@ -247,139 +224,6 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
         if node.op == "call_function" and hasattr(node.target, "_ampfx_one_node"):
             node.target = node.target._ampfx_one_node
 
-
-def node_module_path(node: fx.Node) -> str:
-    """The qualified name of the module a node was traced in ('' for the root)."""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    key, value = list(stack.items())[-1]
-    if isinstance(value, tuple):  # torch >= 2.3: key -> (path, type)
-        return str(value[0])
-    return str(key)
-
-
-# ---------------------------------------------------------------------- module tree copies
-def copy_tree(m: nn.Module) -> nn.Module:
-    """A copy of every module object in the tree that shares parameters and buffers.
-
-    Training flags, hooks and submodule slots of the copy are its own, so the
-    original model is never changed by what is done to the copy.
-    """
-    new = m.__class__.__new__(m.__class__)
-    new.__dict__.update(m.__dict__)
-    for k, v in list(new.__dict__.items()):
-        # torch's own containers (parameters, buffers, hooks); a subclass such as diffusers' FrozenDict config
-        # stays shared (its copy() loses the attributes it mirrors its keys in)
-        if type(v) in (dict, list, set, collections.OrderedDict):
-            new.__dict__[k] = v.copy()
-    new._modules = {k: (copy_tree(v) if v is not None else None) for k, v in m._modules.items()}
-    return new
-
-
-def _keep_tree(gm: fx.GraphModule, root: nn.Module, training: bool) -> None:
-    """Put ``root``'s whole module tree (unused parameters and buffers too) on ``gm``."""
-    for name, child in root._modules.items():
-        gm._modules[name] = child
-    for name, p in root._parameters.items():
-        gm._parameters[name] = p
-    for name, b in root._buffers.items():
-        gm._buffers[name] = b
-    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
-    gm.training = training
-
-
-class AmpGraphModule(fx.GraphModule):
-    """A ``GraphModule`` that keeps the *whole* module tree of the model it was
-    traced from, so ``state_dict()`` keys equal the model's, also after
-    ``copy.deepcopy`` and pickling (plain ``GraphModule`` keeps only what the
-    graph references), and keeps its ``ampfx_report``."""
-
-    def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
-        res = super().__deepcopy__(memo)
-        tree = copy.deepcopy({"_modules": self._modules, "_parameters": self._parameters,
-                              "_buffers": self._buffers}, memo)
-        holder = nn.Module()
-        holder._modules, holder._parameters, holder._buffers = tree["_modules"], tree["_parameters"], tree["_buffers"]
-        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
-        _keep_tree(res, holder, self.training)
-        if "ampfx_report" in self.__dict__:
-            res.ampfx_report = self.ampfx_report  # frozen: safe to share
-        alt = self.__dict__.get("_ampfx_alt")
-        if alt is not None:
-            res.set_mode_graph(alt[0], copy.deepcopy(alt[1], memo))
-        return res
-
-    def __reduce__(self):  # noqa: ANN204
-        fn, args = super().__reduce__()
-        holder = nn.Module()
-        holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
-        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
-        return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
-                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None)))
-
-    def set_mode_graph(self, training: bool, other: "AmpGraphModule") -> None:
-        """Run ``other`` (the graph traced with every module's ``training`` set to
-        ``training``, over the same module tree) whenever this module is in that
-        mode: ``.train()`` / ``.eval()`` then switch graphs, as they switch Python."""
-        self.__dict__["_ampfx_alt"] = (training, other)
-        self._install_dispatch()
-
-    def recompile(self) -> Any:
-        """``GraphModule.recompile`` (pickling calls it too), keeping the mode dispatch."""
-        code = super().recompile()
-        if "_ampfx_alt" in self.__dict__:
-            self._install_dispatch()
-        return code
-
-    def _install_dispatch(self) -> None:
-        cls = type(self)
-        graph_forward = cls.forward
-        if getattr(graph_forward, "_ampfx_dispatch", False):
-            return
-
-        def forward(self: AmpGraphModule, *args: Any, **kwargs: Any) -> Any:
-            alt = self.__dict__.get("_ampfx_alt")
-            if alt is not None and self.training == alt[0]:
-                return alt[1](*args, **kwargs)
-            return graph_forward(self, *args, **kwargs)
-
-        forward.__signature__ = inspect.signature(graph_forward)
-        forward._ampfx_dispatch = True
-        cls.forward = forward
-
-
-def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # noqa: ANN001
-             pytree_info=None) -> AmpGraphModule:
-    plain = fn(*args)
-    if pytree_info is not None:
-        _restore_pytree(plain, pytree_info)
-    gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
-    _keep_tree(gm, holder, training)
-    if report is not None:
-        gm.ampfx_report = report
-    if alt is not None:
-        gm.set_mode_graph(*alt)
-    return gm
-
-
-def _restore_pytree(gm: fx.GraphModule, info: Any) -> None:
-    """Unpickling re-traces the code of an exported graph, which builds its output
-    structure (an HF ``ModelOutput``, say) from plain dicts; give it back its
-    pytree input/output handling so it returns what it returned before."""
-    from torch.fx.graph import _PyTreeCodeGen
-
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves, _ = torch.utils._pytree.tree_flatten(out.args[0])
-    if len(leaves) != info.out_spec.num_leaves:
-        return  # a structure this cannot map back: keep the re-traced one
-    out.args = (tuple(leaves),)
-    gm.graph._codegen = _PyTreeCodeGen(info)
-    gm.recompile()
-
-
 def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.Graph | None:
     """If the traced code may depend on ``self.training``, trace again with
     every module in the other mode (same leaves, same fixed arguments); the
@@ -387,75 +231,13 @@ def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.G
     tracing raises."""
     tracer = AmpTracer(policy, set(capture.leaves))
     traced = [m for name, m in model.named_modules() if not name or not _is_leaf(tracer, m, name)]
-    if not any(_mentions_training(type(m)) for m in traced):
+    if not any(reads_training(type(m)) for m in traced):
         return None
     with modes(model, training=not model.training), _fast_paths_off():
         graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)
     _finish(graph, capture.fixed_args)
     same = graph.python_code("self").src == capture.graph.python_code("self").src
     return None if same else graph
-
-
-def snapshot(value: Any) -> Any:
-    """A deep copy of ``value`` that later in-place changes cannot reach (the value itself if uncopyable)."""
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - uncopyable objects: keep the live reference
-        return value
-
-
-def call_with(module: nn.Module, example_inputs: Any) -> Any:
-    """``module`` called on ``example_inputs`` (a tuple of positional inputs, a dict of keyword inputs, or one value)."""
-    if isinstance(example_inputs, dict):
-        return module(**example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return module(*example_inputs)
-    return module(example_inputs)
-
-
-def reproduces(model: nn.Module, capture: Capture, example_inputs: Any, rtol: float = 1e-4) -> str | None:
-    """``None`` if ``capture.graph`` gives ``model``'s outputs on ``example_inputs``, else why not.
-
-    Both run in float32 in the model's current mode, without gradients, from
-    the same random seed (dropout draws the same masks), and leave buffers
-    as found. Python that branches on sizes or values can trace into a graph
-    that runs but computes something else; this catches it before conversion.
-    """
-    from .state import kept_buffers
-
-    gm = graph_module(model, capture.graph)
-
-    def run(m: nn.Module) -> list[Any]:
-        with torch.random.fork_rng(devices=[]), kept_buffers(model), torch.no_grad():
-            torch.manual_seed(0)
-            # a copy of the inputs each time: the forward may change what it is given (caches)
-            return torch.utils._pytree.tree_leaves(call_with(m, snapshot(example_inputs)))
-
-    try:
-        want = run(model)
-    except Exception:  # noqa: BLE001 - the model itself does not run: nothing to compare (shapes says so)
-        return None
-    try:
-        got = run(gm)
-    except Exception as e:  # noqa: BLE001
-        return f"the torch.fx graph does not run on the example inputs ({_short(e)})"
-    want = [t for t in want if isinstance(t, torch.Tensor)]
-    got = [t for t in got if isinstance(t, torch.Tensor)]
-    if len(want) != len(got):
-        return f"the torch.fx graph returns {len(got)} tensors, the model {len(want)}"
-    for i, (a, b) in enumerate(zip(want, got)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return (f"the torch.fx graph's output {i} is {b.dtype}{list(b.shape)}, the model's "
-                    f"{a.dtype}{list(a.shape)}")
-        if a.is_floating_point() or a.is_complex():
-            scale = a.abs().max().item() if a.numel() else 0.0
-            if not torch.allclose(b, a, rtol=rtol, atol=rtol * max(scale, 1e-6), equal_nan=True):
-                diff = (b - a).abs().max().item()
-                return f"the torch.fx graph's output {i} differs from the model's (max abs difference {diff:.3g})"
-        elif not torch.equal(a, b):
-            return f"the torch.fx graph's output {i} differs from the model's"
-    return None
-
 
 def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
     try:
@@ -471,7 +253,7 @@ def _reads(code: types.CodeType, name: str) -> bool:
     return name in code.co_names or any(_reads(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _mentions_training(cls: type) -> bool:
+def reads_training(cls: type) -> bool:
     """Does any method of ``cls`` (or of its bases below ``nn.Module``) read
     ``training``? Read from the bytecode, so it also works for classes
     defined in notebooks and ``exec``. Cached per class."""
@@ -481,10 +263,3 @@ def _mentions_training(cls: type) -> bool:
             for klass in cls.__mro__ if klass not in (nn.Module, object)
             for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__"))
     return _READS_TRAINING[cls]
-
-
-def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
-    """An :class:`AmpGraphModule` running ``graph`` over ``root``'s module tree."""
-    gm = AmpGraphModule(root, graph, class_name=type(root).__name__)
-    _keep_tree(gm, root, root.training)
-    return gm

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .measure import count_casts
-from .pipeline import convert
+from ..measure import count_casts
+from ..pipeline import convert
 
 
 class DemoClassifier(nn.Module):

@@ -40,7 +40,7 @@ from .. import ops
 from ..ops import Category
 from ..report import Decision
 from ..runtime import CASTABLE
-from . import PassContext
+from .context import PassContext
 from .casts import VIEWS, needed_casts
 from .classify import META, carries_float, original_dtype
 

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ..ops import Category
 from ..report import Decision
 from ..state import kept_buffers
-from . import PassContext
+from .context import PassContext
 from .classify import META
 from .shapes import bind_inputs
 

@@ -1,0 +1,1 @@
+"""Capturing a model as a graph: torch.fx with leaves, torch.export, and the checks that accept a capture."""

@@ -1,0 +1,55 @@
+"""Verification of a capture: does the captured graph compute what the model computes?"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..graph_module import graph_module
+from ..inputs import call_with, snapshot
+from ..state import kept_buffers
+from .base import short
+
+
+def reproduces(model: nn.Module, graph: fx.Graph, example_inputs: Any, rtol: float = 1e-4) -> str | None:
+    """``None`` if ``graph`` gives ``model``'s outputs on ``example_inputs``, else why not.
+
+    Both run in float32 in the model's current mode, without gradients, from
+    the same random seed (dropout draws the same masks), and leave buffers
+    as found. Python that branches on sizes or values can trace into a graph
+    that runs but computes something else; this catches it before conversion.
+    """
+    gm = graph_module(model, graph)
+
+    def run(m: nn.Module) -> list[Any]:
+        with torch.random.fork_rng(devices=[]), kept_buffers(model), torch.no_grad():
+            torch.manual_seed(0)
+            # a copy of the inputs each time: the forward may change what it is given (caches)
+            return torch.utils._pytree.tree_leaves(call_with(m, snapshot(example_inputs)))
+
+    try:
+        want = run(model)
+    except Exception:  # noqa: BLE001 - the model itself does not run: nothing to compare (shapes says so)
+        return None
+    try:
+        got = run(gm)
+    except Exception as e:  # noqa: BLE001
+        return f"the torch.fx graph does not run on the example inputs ({short(e)})"
+    want = [t for t in want if isinstance(t, torch.Tensor)]
+    got = [t for t in got if isinstance(t, torch.Tensor)]
+    if len(want) != len(got):
+        return f"the torch.fx graph returns {len(got)} tensors, the model {len(want)}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (f"the torch.fx graph's output {i} is {b.dtype}{list(b.shape)}, the model's "
+                    f"{a.dtype}{list(a.shape)}")
+        if a.is_floating_point() or a.is_complex():
+            scale = a.abs().max().item() if a.numel() else 0.0
+            if not torch.allclose(b, a, rtol=rtol, atol=rtol * max(scale, 1e-6), equal_nan=True):
+                diff = (b - a).abs().max().item()
+                return f"the torch.fx graph's output {i} differs from the model's (max abs difference {diff:.3g})"
+        elif not torch.equal(a, b):
+            return f"the torch.fx graph's output {i} differs from the model's"
+    return None
