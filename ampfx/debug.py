@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from .meta import record
 from .report import Decision
 
 
@@ -58,7 +59,7 @@ class _Watch(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         out = super().run_node(n)
-        d = n.meta.get("ampfx")
+        d = record(n)
         decision = d if isinstance(d, Decision) else None
         label = dict(op=decision.op if decision else str(n.target), module=decision.module if decision else "",
                      dtype=decision.dtype if decision else None)

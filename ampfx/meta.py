@@ -1,10 +1,55 @@
 """The keys ampfx writes into ``node.meta`` and ``gm.meta``, with typed accessors.
 
-One module owns every key, so writer and reader cannot drift apart.
+One module owns every key, so writer and reader cannot drift apart. Values
+stored under them are immutable (``node_copy`` copies meta shallowly):
+
+- ``RECORD`` (``node.meta['ampfx']``): the node's :class:`~ampfx.report.Decision`,
+  or a :class:`~ampfx.report.CastInfo` for a cast ampfx inserted;
+- ``OUT_INFOS``: a tuple of :class:`~ampfx.passes.shapes.TensorInfo`, the dtype and
+  sizes of each tensor the node produced before conversion (shape propagation);
+- ``CALIB``: what calibration saw of the node's output and gradient;
+- ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call.
+
+>>> import torch.fx as fx
+>>> g = fx.Graph(); x = g.placeholder("x")
+>>> record(x) is None, out_infos(x) is None
+(True, True)
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
+
+RECORD = "ampfx"
+OUT_INFOS = "ampfx_out"
+CALIB = "ampfx_calib"
+LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
+
+
+def record(node: fx.Node) -> Any:
+    """The node's Decision or CastInfo, or ``None`` (a node ampfx has not seen)."""
+    return node.meta.get(RECORD)
+
+
+def decision(node: fx.Node) -> Any:
+    """The node's record; ``KeyError`` if it has none (every node has one after classify)."""
+    return node.meta[RECORD]
+
+
+def out_infos(node: fx.Node) -> tuple | None:
+    """The dtype and sizes of each tensor ``node`` produced before conversion, or ``None`` without shapes."""
+    return node.meta.get(OUT_INFOS)
+
+
+def calib(node: fx.Node) -> Any:
+    """What calibration recorded for ``node``, or ``None``."""
+    return node.meta.get(CALIB)
+
+
+def leaf_param_casts(gm: fx.GraphModule) -> int:
+    """Parameter copies made inside leaves per call of ``gm``."""
+    return gm.meta.get(LEAF_PARAM_CASTS, 0)
 
 
 def node_module_path(node: fx.Node) -> str:

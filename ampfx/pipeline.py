@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from . import integrations
 from . import policy as policy_mod
+from .meta import leaf_param_casts, record
 from .passes import PIPELINE, PassContext, shapes
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Region, Report
@@ -279,7 +280,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
                      f"module raises in {missing} mode: convert model.{missing}() for that")
     records, casts = [], []
     for node in gm.graph.nodes:
-        rec = node.meta.get("ampfx")
+        rec = record(node)
         if isinstance(rec, CastInfo):
             casts.append(rec)
         elif isinstance(rec, Decision):
@@ -290,7 +291,7 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
     region = Region(path=prefix.rstrip("."), method=capture.method, steps=tuple(capture.steps),
                     leaves=tuple(capture.leaves.items()))
     report = Report(dtype=policy.dtype, records=tuple(records), casts=tuple(casts), regions=(region,),
-                    leaf_param_casts=gm.meta.get("ampfx_leaf_param_casts", 0), shapes=shape_note,
+                    leaf_param_casts=leaf_param_casts(gm), shapes=shape_note,
                     code_before={prefix.rstrip("."): before}, code_after={prefix.rstrip("."): gm.code},
                     notes=tuple(notes))
     if parts:

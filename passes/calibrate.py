@@ -30,10 +30,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from ..ops import Category
+from .. import meta
 from ..report import Decision
 from ..state import kept_buffers
 from .context import PassContext
-from .classify import META
 from .shapes import bind_inputs
 
 UNDERFLOW_FLAG = 0.01  # flag nodes losing more than this fraction of gradient values to underflow
@@ -96,7 +96,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
                 loss.backward()
             count += 1
     for node, values in acc.items():
-        node.meta["ampfx_calib"] = Stats(**values)
+        node.meta[meta.CALIB] = Stats(**values)
     return count
 
 
@@ -115,8 +115,8 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
     limit = torch.finfo(low).max / ctx.policy.calibration_margin
     name = str(low).replace("torch.", "")
     for node in gm.graph.nodes:
-        s: Stats | None = node.meta.get("ampfx_calib")
-        d = node.meta.get(META)
+        s: Stats | None = meta.calib(node)
+        d = meta.record(node)
         if s is None or not isinstance(d, Decision) or d.category not in (
                 Category.ALLOW, Category.INFER, Category.CLEAR):
             continue
@@ -132,14 +132,14 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
                        f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
         elif flag:
             d = dataclasses.replace(d, reason=d.reason + flag)
-        node.meta[META] = d
+        node.meta[meta.RECORD] = d
 
 
 def loss_scale_advice(gm: fx.GraphModule, low: torch.dtype) -> str | None:
     """The NVIDIA guide's procedure from the recorded gradients: the largest
     power-of-two static loss scale that keeps every gradient below the dtype's
     maximum, and what underflows without scaling. ``None`` without calibration."""
-    stats = [n.meta["ampfx_calib"] for n in gm.graph.nodes if "ampfx_calib" in n.meta]
+    stats = [meta.calib(n) for n in gm.graph.nodes if meta.calib(n) is not None]
     if not stats:
         return None
     if low == torch.bfloat16:

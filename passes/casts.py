@@ -42,11 +42,12 @@ import torch
 import torch.fx as fx
 
 from .. import integrations, ops, runtime
+from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
 from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision
 from ..runtime import CASTABLE
 from .context import PassContext
-from .classify import META, attr_of, original_dtype
+from .classify import attr_of, original_dtype
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -76,7 +77,7 @@ class _Casts:
             self.epochs[n] = self.epochs.get(n, 0) + 1
 
     def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
-        src = value.meta[META].out if isinstance(value.meta.get(META), Decision) else None
+        src = decision(value).out if isinstance(record(value), Decision) else None
         if src is None or src == dtype:
             return value
         if (value, dtype) in self.fixed:
@@ -88,12 +89,12 @@ class _Casts:
             with self.gm.graph.inserting_before(consumer):
                 cast = self.gm.graph.create_node("call_function", runtime.cast, (value, dtype), {},
                                                  name=f"{value.name}_{_SHORT[dtype]}")
-            cast.meta[META] = CastInfo(node=cast.name, value=value.name, source=src, to=dtype, consumers=(),
+            cast.meta[RECORD] = CastInfo(node=cast.name, value=value.name, source=src, to=dtype, consumers=(),
                                        weight=value.op == "get_attr", reason=why)
             self.cache[key] = cast
-        info: CastInfo = cast.meta[META]
+        info: CastInfo = decision(cast)
         if consumer.name not in info.consumers:
-            cast.meta[META] = dataclasses.replace(info, consumers=info.consumers + (consumer.name,))
+            cast.meta[RECORD] = dataclasses.replace(info, consumers=info.consumers + (consumer.name,))
         return cast
 
 
@@ -104,14 +105,14 @@ VIEWS = ("view", "reshape", "permute", "transpose", "t", "flatten", "unflatten",
 
 def _is_view(node: fx.Node) -> bool:
     """May ``node`` share storage with its first argument?"""
-    d = node.meta.get(META)
+    d = record(node)
     return isinstance(d, Decision) and d.op in VIEWS and bool(node.args) and isinstance(node.args[0], fx.Node)
 
 
 def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
     """Does every consumer of ``node`` take it in float32?"""
     for user in node.users:
-        d = user.meta.get(META)
+        d = record(user)
         if not isinstance(d, Decision):
             return False
         if d.kind == "output":
@@ -127,9 +128,9 @@ def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
     (then taken out of the call), else ``None``."""
     args = list(node.args)
     bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
-    if not isinstance(bias, fx.Node) or bias.meta[META].out != torch.float32 or not _wants_fp32(node, ctx):
+    if not isinstance(bias, fx.Node) or decision(bias).out != torch.float32 or not _wants_fp32(node, ctx):
         return None
-    if all(node in _promoted_inputs(u, ops.RULES.get(u.meta[META].op), u.meta[META].dtype) for u in node.users):
+    if all(node in _promoted_inputs(u, ops.RULES.get(decision(u).op), decision(u).dtype) for u in node.users):
         return None  # float32 consumers read the low output as it is (type promotion): no float32 copy to ride on
     node.args = tuple(args[:2])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
@@ -143,14 +144,14 @@ def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
         y32 = graph.create_node("call_function", runtime.cast, (node, torch.float32), {}, name=f"{node.name}_fp32")
     with graph.inserting_after(y32):
         out = graph.create_node("call_function", operator.add, (y32, bias), {}, name=f"{node.name}_bias")
-    d: Decision = node.meta[META]
-    y32.meta[META] = CastInfo(node=y32.name, value=node.name, source=d.dtype, to=torch.float32,
+    d: Decision = decision(node)
+    y32.meta[RECORD] = CastInfo(node=y32.name, value=node.name, source=d.dtype, to=torch.float32,
                               consumers=(out.name,), reason="consumers of this linear want float32")
-    out.meta[META] = Decision(node=out.name, op="add", target="_operator.add", module=d.module,
+    out.meta[RECORD] = Decision(node=out.name, op="add", target="_operator.add", module=d.module,
                               category=Category.INFER, dtype=torch.float32, rule="bias-fp32", kind="call_function",
                               reason=f"bias of {node.name} added after its float32 cast (the bias is never cast)",
                               out=torch.float32)
-    node.meta[META] = dataclasses.replace(d, reason=d.reason + "; bias added in float32 after the cast")
+    node.meta[RECORD] = dataclasses.replace(d, reason=d.reason + "; bias added in float32 after the cast")
     casts.fixed[(node, torch.float32)] = out
 
 
@@ -175,7 +176,7 @@ def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
     if rule is None or not rule.promotes or want != torch.float32:
         return set()
     out_of = out_of or _out
-    tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get(META), Decision)]
+    tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(record(a), Decision)]
     wide = [a for a in tensors if out_of(a) == torch.float32 and _ndim(a) not in (None, 0)]
     if not wide:
         return set()
@@ -185,12 +186,12 @@ def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
 
 
 def _out(n: fx.Node) -> Any:
-    d = n.meta.get(META)
+    d = record(n)
     return d.out if isinstance(d, Decision) else None
 
 
 def _ndim(n: fx.Node) -> int | None:
-    infos = n.meta.get("ampfx_out")
+    infos = out_infos(n)
     if not infos or len(infos) != 1:
         return None
     return len(infos[0].shape)
@@ -221,7 +222,7 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
     computed in ``want`` and every value had the dtype ``out_of(value)``; for
     weighing alternatives before anything is rewritten (``paint``, step 7).
     Ignores the linear-bias split, which only removes casts."""
-    d = node.meta.get(META)
+    d = record(node)
     pairs: set[tuple[fx.Node, torch.dtype]] = set()
 
     def need(value: fx.Node, dtype: torch.dtype | None) -> None:
@@ -266,7 +267,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
     casts = _Casts(gm)
     leaf_params = 0
     for node in list(graph.nodes):
-        d = node.meta.get(META)
+        d = record(node)
         if not isinstance(d, Decision):
             continue
         if d.kind == "output":
@@ -309,7 +310,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             leaf_params += sum(1 for p in module.parameters() if p.dtype in CASTABLE)
             with graph.inserting_before(node):
                 ref = graph.get_attr(str(node.target))
-                ref.meta[META] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
+                ref.meta[RECORD] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
                                           category=Category.PASS, dtype=None, rule="structure",
                                           reason="the leaf module, run with low-precision parameter copies",
                                           kind="get_attr")
@@ -318,4 +319,4 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-    gm.meta["ampfx_leaf_param_casts"] = leaf_params
+    gm.meta[LEAF_PARAM_CASTS] = leaf_params

@@ -23,15 +23,12 @@ import torch
 import torch.fx as fx
 
 from .. import integrations, ops, probes
+from ..meta import RECORD, node_module_path, out_infos
 from ..ops import Category
 from ..policy import Policy
 from ..report import Decision
 from ..runtime import CASTABLE
-from ..meta import node_module_path
 from .context import PassContext
-
-META = "ampfx"
-
 
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     """``x.add_(y)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``x[i] = v``."""
@@ -74,10 +71,6 @@ def target_str(node: fx.Node) -> str:
     return str(node.target)
 
 
-def out_infos(node: fx.Node) -> tuple | None:
-    return node.meta.get("ampfx_out")
-
-
 def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     """Might this node's value hold a float32/16/bf16 tensor? Exact with shapes;
     otherwise everything not known to be non-float might."""
@@ -97,7 +90,7 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
 
 def original_dtype(n: fx.Node) -> torch.dtype:
     """The float dtype ``n`` produced before conversion (float32 when unknown)."""
-    infos = n.meta.get("ampfx_out")
+    infos = out_infos(n)
     floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
     return floats[0] if floats else torch.float32
 
@@ -179,7 +172,7 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                     out = floats[0] if floats else None
             decided[node] = Decision(op=node.op, category=Category.PASS, dtype=None, rule="structure", reason=what,
                                      out=out, **base)
-            node.meta[META] = decided[node]
+            node.meta[RECORD] = decided[node]
             continue
 
         base["in_shapes"] = tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i)
@@ -231,4 +224,4 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
             # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
             d = integrations.refine(d, gm.get_submodule(str(node.target)), node, gm, ctx)
         decided[node] = d
-        node.meta[META] = d
+        node.meta[RECORD] = d

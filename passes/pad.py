@@ -40,9 +40,10 @@ import torch
 import torch.fx as fx
 
 from .. import ops, runtime
+from ..meta import OUT_INFOS, RECORD, decision, out_infos, record
 from ..report import CastInfo, Decision
 from .context import PassContext
-from .classify import META, attr_of
+from .classify import attr_of
 
 MAX_EXTRA = 0.25  # "auto" pads only when the padded weight is at most this much larger
 
@@ -64,7 +65,7 @@ def _shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
     if src.op == "get_attr":
         obj = attr_of(gm, str(src.target))
         return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
-    infos = src.meta.get("ampfx_out")
+    infos = out_infos(src)
     return tuple(infos[0].shape) if infos else None
 
 
@@ -74,17 +75,17 @@ def _pad_input(gm: fx.GraphModule, user: fx.Node, arg: fx.Node, dtype: torch.dty
     cast used only here, else add a ``cast_pad`` of it (shared by later users)."""
     if (arg, sizes) in made:
         new = made[(arg, sizes)]
-        info = new.meta[META]
-        new.meta[META] = dataclasses.replace(info, consumers=info.consumers + (user.name,))
+        info = decision(new)
+        new.meta[RECORD] = dataclasses.replace(info, consumers=info.consumers + (user.name,))
         return new
     if _our_cast(arg) and arg.target is runtime.cast and len(arg.users) == 1:
         arg.target, arg.args = runtime.cast_pad, (arg.args[0], dtype, sizes)
-        info: CastInfo = arg.meta[META]
-        arg.meta[META] = dataclasses.replace(info, reason=f"{info.reason}; zero-padded to {list(sizes)} in the same copy")
+        info: CastInfo = decision(arg)
+        arg.meta[RECORD] = dataclasses.replace(info, reason=f"{info.reason}; zero-padded to {list(sizes)} in the same copy")
         return arg
     with gm.graph.inserting_before(user):
         new = gm.graph.call_function(runtime.cast_pad, (arg, dtype, sizes))
-    new.meta[META] = CastInfo(node=new.name, value=arg.name, source=dtype, to=dtype, consumers=(user.name,),
+    new.meta[RECORD] = CastInfo(node=new.name, value=arg.name, source=dtype, to=dtype, consumers=(user.name,),
                               reason=f"zero-padded to {list(sizes)}")
     made[(arg, sizes)] = new
     return new
@@ -146,7 +147,7 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
     m = ctx.policy.pad_multiple or 8
     made: dict = {}
     for node in list(gm.graph.nodes):
-        d = node.meta.get(META)
+        d = record(node)
         rule = ops.RULES.get(getattr(d, "op", ""))
         if not (isinstance(d, Decision) and rule is not None and rule.gemm
                 and node.op in ("call_function", "call_method") and d.dtype == low and not node.kwargs):
@@ -154,12 +155,12 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
         layout = LAYOUTS[rule.gemm]
         plan, text = _plan(node, layout, gm, m)
         if plan is None:
-            node.meta[META] = dataclasses.replace(d, reason=f"{d.reason}; {text}")
+            node.meta[RECORD] = dataclasses.replace(d, reason=f"{d.reason}; {text}")
             continue
         (k, kp), (n, np_) = plan["K"], plan["N"]
         why = _should(ctx, (kp * np_) / (k * n) - 1)
         if why is not None:
-            node.meta[META] = dataclasses.replace(d, reason=f"{d.reason}; {text} not multiples of {m}; "
+            node.meta[RECORD] = dataclasses.replace(d, reason=f"{d.reason}; {text} not multiples of {m}; "
                                                             f"not padded: {why}")
             continue
         args = list(node.args)
@@ -178,10 +179,10 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
             with gm.graph.inserting_after(node):
                 narrow = gm.graph.call_function(torch.narrow, (node, -1, 0, n))
             node.replace_all_uses_with(narrow, delete_user_cb=lambda u: u is not narrow)
-            if "ampfx_out" in node.meta:
-                narrow.meta["ampfx_out"] = node.meta["ampfx_out"]  # the original sizes again
-            narrow.meta[META] = Decision(node=narrow.name, op="narrow", target="torch.narrow", module=d.module,
+            if OUT_INFOS in node.meta:
+                narrow.meta[OUT_INFOS] = out_infos(node)  # the original sizes again
+            narrow.meta[RECORD] = Decision(node=narrow.name, op="narrow", target="torch.narrow", module=d.module,
                                          category=d.category, dtype=low, rule="pad",
                                          reason=f"slices {node.name}'s padded output back to N={n}",
                                          kind="call_function", out=low)
-        node.meta[META] = dataclasses.replace(d, reason=f"{d.reason}; {note}")
+        node.meta[RECORD] = dataclasses.replace(d, reason=f"{d.reason}; {note}")

@@ -37,12 +37,13 @@ import torch
 import torch.fx as fx
 
 from .. import ops
+from ..meta import RECORD, decision, out_infos
 from ..ops import Category
 from ..report import Decision
 from ..runtime import CASTABLE
 from .context import PassContext
 from .casts import VIEWS, needed_casts
-from .classify import META, carries_float, original_dtype
+from .classify import carries_float, original_dtype
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
@@ -68,7 +69,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     low = ctx.policy.dtype
     low_name = str(low).replace("torch.", "")
     nodes = list(gm.graph.nodes)
-    cat = {n: n.meta[META].category for n in nodes}
+    cat = {n: decision(n).category for n in nodes}
     paintable = {n for n in nodes if cat[n] in PAINTABLE}
 
     def ins(n: fx.Node) -> list[fx.Node]:
@@ -80,7 +81,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     color: dict[fx.Node, tuple[torch.dtype, str, str]] = {}
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
     for n in allow:  # an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
-        color[n] = (n.meta[META].dtype or low, n.meta[META].rule, n.meta[META].reason)
+        color[n] = (decision(n).dtype or low, decision(n).rule, decision(n).reason)
 
     # 2. deny propagation into U = infer/deny nodes and the clear nodes leading to them
     seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
@@ -89,7 +90,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     deny = [n for n in nodes if cat[n] is Category.DENY]
     for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
         color[n] = (torch.float32, "paint:deny",
-                    f"follows deny op {origin.name!r} ({origin.meta[META].op}) through infer/clear ops: float32")
+                    f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
     denied = {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
 
     # 3. between-allow
@@ -111,7 +112,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     #    deny list)
     #    Steps 4 and 5 repeat until nothing changes: a clear op painted in 5 can make an infer op's
     #    inputs all low.
-    decided = {n: n.meta[META] for n in nodes}
+    decided = {n: decision(n) for n in nodes}
     while True:
         painted = len(color)
         _follow_allow(nodes, cat, color, denied, decided, low)
@@ -125,7 +126,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
 
     for n in nodes:
-        d: Decision = n.meta[META]
+        d: Decision = decision(n)
         earlier = f" ({d.reason})" if d.rule.startswith("shape:") else ""  # keep the size facts
         if n in color:
             dtype, rule, reason = color[n]
@@ -136,7 +137,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
                    f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
             d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
                                     reason=f"{cat[n].value} op {why}: float32" + earlier)
-        n.meta[META] = d
+        n.meta[RECORD] = d
     _values(gm, low)
     if _float32_regions(gm, ctx):
         _values(gm, low)
@@ -220,7 +221,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """
     low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
     nodes = list(gm.graph.nodes)
-    dec = {n: n.meta[META] for n in nodes}
+    dec = {n: decision(n) for n in nodes}
 
     def candidate(n: fx.Node) -> bool:
         d = dec[n]
@@ -284,7 +285,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
                     dec[n], dtype=torch.float32, rule="paint:save-cast",
                     reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
                            f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
-            dec[n] = n.meta[META] = dataclasses.replace(dec[n], out=torch.float32)
+            dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
         for n in touched:
             for pair in needs[n]:
                 users_of[pair].discard(n)
@@ -297,7 +298,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
 def _numel(n: fx.Node, ctx: PassContext) -> int:
     """Elements of ``n``'s first output (symbolic sizes at their least; 1 if unknown)."""
-    infos = n.meta.get("ampfx_out")
+    infos = out_infos(n)
     if not infos:
         return 1
     count = infos[0].numel()
@@ -313,7 +314,7 @@ def _itemsize(dtype: object) -> int:
 def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
     """Input nodes in the slots the op's rule pins to float32 (``OpRule.fp32_args``):
     a layer norm's weight and bias are float32 whatever dtype its data runs in."""
-    rule = ops.RULES.get(n.meta[META].op)
+    rule = ops.RULES.get(decision(n).op)
     if rule is None or not rule.fp32_args:
         return set()
     pinned: set[fx.Node] = set()
@@ -327,7 +328,7 @@ def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
 def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     """The dtype a PASS node (explicit cast, factory, table gather) produces."""
     rule = ops.RULES.get(d.op)
-    infos = n.meta.get("ampfx_out")
+    infos = out_infos(n)
     meta_dtype = None
     if infos is not None:
         floats = [i.dtype for i in infos if i.dtype in CASTABLE]
@@ -360,7 +361,7 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
     """Fill ``out`` for every node, in graph order; in-place ops follow their target."""
     out: dict[fx.Node, object] = {}
     for n in gm.graph.nodes:
-        d: Decision = n.meta[META]
+        d: Decision = decision(n)
         if d.kind in ("placeholder", "get_attr"):
             out[n] = d.out
         elif d.kind == "output":
@@ -376,7 +377,7 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
         elif d.op == "getitem" and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])
             if out[n] is None:  # an item of a non-tensor container (DGL's nodes.data['h']): its own dtype
-                infos = n.meta.get("ampfx_out")
+                infos = out_infos(n)
                 floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
                 out[n] = floats[0] if floats else (DYNAMIC if infos is None else None)
             src = out[n]
@@ -386,6 +387,6 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
         elif d.category is Category.PASS:
             out[n] = _pass_result(n, d, out)
         else:
-            infos = n.meta.get("ampfx_out")
+            infos = out_infos(n)
             out[n] = d.dtype if infos is None or any(i.dtype in CASTABLE for i in infos) else None
-        n.meta[META] = dataclasses.replace(d, out=out[n])
+        n.meta[RECORD] = dataclasses.replace(d, out=out[n])

@@ -30,10 +30,10 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..meta import RECORD, out_infos, record
 from ..ops import Category
 from ..report import Decision
 from .context import PassContext
-from .classify import META
 
 REDUCTIONS = ("sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp")
 RANGE_SAFE_IN_BF16 = ("sum", "mean")  # the kernel accumulates in float32; bfloat16 has float32's range
@@ -46,8 +46,8 @@ def _fmt(n: Any) -> str:
 def reduced_count(node: fx.Node) -> int | sympy.Expr | None:
     """Elements reduced into each output element, or ``None`` if unknown."""
     src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    ins = src.meta.get("ampfx_out") if src is not None else None
-    outs = node.meta.get("ampfx_out")
+    ins = out_infos(src) if src is not None else None
+    outs = out_infos(node)
     if not ins or not outs:
         return None
     shape_in = ins[0].shape
@@ -65,7 +65,7 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     threshold = ctx.policy.reduction_threshold
     low = ctx.policy.dtype
     for node in gm.graph.nodes:
-        d = node.meta.get(META)
+        d = record(node)
         if not isinstance(d, Decision) or d.op not in REDUCTIONS or d.rule != "table":
             continue
         if d.category not in (Category.INFER, Category.DENY):
@@ -93,4 +93,4 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
                 d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule="shape:size-unknown",
                                         reason=f"{what} (between {_fmt(lower)} and {_fmt(upper)}): size unknown "
                                                f"against threshold {threshold:,}: float32 accumulation")
-        node.meta[META] = d
+        node.meta[RECORD] = d

@@ -26,6 +26,7 @@ import torch.fx as fx
 import sympy
 from torch.utils._pytree import tree_leaves
 
+from ..meta import OUT_INFOS
 from ..state import kept_buffers, modes
 
 
@@ -91,7 +92,7 @@ def bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> list[Any]:
 def _record(node: fx.Node, value: Any, symbols: Symbols) -> None:
     infos = tuple(TensorInfo(tuple(symbols.size(s) for s in t.shape), t.dtype)
                   for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    node.meta["ampfx_out"] = infos
+    node.meta[OUT_INFOS] = infos
 
 
 def propagate(gm: fx.GraphModule, example_inputs: Any,
