@@ -225,24 +225,24 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
         parts.append(rep)
     gm = graph_module(work, capture.graph)
     before = gm.code
-    ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
-                      example_inputs=example_inputs, leaves=dict(capture.leaves), regions={p for p in inner if p in inner_inputs or
-                                                            example_inputs is None})
     shape_note = Report.__dataclass_fields__["shapes"].default
     notes: list[str] = list(capture.notes)
     if capture.method == "export" and (policy.leaf_modules or any(not isinstance(o, str) for o, _ in policy.user_ops)):
         notes.append("torch.export traces through leaf_modules and the modules and functions named on a list: on "
                      "this exported graph their ops are decided one by one (tracer='fx' keeps them whole)")
+    symbols = None
     if example_inputs is not None:
         try:
-            _, shape_note, ctx.symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
+            _, shape_note, symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
         except ValueError as e:  # the graph does not reproduce the module on its inputs: a region instead
             if not list(work.children()):
                 raise
             return _convert_children(work, policy, example_inputs, prefix,
                                      [*capture.steps, f"traced graph does not run on the example inputs: {e}"],
                                      tracer)
-        ctx.has_shapes = True
+    ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
+                      example_inputs=example_inputs, leaves=dict(capture.leaves), symbols=symbols,
+                      regions=frozenset(p for p in inner if p in inner_inputs or example_inputs is None))
     if calib is not None:
         from .passes import calibrate as calibration
 

@@ -1,21 +1,39 @@
-"""What the passes share: :class:`PassContext`."""
+"""What the passes share: :class:`PassContext`, built once per graph and never changed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from ..policy import Policy
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassContext:
-    """What the passes share: the policy and facts about this conversion."""
+    """The policy and the facts about one conversion that no single node carries.
+
+    ``prefix`` is the module path of the converted region inside the user's
+    model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
+    module traced as a leaf to why; ``regions`` are the leaves that run their
+    own Python with their children converted separately. ``symbols`` (a
+    :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
+    from example inputs. ``example_inputs`` are as given to ``convert``
+    (integrations read values from them: DGL's overflow guard).
+
+    >>> from ampfx import Policy
+    >>> ctx = PassContext(Policy())
+    >>> ctx.has_shapes, ctx.device
+    (False, 'cpu')
+    """
 
     policy: Policy
     device: str = "cpu"
-    prefix: str = ""  # module path of the converted region inside the user's model
-    leaves: dict[str, str] = field(default_factory=dict)  # module path -> why it is a leaf
-    regions: set[str] = field(default_factory=set)  # leaves that run eager with converted children
-    has_shapes: bool = False
-    symbols: Any = None  # shapes.Symbols: symbolic sizes and their ranges
-    example_inputs: Any = None  # as given to convert (integrations read values: DGL's overflow guard)
+    prefix: str = ""
+    leaves: Mapping[str, str] = field(default_factory=dict)
+    regions: frozenset[str] = frozenset()
+    symbols: Any = None
+    example_inputs: Any = None
+
+    @property
+    def has_shapes(self) -> bool:
+        """Were shapes propagated from example inputs (``node.meta`` holds ``OUT_INFOS``)?"""
+        return self.symbols is not None
