@@ -8,7 +8,7 @@ torch.bfloat16
 from .debug import NonFiniteError, debug
 from .measure import count_casts
 from .ops import Category
-from .pipeline import convert
+from .api import convert
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
 

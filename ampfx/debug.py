@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from .inputs import ExampleInputs
 from .meta import record
 from .report import Decision
 
@@ -84,10 +85,7 @@ class Debugged(torch.nn.Module):
         self.gm = gm
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from .passes.shapes import bind_inputs
-
-        inputs = bind_inputs(self.gm, kwargs if kwargs and not args else args)
-        return _Watch(self.gm).run(*inputs)
+        return _Watch(self.gm).run(*ExampleInputs(args, kwargs).positional(self.gm))
 
 
 def debug(amp: torch.nn.Module) -> Debugged:

@@ -31,10 +31,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..ops import Category
 from .. import meta
+from ..inputs import ExampleInputs
 from ..report import Decision
 from ..state import kept_buffers
 from .context import PassContext
-from .shapes import bind_inputs
 
 UNDERFLOW_FLAG = 0.01  # flag nodes losing more than this fraction of gradient values to underflow
 
@@ -90,7 +90,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
     count = 0
     with kept_buffers(gm, grads=True):
         for batch in batches:
-            out = Recorder(gm).run(*bind_inputs(gm, batch))
+            out = Recorder(gm).run(*ExampleInputs.of(batch).positional(gm))
             loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
             if loss.requires_grad:
                 loss.backward()

@@ -17,7 +17,6 @@ After:  same graph, ``linear.meta['ampfx_out'] == (TensorInfo((8, 4), torch.floa
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.fx as fx
 import sympy
 from torch.utils._pytree import tree_leaves
 
+from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..state import kept_buffers, modes
 
@@ -75,20 +75,6 @@ class Symbols:
         return vr.lower, vr.upper
 
 
-def bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> list[Any]:
-    """Example inputs (a tuple of positional values, a dict of keyword values,
-    or one tensor) as the positional list the graph's placeholders take."""
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), example_inputs
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        args, kwargs = (example_inputs,), {}
-    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return list(bound.args) + list(bound.kwargs.values())
-
-
 def _record(node: fx.Node, value: Any, symbols: Symbols) -> None:
     infos = tuple(TensorInfo(tuple(symbols.size(s) for s in t.shape), t.dtype)
                   for t in tree_leaves(value) if isinstance(t, torch.Tensor))
@@ -100,7 +86,7 @@ def propagate(gm: fx.GraphModule, example_inputs: Any,
     """Annotate every node; returns ``(method, note, symbols)`` with method
     ``"fake"`` or ``"real"``. ``dynamic_dims`` (``{0: "batch"}``) makes those
     dimensions of every tensor input symbolic, named as given."""
-    args = bind_inputs(gm, example_inputs)
+    args = ExampleInputs.of(example_inputs).positional(gm)
     with kept_buffers(gm):  # leaves may update buffers in place (batch-norm counters)
         return _propagate(gm, args, dynamic_dims or {})
 

@@ -1,4 +1,4 @@
-"""What a capture produced, and how capture errors are written in the report."""
+"""What a capture produced and why it was accepted, and how capture errors are written in the report."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,16 +13,30 @@ def short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Capture:
-    """What :func:`trace` produced and how."""
+    """One graph for a module, how it was made, and why it was accepted.
+
+    ``method`` is the rung that produced it (``"fx"``, ``"fx, optional arguments
+    fixed"``, ``"export"``, ...); ``steps`` every rung tried on the way, with its
+    error; ``why`` the check that accepted it. ``leaves`` maps the path of each
+    module kept opaque to the trace error that made it a leaf.
+    """
 
     graph: fx.Graph
-    method: str  # "fx" | "fx, optional arguments fixed" | "export"
-    leaves: dict[str, str] = field(default_factory=dict)  # module path -> trace error that made it a leaf
+    method: str
+    leaves: dict[str, str] = field(default_factory=dict)
     fixed_args: dict[str, Any] = field(default_factory=dict)
-    steps: list[str] = field(default_factory=list)
+    steps: tuple[str, ...] = ()
+    why: str = ""
     mode_graphs: dict[bool, fx.Graph] | None = None  # export: the graph of each training mode, when they differ
     constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     mode_error: str | None = None  # export: why the other training mode could not be exported
+
+
+@dataclass(frozen=True)
+class Uncaptured:
+    """No rung captured the module's own ``forward``: it runs eagerly and its children are converted."""
+
+    steps: tuple[str, ...]

@@ -34,7 +34,7 @@ What :func:`capture` does with the exported program:
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
->>> cap = capture(net, (torch.randn(2, 4),))
+>>> cap = capture(net, ExampleInputs.of((torch.randn(2, 4),)))
 >>> [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
 ['aten.linear.default', 'aten.softmax.int']
 >>> cap.method, cap.mode_graphs is None
@@ -47,15 +47,15 @@ import inspect
 import io
 import logging
 import operator
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..inputs import snapshot
+from ..inputs import ExampleInputs, snapshot
 from ..state import kept_buffers, modes
+from .base import Capture
 from .tracer import reads_training
 
 MIN_TORCH = (2, 5)
@@ -83,25 +83,6 @@ class ExportFailed(RuntimeError):
         self.steps = steps
 
 
-@dataclass
-class ExportCapture:
-    """An exported graph ready for :func:`ampfx.graph_module.graph_module`.
-
-    ``graph`` was captured in the model's current mode; ``mode_graphs`` maps
-    ``training`` to the graph of each mode when they differ, else ``None``.
-    ``constants`` are tensors the graph reads that are not the model's own
-    (``get_attr`` target -> tensor); install them with :func:`install_constants`.
-    """
-
-    graph: fx.Graph
-    method: str = "export"
-    steps: list[str] = field(default_factory=list)
-    mode_graphs: dict[bool, fx.Graph] | None = None
-    constants: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    mode_error: str | None = None  # why the other training mode could not be exported
-
-
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     hint = ""
@@ -109,21 +90,6 @@ def _short(e: BaseException) -> str:
         hint = (" (HF models: give use_cache=False in example_inputs, a training forward needs no cache; or "
                 "call transformers.integrations.executorch.register_dynamic_cache_export_support() first)")
     return f"{type(e).__name__}: {text[:300]}{hint}"
-
-
-def split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
-    """``example_inputs`` (a tuple, a dict of keyword inputs or one tensor) as
-    ``(args, kwargs)``, keyword inputs in the order of ``model.forward``'s
-    parameters (export's input spec follows that order, and so do the
-    converted module's placeholders)."""
-    if isinstance(example_inputs, dict):
-        order = list(inspect.signature(model.forward).parameters)
-        rank = {name: i for i, name in enumerate(order)}
-        kwargs = dict(sorted(example_inputs.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-        return (), kwargs
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def _auto_dims(args: tuple, kwargs: dict) -> Any:
@@ -263,16 +229,16 @@ def _reads_training(model: nn.Module) -> bool:
     return any(reads_training(type(m)) for m in model.modules())
 
 
-def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
+def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
     (with the steps tried) if this torch cannot or the model does not export.
     The model is left as found (modes, buffers)."""
     why = unavailable()
     if why is not None:
         raise ExportFailed(why, [f"torch.export: {why}"])
-    if example_inputs is None:
+    if inputs is None:
         raise ExportFailed("torch.export needs example_inputs", ["torch.export: no example_inputs"])
-    args, kwargs = split_inputs(model, example_inputs)
+    args, kwargs = inputs.ordered(model.forward)
     paths = _module_paths(model)
     steps: list[str] = []
     dynamic = _auto_dims(args, kwargs)
@@ -315,8 +281,8 @@ def capture(model: nn.Module, example_inputs: Any) -> ExportCapture:
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: other sizes fail the "
                      "converted module's graph (convert again for other sizes)")
-    return ExportCapture(graph=graphs[model.training], steps=steps, mode_graphs=None if same else graphs,
-                         constants=constants, notes=notes, mode_error=mode_error)
+    return Capture(graph=graphs[model.training], method="export", steps=tuple(steps),
+                   mode_graphs=None if same else graphs, constants=constants, notes=tuple(notes), mode_error=mode_error)
 
 
 class ModeUnavailable(nn.Module):

@@ -202,7 +202,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
-            return Capture(graph, mode, leaves, fixed, steps)
+            return Capture(graph, mode, leaves, fixed, tuple(steps))
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 

@@ -8,13 +8,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..graph_module import graph_module
-from ..inputs import call_with, snapshot
+from ..inputs import ExampleInputs
 from ..state import kept_buffers
 from .base import short
 
 
-def reproduces(model: nn.Module, graph: fx.Graph, example_inputs: Any, rtol: float = 1e-4) -> str | None:
-    """``None`` if ``graph`` gives ``model``'s outputs on ``example_inputs``, else why not.
+def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: float = 1e-4) -> str | None:
+    """``None`` if ``graph`` gives ``model``'s outputs on ``inputs``, else why not.
 
     Both run in float32 in the model's current mode, without gradients, from
     the same random seed (dropout draws the same masks), and leave buffers
@@ -27,7 +27,7 @@ def reproduces(model: nn.Module, graph: fx.Graph, example_inputs: Any, rtol: flo
         with torch.random.fork_rng(devices=[]), kept_buffers(model), torch.no_grad():
             torch.manual_seed(0)
             # a copy of the inputs each time: the forward may change what it is given (caches)
-            return torch.utils._pytree.tree_leaves(call_with(m, snapshot(example_inputs)))
+            return torch.utils._pytree.tree_leaves(inputs.snapshot().call(m))
 
     try:
         want = run(model)

@@ -395,7 +395,7 @@ def leaf_stats(gm: torch.fx.GraphModule, ctx: Any) -> dict[str, LeafStats]:
 
 
 def _run_for_stats(gm: torch.fx.GraphModule, example: Any) -> dict[str, LeafStats]:
-    from ..passes.shapes import bind_inputs
+    from ..inputs import ExampleInputs
     from ..state import kept_buffers, modes
 
     out: dict[str, LeafStats] = {}
@@ -414,7 +414,7 @@ def _run_for_stats(gm: torch.fx.GraphModule, example: Any) -> dict[str, LeafStat
             return super().run_node(n)
 
     with kept_buffers(gm), modes(gm, training=False), torch.no_grad():
-        Recorder(gm).run(*bind_inputs(gm, example))
+        Recorder(gm).run(*ExampleInputs.of(example).positional(gm))
     return out
 
 

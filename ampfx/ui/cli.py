@@ -97,7 +97,7 @@ def cmd_lists(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from ..pipeline import convert
+    from ..api import convert
 
     model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input) or None

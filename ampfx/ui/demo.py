@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..measure import count_casts
-from ..pipeline import convert
+from ..api import convert
 
 
 class DemoClassifier(nn.Module):

@@ -1,0 +1,189 @@
+"""``ampfx.convert``: policy, capture, analyses, passes, report — one stage after another.
+
+1. **policy** — a frozen :class:`~ampfx.policy.Policy` from defaults, arguments and
+   the ``AMPFX_*`` environment (read here, once); arguments checked into a
+   :class:`~ampfx.rewrite.Request`;
+2. **capture, analyses, passes** — per module of the tree, as the capture ladder
+   decides (:func:`ampfx.tree.convert_tree`, :func:`ampfx.rewrite.convert_graph`),
+   on a private copy of the module tree that shares the model's parameters;
+3. **report** — one :class:`~ampfx.report.Report` for the whole model, saved where
+   the policy says.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from . import policy as policy_mod
+from .capture import export
+from .graph_module import AmpGraphModule
+from .inference import store_low
+from .inputs import ExampleInputs
+from .policy import Policy, PolicyError
+from .report import Report
+from .rewrite import Request
+from .state import copy_tree
+from .tree import convert_tree
+
+log = logging.getLogger(__name__)
+
+
+def convert(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    example_inputs: Any = None,
+    policy: Policy | None = None,
+    *,
+    dynamic_dims: dict[int, str] | None = None,
+    tracer: str = "auto",
+    mode: str = "train",
+    calibrate: Any = None,
+    calibrate_loss: Any = None,
+    environ: Mapping[str, str] | None = None,
+    **policy_options: Any,
+) -> nn.Module:
+    """Return a mixed-precision version of ``model`` with a decision log.
+
+    ``dtype`` is ``torch.bfloat16`` (default), ``torch.float16``, ``"bf16"`` or
+    ``"fp16"``. ``example_inputs`` (a tuple of positional inputs, a dict of
+    keyword inputs, or one tensor) gives exact dtypes and shapes; without it,
+    graph inputs are assumed float32 and casts check dtypes at run time.
+    ``dynamic_dims`` (e.g. ``{0: "batch"}``) makes those dimensions of the
+    example inputs symbolic, so size-based decisions hold for every size.
+    ``tracer`` chooses how the model is captured: ``"fx"`` (``torch.fx``
+    symbolic tracing, module structure kept), ``"export"`` (``torch.export``,
+    an ATen-level graph; needs ``example_inputs``, see docs/export.md) or
+    ``"auto"`` (default): fx, and export where fx fails, needs leaves, or
+    its graph does not reproduce the model's outputs on ``example_inputs``.
+    Whatever captures nothing falls back to converting the children.
+    ``mode="inference"`` stores the weights of low-precision ops in the low
+    dtype once, in the converted module only (see :mod:`ampfx.inference`);
+    ``mode="train"`` (default) keeps float32 masters shared with ``model``.
+    ``calibrate`` (a few batches, each given like ``example_inputs``) runs the
+    float32 model forward and backward first; nodes whose outputs or gradients
+    would overflow the low dtype stay float32, and the report gives loss-scale
+    advice (see :mod:`ampfx.passes.calibrate`). ``calibrate_loss(output)``
+    makes the loss for the backward pass (default: the output if it is a
+    scalar, else the mean of the outputs).
+    ``policy`` or keyword options (the fields of :class:`ampfx.Policy`) choose
+    the lists; the ``AMPFX_*`` environment variables are read once, here, and
+    applied on top (``environ`` replaces ``os.environ``, for tests).
+
+    The model is not changed. The result shares its parameters and buffers
+    (float32 master weights: an optimizer on either trains both), has the
+    same ``state_dict()`` keys, shapes and dtypes, and carries the log as
+    ``result.ampfx_report``.
+
+    >>> import torch, ampfx
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> amp = ampfx.convert(net, torch.bfloat16)
+    >>> amp(torch.randn(4, 8)).dtype, net[0].weight.dtype
+    (torch.float32, torch.float32)
+    >>> print(amp.ampfx_report.summary())
+    ampfx: converted 3/3 nodes to bfloat16 using 5 casts (3 of weights)
+    """
+    request = _request(model, dtype, example_inputs, policy, dynamic_dims, tracer, mode, calibrate, calibrate_loss,
+                       os.environ if environ is None else environ, policy_options)
+    if request.policy.disable:
+        return _disabled_copy(model, request.policy)
+    result, report = convert_tree(copy_tree(model), request)
+    notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
+    report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
+                          notes=notes)
+    result.ampfx_report = report
+    if request.policy.log_path:
+        report.save(request.policy.log_path)
+    return result
+
+
+def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy | None, dynamic_dims: Any,
+             tracer: str, mode: str, calibrate: Any, calibrate_loss: Any, environ: Mapping[str, str],
+             policy_options: dict[str, Any]) -> Request:
+    """The policy (arguments, then the environment) and every argument checked."""
+    if policy is None:
+        policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)
+    else:
+        if policy_options:
+            raise TypeError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
+        if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
+            raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
+    policy = policy_mod.from_env(policy, environ)
+    _check_module_names(model, policy)
+    if policy.disable:
+        return Request(policy, None)
+    if mode not in ("train", "inference"):
+        raise PolicyError(f"mode={mode!r}: use 'train' (float32 master weights) or 'inference' "
+                          "(weights stored in the low dtype once)")
+    if tracer not in ("auto", "fx", "export"):
+        raise ValueError(f"tracer={tracer!r}: use 'auto' (torch.fx, then torch.export where fx fails), 'fx' or "
+                         "'export'")
+    if tracer == "export" and example_inputs is None:
+        raise TypeError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a dict "
+                        "of keyword inputs), or use tracer='fx'")
+    if tracer == "export" and export.unavailable():
+        raise RuntimeError(export.unavailable())
+    if dynamic_dims and example_inputs is None:
+        raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
+    calib = (list(calibrate), calibrate_loss) if calibrate is not None else None
+    if calib is not None and example_inputs is None and calib[0]:
+        example_inputs = calib[0][0]
+    return Request(policy, ExampleInputs.of(example_inputs), tracer, dynamic_dims, calib)
+
+
+def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:
+    """``AMPFX_DISABLE=1``: an unconverted copy, and a report that says so."""
+    copy = copy_tree(model)
+    copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(policy),
+                               notes=("conversion disabled: the model is an unconverted copy",))
+    log.info("ampfx disabled: returning an unconverted copy")
+    if policy.log_path:
+        copy.ampfx_report.save(policy.log_path)
+    return copy
+
+
+def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """``mode="inference"``: the weights of low-precision ops stored low once; the note saying so."""
+    count = 0
+    for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
+        count += store_low(gm, dtype)[0]
+    total_before = sum(p.numel() * p.element_size() for p in model.parameters())
+    total_after = sum(p.numel() * p.element_size() for p in result.parameters())
+    return (f"inference mode: {count} parameters stored in {str(dtype)[6:]} once; parameter bytes "
+            f"{total_before:,} -> {total_after:,} (saved {total_before - total_after:,})",)
+
+
+def _check_module_names(model: nn.Module, policy: Policy) -> None:
+    names = [n for n, _ in model.named_modules() if n]
+    for prefix in policy.fp32_modules:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            close = difflib.get_close_matches(prefix, names, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {prefix!r}, which is not a module of "
+                              f"{type(model).__name__}.{hint}")
+    for leaf in policy.leaf_modules:
+        if isinstance(leaf, str) and leaf not in names:
+            close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
+                              f"of {type(model).__name__} nor an importable module type.{hint}")
+
+
+def _policy_log(policy: Policy) -> dict[str, Any]:
+    edits = {}
+    for f in ("allowlist", "inferlist", "clearlist", "denylist"):
+        for a in ("add", "remove"):
+            v = getattr(policy, f"{f}_{a}")
+            if v:
+                edits[f"{f}_{a}"] = list(v)
+    return {"dtype": str(policy.dtype).replace("torch.", ""), "edits": edits,
+            "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
+            "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
+            "fp32_modules": list(policy.fp32_modules),
+            "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
+            "env": dict(policy.env),
+            "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

@@ -1,0 +1,77 @@
+"""The capture ladder for one module: torch.fx, then torch.export, then a verdict.
+
+Each rung either returns a :class:`~ampfx.capture.base.Capture` saying why it
+was accepted, or records its error in the steps and hands over to the next
+one. :func:`capture` tries, with ``tracer="auto"``:
+
+1. torch.fx on the whole module (with its own sub-ladder of fixed arguments
+   and leaf modules, :func:`ampfx.capture.tracer.trace`); accepted when it
+   needed no leaves and reproduces the module's outputs on the example inputs
+   (:func:`ampfx.capture.verify.reproduces`), or when no example inputs exist
+   to check it with;
+2. torch.export (:func:`ampfx.capture.export.capture`): one ATen-level graph;
+3. the torch.fx graph with leaves, if it reproduces the module;
+4. nothing: :class:`~ampfx.capture.base.Uncaptured`, the module runs its own
+   Python and its children are converted (:mod:`ampfx.tree`).
+
+``tracer="fx"`` stops after rung 1, ``tracer="export"`` starts at rung 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from ..inputs import ExampleInputs
+from ..policy import Policy
+from . import export
+from .base import Capture, Uncaptured
+from .tracer import RootUntraceable, trace
+from .verify import reproduces
+
+
+def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str) -> Capture | Uncaptured:
+    """Capture ``module`` as one graph with ``tracer`` (see the module docstring)."""
+    fx_capture, steps = None, []
+    if tracer != "export":
+        only_fx = tracer == "fx" or inputs is None
+        fx_capture, steps = _fx_rung(module, policy, inputs, check=not only_fx)
+        if fx_capture is not None and (only_fx or fx_capture.why):
+            return fx_capture
+        if only_fx:
+            return Uncaptured(tuple(steps))
+        if fx_capture is None and not steps[-1].startswith("auto:"):
+            steps.append("auto: torch.fx could not trace this module's forward; trying torch.export")
+    try:
+        exported = export.capture(module, inputs)
+    except export.ExportFailed as e:
+        if fx_capture is not None:
+            return dataclasses.replace(fx_capture, steps=(*steps, *e.steps, "kept the torch.fx graph with leaves"),
+                                       why="torch.export failed; the torch.fx graph with leaves reproduces the "
+                                           "model's outputs on the example inputs")
+        return Uncaptured((*steps, *e.steps))
+    return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph")
+
+
+def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
+             check: bool) -> tuple[Capture | None, list[str]]:
+    """torch.fx's capture and the steps so far. Without ``check`` the capture is
+    accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
+    set when it reproduces the module without leaves; a capture without ``why`` (it
+    needed leaves) is kept only if torch.export fails; a graph that computes something
+    else is never returned."""
+    try:
+        got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
+    except RootUntraceable as e:
+        return None, list(e.steps)
+    if not check:
+        return dataclasses.replace(got, why="traced by torch.fx (not checked: tracer='fx' or no example inputs)"), \
+            list(got.steps)
+    wrong = reproduces(module, got.graph, inputs)
+    if wrong is None and not got.leaves:
+        return dataclasses.replace(got, why="traced by torch.fx; reproduces the model's outputs on the example "
+                                            "inputs"), list(got.steps)
+    if wrong is not None:
+        return None, [*got.steps, f"auto: {wrong}; trying torch.export"]
+    return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying torch.export "
+                             "for one graph"]

@@ -1,0 +1,165 @@
+"""Converting one captured graph: analyses, the pass pipeline, the other training mode, its report.
+
+:func:`convert_graph` is the part of :func:`ampfx.convert` that runs once per
+captured graph (the whole model, or one region of it):
+
+1. **analyses** — shapes and dtypes from the example inputs
+   (:func:`ampfx.passes.shapes.propagate`), and calibration statistics when
+   ``calibrate=`` batches were given; facts land in ``node.meta``;
+2. **passes** — :data:`ampfx.passes.PIPELINE` with a frozen
+   :class:`~ampfx.passes.context.PassContext`, then lint and one recompile;
+3. **the other training mode** — when the model's Python reads
+   ``self.training``, the graph of the other mode goes through the same
+   passes and the converted module switches graphs with ``.train()`` / ``.eval()``;
+4. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .capture import export
+from .capture.base import Capture
+from .capture.tracer import trace_other_mode
+from .graph_module import AmpGraphModule, graph_module
+from .inputs import ExampleInputs
+from .meta import leaf_param_casts, record
+from .passes import PIPELINE, calibrate, shapes
+from .passes.context import PassContext
+from .policy import Policy
+from .report import CastInfo, Decision, Region, Report
+
+NO_SHAPES = Report.__dataclass_fields__["shapes"].default
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the caller of :func:`ampfx.convert` asked for, checked."""
+
+    policy: Policy
+    inputs: ExampleInputs | None
+    tracer: str = "auto"
+    dynamic_dims: dict[int, str] | None = None
+    calibrate: tuple[list[Any], Callable[[Any], torch.Tensor] | None] | None = None
+
+
+class NotReproduced(ValueError):
+    """The captured graph does not run on the module's example inputs."""
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Facts about the graph from running it on its inputs (or on fake tensors)."""
+
+    symbols: Any = None
+    shape_note: str = NO_SHAPES
+    notes: tuple[str, ...] = ()
+
+
+def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
+                  prefix: str, regions: frozenset[str]) -> tuple[AmpGraphModule, Report]:
+    """The converted graph module of ``work`` and its report (see the module docstring).
+    Raises :class:`NotReproduced` when the graph does not run on ``inputs``."""
+    gm = graph_module(work, capture.graph)
+    before = gm.code
+    analysis = analyse(gm, inputs, request, root_inputs=prefix == "")
+    ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
+                      example_inputs=inputs, leaves=dict(capture.leaves), symbols=analysis.symbols,
+                      regions=regions)
+    run_passes(gm, ctx)
+    notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes,
+             *_other_mode(gm, work, capture, inputs, request, ctx)]
+    if capture.fixed_args:
+        notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
+                     f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
+    return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
+
+
+def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root_inputs: bool) -> Analysis:
+    """Shapes from ``inputs``, then calibration (the root graph only: batches are the model's inputs)."""
+    if inputs is None:
+        return Analysis()
+    try:
+        _, note, symbols = shapes.propagate(gm, inputs, request.dynamic_dims)
+    except ValueError as e:
+        raise NotReproduced(str(e)) from e
+    notes: list[str] = []
+    if request.calibrate is not None and root_inputs:
+        batches, loss_fn = request.calibrate
+        seen = calibrate.record(gm, batches, loss_fn, request.policy.dtype)
+        notes.append(f"calibration: {seen} batches, forward and backward")
+        advice = calibrate.loss_scale_advice(gm, request.policy.dtype)
+        if advice:
+            notes.append(advice)
+    return Analysis(symbols, note, tuple(notes))
+
+
+def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
+    """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
+    for pass_ in PIPELINE:
+        pass_(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    for node in gm.graph.nodes:
+        for key in ("val", "tensor_meta"):
+            node.meta.pop(key, None)
+
+
+def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:
+    """The device type conversion decides for: the model's parameters, else its inputs, else CPU."""
+    for p in model.parameters():
+        return p.device.type
+    return (inputs.device() if inputs is not None else None) or "cpu"
+
+
+def _export_notes(capture: Capture, policy: Policy) -> list[str]:
+    if capture.method == "export" and (policy.leaf_modules or any(not isinstance(o, str) for o, _ in policy.user_ops)):
+        return ["torch.export traces through leaf_modules and the modules and functions named on a list: on this "
+                "exported graph their ops are decided one by one (tracer='fx' keeps them whole)"]
+    return []
+
+
+def _other_mode(gm: AmpGraphModule, work: nn.Module, capture: Capture, inputs: ExampleInputs | None,
+                request: Request, ctx: PassContext) -> list[str]:
+    """Convert the graph of the other training mode where it differs; the notes saying so."""
+    other_mode, missing = not work.training, "eval" if work.training else "train"
+    try:
+        if capture.method == "export":  # exported once per mode already
+            other = (capture.mode_graphs or {}).get(other_mode)
+        else:
+            other = trace_other_mode(work, request.policy, capture)
+    except Exception as e:  # noqa: BLE001 - this mode's graph only; the other mode raises, saying what to do
+        gm.set_mode_graph(other_mode, export.ModeUnavailable(other_mode, str(e), "torch.fx"))
+        return [f"the model reads self.training but could not be traced in {missing} mode ({e}); the converted "
+                f"module raises in {missing} mode: convert model.{missing}() for that"]
+    notes = []
+    if other is not None:
+        alt = graph_module(work, other)
+        alt.training = other_mode  # its own flag only: the module tree is shared
+        if inputs is not None:
+            shapes.propagate(alt, inputs, request.dynamic_dims)
+        run_passes(alt, dataclasses.replace(ctx))
+        gm.set_mode_graph(other_mode, alt)
+        notes.append(f"the model's Python reads self.training: a second graph for {missing} mode was converted "
+                     "and runs whenever the module is in that mode (the records here are the conversion-time mode's)")
+    if capture.mode_error is not None:
+        gm.set_mode_graph(other_mode, export.ModeUnavailable(other_mode, capture.mode_error))
+        notes.append(f"torch.export failed on the model in {missing} mode ({capture.mode_error}); the converted "
+                     f"module raises in {missing} mode: convert model.{missing}() for that")
+    return notes
+
+
+def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str, shape_note: str,
+                 notes: list[str], policy: Policy) -> Report:
+    """The report of one converted graph, from the records in ``node.meta``."""
+    records = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, Decision))
+    casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
+    path = prefix.rstrip(".")
+    region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()))
+    return Report(dtype=policy.dtype, records=records, casts=casts, regions=(region,),
+                  leaf_param_casts=leaf_param_casts(gm), shapes=shape_note, code_before={path: before},
+                  code_after={path: gm.code}, notes=tuple(notes))

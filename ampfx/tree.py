@@ -1,0 +1,183 @@
+"""Converting a module tree: the capture ladder applied module by module, as a loop.
+
+:func:`convert_tree` keeps a stack of jobs, one per module to convert. A job
+whose module captures as one graph (:func:`ampfx.capture.ladder.capture`)
+becomes a converted graph module (:func:`ampfx.rewrite.convert_graph`); the
+leaves inside it that have children of their own become jobs that keep
+their Python and convert their children. A job whose module does not capture
+(or whose graph does not run on its inputs) keeps its own Python too, and each
+child it calls becomes a job. Containers (``ModuleList``, ``ModuleDict``, or
+children never called themselves) are entered and their children converted.
+
+Each job owns a :class:`_Part` of the report, placed in its parent's part in
+the order the tree is visited, so the merged report reads top-down.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import integrations
+from .capture import export, ladder
+from .capture.base import Capture, Uncaptured
+from .capture.tracer import TRACE_THROUGH, AmpTracer
+from .inputs import ExampleInputs
+from .report import Region, Report
+from .rewrite import NotReproduced, Request, convert_graph, device_of
+from .state import kept_buffers, modes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Part:
+    """One module's share of the report: its own graph's report, its children's parts, and
+    regions it records itself (after its children's, as :meth:`Report.merge` places them)."""
+
+    report: Report | None = None
+    children: list[_Part] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Job:
+    module: nn.Module
+    inputs: ExampleInputs | None
+    prefix: str  # the module's path in the model, with a trailing dot ('' for the root)
+    part: _Part
+    place: tuple[nn.Module, str] | None = None  # where the converted module goes; None: it stays where it is
+    eager: tuple[str, ...] | None = None  # set: the module keeps its Python (why); its children are converted
+
+
+def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
+    """Convert ``root`` (a private copy of the model) and every module below it that needs it."""
+    calls = _Calls(root, request.inputs)
+    top = _Part()
+    stack = [_Job(root, request.inputs, "", top)]
+    result = root
+    while stack:
+        job = stack.pop()
+        converted, more = _eager(job, calls, request) if job.eager is not None else _captured(job, calls, request)
+        if converted is not None and job.place is None:
+            result = converted
+        elif converted is not None:
+            setattr(*job.place, converted)
+        stack.extend(reversed(more))
+    return result, _merge(top, request.policy.dtype)
+
+
+def _captured(job: _Job, calls: _Calls, request: Request) -> tuple[nn.Module | None, list[_Job]]:
+    """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
+    work, prefix = job.module, job.prefix
+    capture = ladder.capture(work, request.policy, job.inputs, request.tracer)
+    if isinstance(capture, Uncaptured):
+        return None, [_Job(work, job.inputs, prefix, job.part, eager=capture.steps)]
+    if capture.constants:
+        export.install_constants(work, capture.constants)
+    inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
+    called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
+    try:
+        gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called))
+    except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
+        if not list(work.children()):
+            raise e.__cause__ or e
+        why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
+        return None, [_Job(work, job.inputs, prefix, job.part, eager=why)]
+    jobs = []
+    for path in inner:
+        if path in called:  # runs its own Python inside the graph: its children are converted
+            part = _Part()
+            job.part.children.append(part)
+            jobs.append(_Job(work.get_submodule(path), calls.get(prefix + path), f"{prefix}{path}.", part,
+                             eager=(f"traced as a leaf: {capture.leaves[path]}",)))
+    return gm, jobs
+
+
+def _eager(job: _Job, calls: _Calls, request: Request) -> tuple[None, list[_Job]]:
+    """``job.module`` keeps its Python; a job for each child it calls (see the module docstring)."""
+    prefix, part = job.prefix, job.part
+    log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
+             list(job.eager[-1:]))
+    part.regions.append(Region(prefix.rstrip("."), "eager (children converted separately)", job.eager))
+    jobs: list[_Job] = []
+
+    def visit(parent: nn.Module, path: str) -> None:
+        for name, child in list(parent.named_children()):
+            sub, full = f"{path}{name}", f"{prefix}{path}{name}"
+            inputs = calls.get(full)
+            called = inputs is not None if job.inputs is not None else not isinstance(
+                child, (nn.ModuleList, nn.ModuleDict))
+            if not called and list(child.children()):
+                visit(child, f"{sub}.")
+            elif not called:
+                part.regions.append(Region(full, "left as is: not called on the example inputs"))
+            elif (leaf := integrations.convert_eager_leaf(child, request.policy, inputs, full,
+                                                          device_of(child, inputs))) is not None:
+                setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
+                part.children.append(_Part(report=leaf[1]))
+            elif (not list(child.children()) and AmpTracer(request.policy).is_leaf_module(child, sub)
+                  and type(child) not in TRACE_THROUGH):
+                part.regions.append(Region(full, "left as is: a single torch.nn leaf module called from eager code"))
+            else:
+                child_part = _Part()
+                part.children.append(child_part)
+                jobs.append(_Job(child, inputs, f"{full}.", child_part, place=(parent, name)))
+
+    visit(job.module, "")
+    return None, jobs
+
+
+class _Calls:
+    """What each submodule of the model receives first on the example inputs.
+
+    Recorded by one run of the model (eval mode, no gradients, buffers and
+    random state restored), the first time a job asks: that is always the
+    root's job, before any module of the tree has been replaced.
+    """
+
+    def __init__(self, root: nn.Module, inputs: ExampleInputs | None) -> None:
+        self.root, self.inputs = root, inputs
+        self.seen: dict[str, ExampleInputs] | None = None
+
+    def get(self, path: str) -> ExampleInputs | None:
+        if self.inputs is None:
+            return None
+        if self.seen is None:
+            self.seen = record_calls(self.root, self.inputs)
+        return self.seen.get(path)
+
+
+def record_calls(root: nn.Module, inputs: ExampleInputs) -> dict[str, ExampleInputs]:
+    """Run ``root`` once on ``inputs`` and record what each submodule receives first
+    (snapshots: the forward may change what it passed, caches)."""
+    seen: dict[str, tuple[tuple, dict]] = {}
+    hooks = []
+    for path, sub in root.named_modules():
+        if not path:
+            continue
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
+            if path not in seen:
+                seen[path] = ExampleInputs(args, kwargs).snapshot()
+        hooks.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with modes(root, training=False), torch.no_grad(), kept_buffers(root), torch.random.fork_rng(devices=[]):
+            inputs.call(root)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {p: ExampleInputs.from_call(root.get_submodule(p), c.args, c.kwargs) for p, c in seen.items()}
+
+
+def _merge(part: _Part, dtype: torch.dtype) -> Report:
+    """The report of ``part`` and everything below it, in visiting order."""
+    children = [_merge(c, dtype) for c in part.children]
+    if part.report is None:
+        return Report.merge(dtype, children, regions=tuple(part.regions))
+    if not children:
+        return part.report
+    own = part.report
+    return Report.merge(dtype, [own, *children], shapes=own.shapes, notes=own.notes)
