@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from . import integrations
 from .capture import export, ladder
-from .capture.base import Capture, Uncaptured
+from .capture.base import Uncaptured
 from .capture.tracer import TRACE_THROUGH, AmpTracer
 from .inputs import ExampleInputs
 from .report import Region, Report

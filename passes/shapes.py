@@ -25,9 +25,10 @@ import torch.fx as fx
 import sympy
 from torch.utils._pytree import tree_leaves
 
+from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
-from ..state import kept_buffers, modes
+from ..state import copy_tree, kept_buffers, modes
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,6 @@ class _MetaProp(fx.Interpreter):
         return self.meta(super().get_attr(target, args, kwargs))
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        from ..state import copy_tree
-
         mod = self.fetch_attr(target)
         twin = self.twins.get(id(mod))
         if twin is None:  # a copy of the module whose parameters and buffers are meta tensors
@@ -157,8 +156,6 @@ class _MetaProp(fx.Interpreter):
 
 def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]) -> tuple[str, str, Symbols]:
     symbols = Symbols()
-    from .. import integrations
-
     real_only = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
                  and not integrations.runs_on_fake_tensors(gm.get_submodule(str(n.target)))]
     if real_only:  # DGL's kernels take tensors through DLPack: meta/fake tensors crash them

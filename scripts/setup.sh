@@ -4,11 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-quietly() {  # run a command; show its output only if it fails
-  local log; log=$(mktemp)
-  "$@" >"$log" 2>&1 || { cat "$log"; rm -f "$log"; return 1; }
-  rm -f "$log"
-}
+source scripts/quietly.sh
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

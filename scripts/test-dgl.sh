@@ -10,11 +10,7 @@ VENV=.venv-dgl
 WORKING_SET=("torch==2.2.1" "dgl==2.1.0" "torchdata==0.7.1" "numpy<2" "pandas<2.3"
              pyyaml pydantic requests tqdm psutil scipy networkx)
 export DGLBACKEND=pytorch  # dgl otherwise writes ~/.dgl/config.json and says so on every import
-quietly() {  # run a command; show its output only if it fails
-  local log; log=$(mktemp)
-  "$@" >"$log" 2>&1 || { grep -v "is ignored" "$log"; rm -f "$log"; return 1; }
-  rm -f "$log"
-}
+source scripts/quietly.sh
 if ! "$VENV/bin/python" -c "import torch, dgl; assert torch.__version__.startswith('2.2.1'), torch.__version__" \
     >/dev/null 2>&1; then
   rm -rf "$VENV"

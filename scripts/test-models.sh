@@ -9,11 +9,11 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv-models/bin/python ]; then
   "$PY" -m venv .venv-models
 fi
-quiet() { grep -v "is ignored" || true; }
-.venv-models/bin/python -m pip install -q --upgrade pip 2>&1 | quiet
-.venv-models/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" 2>&1 | quiet
-.venv-models/bin/python -m pip install -q "timm" "transformers==4.57.*" pytest 2>&1 | quiet
-.venv-models/bin/python -m pip install -q -e . 2>&1 | quiet
+source scripts/quietly.sh
+.venv-models/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+quietly .venv-models/bin/python -m pip install "torch==2.14.1" "torchvision==0.29.1"
+quietly .venv-models/bin/python -m pip install "timm" "transformers==4.57.*" pytest
+quietly .venv-models/bin/python -m pip install -e .
 .venv-models/bin/python -c "import torch, torchvision, timm, transformers; print('models lane: torch', torch.__version__, \
 'torchvision', torchvision.__version__, 'timm', timm.__version__, 'transformers', transformers.__version__)"
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv-models/bin/python -m pytest -q -p no:cacheprovider \

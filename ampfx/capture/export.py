@@ -43,7 +43,6 @@ What :func:`capture` does with the exported program:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import logging
 import operator

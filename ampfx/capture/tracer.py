@@ -27,14 +27,13 @@ import contextlib
 import inspect
 import sys
 import types
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ops
+from .. import ops, runtime
 from ..policy import Policy
 from ..state import modes
 from .base import Capture, short
@@ -213,8 +212,6 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     ampfx's importable equivalent. A function kept whole that its library also
     ``torch.fx.wrap``-s (torchvision's ``stochastic_depth``) is recorded as
     itself, not as ampfx's wrapper."""
-    from .. import runtime
-
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
                 and node.target[:-2] in fixed:

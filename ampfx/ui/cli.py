@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from ..api import convert
 from ..ops import LISTS
 from ..policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
 
@@ -97,8 +98,6 @@ def cmd_lists(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from ..api import convert
-
     model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input) or None
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)

@@ -1,0 +1,196 @@
+"""The package's shape, checked: no import cycle inside ampfx, no function body over 60 lines,
+passes that name no op, a unit test file for every pass, a wheel that installs passes/ as ampfx.passes.
+
+``python tests/test_architecture.py`` prints the figures (cycles, longest functions, imports
+inside functions) instead of asserting them.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"ampfx": ROOT / "ampfx", "ampfx.passes": ROOT / "passes"}
+MAX_BODY = 60
+FX_KINDS = ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the installed package."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for f in sorted(folder.rglob("*.py")):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = f
+    return found
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], int]:
+    """Modules of ``known`` that ``name`` imports when it is imported (module level), and the
+    number of import statements inside functions."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    edges: set[str] = set()
+    inner = 0
+
+    def targets(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        if node.level:
+            base = base[:len(base) - node.level + 1]
+        module = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+        subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in known]
+        return subs if len(subs) == len(node.names) else [module, *subs]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        nonlocal inner
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                inner += in_function
+                if not in_function:
+                    edges.update(t for t in targets(child) if t in known and t != name)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(tree, False)
+    return edges, inner
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module in the module-level import graph."""
+    known = modules()
+    graph = {name: _imports(name, path, known)[0] for name, path in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return groups
+
+
+def function_bodies() -> list[tuple[int, str]]:
+    """(lines, qualified name) of every function, docstring excluded, longest first."""
+    out = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+                    body = body[1:]
+                if body:
+                    out.append((body[-1].end_lineno - body[0].lineno + 1, f"{name}.{node.name}"))
+    return sorted(out, reverse=True)
+
+
+def op_name_comparisons() -> list[str]:
+    """Places in passes/ that compare something with a string literal that is not an fx node kind."""
+    hits = []
+    for path in sorted(PACKAGES["ampfx.passes"].glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for op, right in zip(node.ops, node.comparators):
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
+                    continue
+                consts = [right] if isinstance(right, ast.Constant) else list(getattr(right, "elts", []))
+                words = [c.value for c in consts if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                left = ast.unparse(node.left)
+                if any(w not in FX_KINDS for w in words) and not re.search(r"\b(mode|kind|key|k|device)\b", left):
+                    hits.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_no_import_cycle_inside_ampfx():
+    """Module-level imports of ampfx and ampfx.passes form no cycle."""
+    assert import_cycles() == []
+
+
+def test_no_function_body_over_60_lines():
+    """Every function body (docstring aside) is at most 60 lines."""
+    long = [(n, f) for n, f in function_bodies() if n > MAX_BODY]
+    assert long == []
+
+
+def test_passes_compare_no_op_names():
+    """Passes test properties of the op tables, never an op's name."""
+    assert op_name_comparisons() == []
+
+
+def test_every_pass_has_a_unit_test_file():
+    """Each pass in PIPELINE (and shapes) has tests/passes/test_<pass>.py that calls it directly."""
+    from ampfx.passes import PIPELINE
+
+    names = {fn.__module__.rsplit(".", 1)[1] for fn in PIPELINE} | {"shapes"}
+    for name in sorted(names):
+        test = ROOT / "tests" / "passes" / f"test_{name}.py"
+        assert test.exists(), f"no unit tests for the {name} pass"
+        assert f"{name}." in test.read_text() or f"import {name}" in test.read_text()
+
+
+def test_the_core_imports_no_user_interface_or_integration_library():
+    """``import ampfx`` loads no UI module (rich is imported only when a table is printed) and no DGL."""
+    code = ("import sys, ampfx; bad = [m for m in sys.modules if m.startswith('ampfx.ui') or m == 'dgl' "
+            "or m.startswith('dgl.')]; sys.exit(', '.join(bad))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_wheel_installs_passes_as_ampfx_passes(tmp_path):
+    """A built wheel holds ampfx/passes/*.py (from the top-level passes/ folder) and no top-level passes package."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    if done.returncode != 0 and "No module named" in done.stderr:
+        pytest.skip(f"cannot build a wheel here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("ampfx-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ampfx/passes/paint.py" in names and "ampfx/passes/__init__.py" in names
+    assert "ampfx/ui/cli.py" in names and "ampfx/capture/ladder.py" in names
+    assert not any(n.startswith("passes/") for n in names)
+
+
+if __name__ == "__main__":
+    cycles = import_cycles()
+    bodies = function_bodies()
+    inner = sum(_imports(n, p, modules())[1] for n, p in modules().items())
+    print(f"modules: {len(modules())}")
+    print(f"import cycles: {len(cycles)}" + "".join(f"\n  {' <-> '.join(c)}" for c in cycles))
+    print(f"imports inside functions: {inner}")
+    print(f"functions over {MAX_BODY} lines: {sum(n > MAX_BODY for n, _ in bodies)}; longest:")
+    for n, f in bodies[:8]:
+        print(f"  {n:4d}  {f}")
+    hits = op_name_comparisons()
+    print(f"op-name comparisons in passes: {len(hits)}" + "".join(f"\n  {h}" for h in hits))
