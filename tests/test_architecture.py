@@ -13,8 +13,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"ampfx": ROOT / "ampfx", "ampfx.passes": ROOT / "passes"}
 MAX_BODY = 60
@@ -170,10 +168,8 @@ def test_the_core_imports_no_user_interface_or_integration_library():
 
 def test_the_wheel_installs_passes_as_ampfx_passes(tmp_path):
     """A built wheel holds ampfx/passes/*.py (from the top-level passes/ folder) and no top-level passes package."""
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path), str(ROOT)], capture_output=True, text=True)
-    if done.returncode != 0 and "No module named" in done.stderr:
-        pytest.skip(f"cannot build a wheel here: {done.stderr.strip().splitlines()[-1]}")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("ampfx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
