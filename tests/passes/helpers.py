@@ -21,15 +21,18 @@ def graph(root: Callable | torch.nn.Module | fx.GraphModule) -> fx.GraphModule:
 
 
 def context(gm: fx.GraphModule, example_inputs: Any = None, *, dtype: torch.dtype = torch.bfloat16,
-            dynamic_dims: dict[int, str] | None = None, device: str = "cpu", **policy_options: Any) -> PassContext:
+            dynamic_dims: dict[int, str] | None = None, device: str = "cpu", policy: Policy | None = None,
+            **policy_options: Any) -> PassContext:
     """Propagate shapes when ``example_inputs`` are given, then the frozen context the passes share.
-    Device probes are off unless asked for (each pass is tested on its own)."""
-    policy_options.setdefault("probe", False)
+    ``policy`` is used as given; otherwise one is built from ``dtype`` and ``policy_options``,
+    with device probes off unless asked for (each pass is tested on its own)."""
+    if policy is None:
+        policy_options.setdefault("probe", False)
+        policy = Policy(dtype, **policy_options)
     symbols = None
     if example_inputs is not None:
         _, _, symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
-    return PassContext(Policy(dtype, **policy_options), device=device, symbols=symbols,
-                       example_inputs=example_inputs)
+    return PassContext(policy, device=device, symbols=symbols, example_inputs=example_inputs)
 
 
 def run(root: Callable | torch.nn.Module | fx.GraphModule, example_inputs: Any = None, *,
