@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ampfx import meta
 from ampfx.passes import shapes
-from ampfx.passes.shapes import Symbols, TensorInfo
+from ampfx.passes.shapes import TensorInfo
 
 from .helpers import graph, node
 
