@@ -11,7 +11,9 @@ The core passes ask this package two questions about a leaf module:
   :func:`ampfx.runtime.call_module_low`.
 
 A library is recognised by the top-level package of the module's class
-(``type(m).__module__``); its integration module is imported only then.
+(``type(m).__module__``). Each integration's ``TABLE`` is registered in the
+op lists (:func:`ampfx.ops.register_library`) when ampfx is imported, so
+policies and env variables can name its entries (``dgl.GATConv``).
 
 >>> import torch
 >>> library_of(torch.nn.Linear(2, 2)) is None
@@ -22,10 +24,15 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from .. import ops
+
 LIBRARIES: dict[str, str] = {
     "dgl": "ampfx.integrations.dgl",  # DGL's graph convolutions and readouts (dgl.nn)
 }
 """Top-level package of a module's class -> the ampfx module that integrates it."""
+
+for _path in LIBRARIES.values():  # their tables are data: importing them imports no library
+    ops.register_library((r.name, r.category, r.reason, r.qualnames) for r in importlib.import_module(_path).TABLE)
 
 
 def library_of(module: Any) -> Any | None:

@@ -91,6 +91,11 @@ class ModuleRule:
     cpu_bf16: bool = True
     functions: tuple[str, ...] = ()
 
+    @property
+    def qualnames(self) -> tuple[str, ...]:
+        """The qualified names the entry covers (module types, then functions), as registered in the op lists."""
+        return (*self.types, *self.functions)
+
     def aggregation_of(self, module: Any) -> str | None:
         """The aggregation ``module`` uses (its aggregator attribute, else the rule's)."""
         if self.aggregator_attr is not None:
@@ -138,7 +143,7 @@ TABLE: tuple[ModuleRule, ...] = (
 )
 """The per-module policy table: canonical name, qualified type names, list, reason."""
 
-_BY_TYPE_NAME: dict[str, ModuleRule] = {t: r for r in TABLE for t in (*r.types, *r.functions)}
+_BY_TYPE_NAME: dict[str, ModuleRule] = {t: r for r in TABLE for t in r.qualnames}
 _BY_NAME: dict[str, ModuleRule] = {r.name: r for r in TABLE}
 
 
