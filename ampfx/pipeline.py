@@ -241,7 +241,8 @@ def _convert(work: nn.Module, policy: Policy, example_inputs: Any, prefix: str,
                                      [*capture.steps, f"traced graph does not run on the example inputs: {e}"],
                                      tracer)
     ctx = PassContext(policy=policy, device=_device_of(work, example_inputs), prefix=prefix,
-                      example_inputs=example_inputs, leaves=dict(capture.leaves), symbols=symbols,
+                      leaf_facts=integrations.observe(work, example_inputs, policy.dtype),
+                      leaves=dict(capture.leaves), symbols=symbols,
                       regions=frozenset(p for p in inner if p in inner_inputs or example_inputs is None))
     if calib is not None:
         from .passes import calibrate as calibration
@@ -373,7 +374,7 @@ def _convert_children(work: nn.Module, policy: Policy, example_inputs: Any, pref
                 visit(child, f"{sub}.")
             elif not called:
                 regions.append(Region(f"{prefix}{sub}", "left as is: not called on the example inputs"))
-            elif (leaf := integrations.convert_eager_leaf(child, policy, inputs.get(sub), f"{prefix}{sub}",
+            elif (leaf := integrations.convert_eager_leaf(work, sub, policy, inputs.get(sub), prefix,
                                                           _device_of(child, inputs.get(sub)))) is not None:
                 setattr(parent, name, leaf[0])  # a DGL module: one leaf, run as its library's table says
                 parts.append(leaf[1])
