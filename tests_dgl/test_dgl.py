@@ -258,6 +258,29 @@ def test_bf16_gat_is_accurate_above_in_degree_4096():
     assert raw_rel > 0.5, raw_rel  # the test would fail without the float32 edge_softmax
 
 
+def test_fp32_edge_softmax_is_scoped_to_the_low_precision_call():
+    """The float32 edge_softmax is installed only while a converted attention conv runs: before and after,
+    dgl.nn's GATConv module calls DGL's own edge_softmax, and a plain bf16 GATConv keeps DGL's behaviour."""
+    from dgl.nn.pytorch.conv import gatconv
+
+    original = gatconv.edge_softmax
+    g, x = graph(), torch.randn(40, 8)
+    model = GAT(8, 4, 3, [2, 2, 2])
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, x))
+    inside = []
+    amp.get_submodule("layers.0").register_forward_pre_hook(lambda m, a: inside.append(gatconv.edge_softmax))
+    amp(g, x).sum().backward()
+    assert inside and inside[0] is not original and inside[0].__wrapped__ is original
+    assert gatconv.edge_softmax is original is dgl.ops.edge_softmax
+    assert model.layers[0].fc.weight.grad is not None
+    conv = dglnn.GATConv(8, 4, 2)
+    with integ.fp32_edge_softmax(type(conv)):  # nested blocks: DGL's function back only after the outer one
+        with integ.fp32_edge_softmax(type(conv)):
+            pass
+        assert gatconv.edge_softmax is not original
+    assert gatconv.edge_softmax is original
+
+
 # --------------------------------------------------------------------------- the float16 overflow guard
 def test_overflow_guard_numbers_come_from_the_real_graph_and_features():
     """stats_of measures max in-degree and max |feature|; under float16 on CUDA a GraphConv whose bound
@@ -355,8 +378,14 @@ def test_every_allowed_module_runs_in_bf16_close_to_fp32_and_trains_the_masters(
     sum(o.sum() for o in out).backward()
     grads = [p.grad for p in model.parameters()]
     assert grads and all(gr is not None and gr.dtype == torch.float32 for gr in grads)
-    if integ.rule_for(model.conv).edge_softmax:
-        assert _sys.modules[type(model.conv).__module__].edge_softmax._ampfx_fp32
+    if integ.rule_for(model.conv).edge_softmax:  # float32 edge_softmax inside the call, DGL's own after it
+        home = _sys.modules[type(model.conv).__module__]
+        inside = []
+        hook = amp.get_submodule("conv").register_forward_pre_hook(
+            lambda m, a: inside.append(getattr(home.edge_softmax, "_ampfx_fp32", False)))
+        amp(g, x, e)
+        hook.remove()
+        assert inside == [True] and home.edge_softmax is dgl.ops.edge_softmax
 
 
 class MiniBatchSAGE(nn.Module):

@@ -30,9 +30,10 @@ passes call with the facts of one leaf: low dtype, device, and what
   65504, the layer runs in bfloat16 where the device has it, else float32,
   rule ``dgl:overflow``, with the numbers in the reason;
 - modules that call ``edge_softmax`` run it in float32 (the logits are cast
-  up and the attention weights back down): DGL's CPU bfloat16 edge_softmax
-  accumulates the exponent sum in bfloat16, so per-node attention weights
-  sum to ~5 instead of 1 above in-degree 4096;
+  up and the attention weights back down, by :func:`fp32_edge_softmax`, only
+  during the leaf's call): DGL's CPU bfloat16 edge_softmax accumulates the
+  exponent sum in bfloat16, so per-node attention weights sum to ~5 instead
+  of 1 above in-degree 4096;
 - ``dgl.nn`` modules in no table stay float32 (rule ``unlisted``).
 
 **The runner** (:func:`call_dgl_low`) runs a low-precision leaf with
@@ -55,10 +56,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import sys
+import threading
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.func import functional_call
@@ -450,13 +452,11 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
     params = {name: p.to(dtype) if p.dtype in CASTABLE else p for name, p in module.named_parameters()}
     params.update(_constant_buffers(module, dtype))
     args, kwargs = _cast_tree((args, kwargs), dtype)
-    _install_fp32_edge_softmax(type(module))
     with contextlib.ExitStack() as stack:
         for g in _graphs((args, kwargs)):
             stack.enter_context(g.local_scope())
             _cast_graph_data(g, dtype)
-        token = _FP32_EDGE_SOFTMAX.set(True)
-        stack.callback(_FP32_EDGE_SOFTMAX.reset, token)
+        stack.enter_context(fp32_edge_softmax(type(module)))
         return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
 
 
@@ -513,26 +513,64 @@ def _cast_graph_data(g: Any, dtype: torch.dtype) -> None:
             frames[i] = new
 
 
-@functools.lru_cache(maxsize=None)
-def _install_fp32_edge_softmax(cls: type) -> None:
-    """Wrap ``edge_softmax`` where ``cls`` (or a base) calls it: in float32 while
-    :func:`call_dgl_low` runs, untouched otherwise (the wrapper calls DGL's own
-    function unchanged when no ampfx leaf is running)."""
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict[types.ModuleType, tuple[Callable[..., Any], int]] = {}
+"""Python module whose ``edge_softmax`` is wrapped now -> (DGL's function, how many calls need the wrapper)."""
+
+
+def _edge_softmax_homes(cls: type) -> list[types.ModuleType]:
+    """The Python modules of ``cls`` and its bases that call ``edge_softmax`` by a module-level name."""
+    homes = []
     for klass in cls.__mro__:
         home = sys.modules.get(getattr(klass, "__module__", ""))
-        original = getattr(home, "edge_softmax", None) if home is not None else None
-        if original is None or getattr(original, "_ampfx_fp32", False):
-            continue
+        if home is not None and getattr(home, "edge_softmax", None) is not None and home not in homes:
+            homes.append(home)
+    return homes
 
-        @functools.wraps(original)
-        def edge_softmax(graph: Any, logits: torch.Tensor, *a: Any, _orig: Any = original, **k: Any) -> Any:
-            if _FP32_EDGE_SOFTMAX.get() and isinstance(logits, torch.Tensor) and logits.dtype in (
-                    torch.float16, torch.bfloat16):
-                return _orig(graph, logits.float(), *a, **k).to(logits.dtype)
-            return _orig(graph, logits, *a, **k)
 
-        edge_softmax._ampfx_fp32 = True
-        home.edge_softmax = edge_softmax
+def _fp32_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def edge_softmax(graph: Any, logits: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if _FP32_EDGE_SOFTMAX.get() and isinstance(logits, torch.Tensor) and logits.dtype in (
+                torch.float16, torch.bfloat16):
+            return original(graph, logits.float(), *a, **k).to(logits.dtype)
+        return original(graph, logits, *a, **k)
+
+    edge_softmax.__wrapped__ = original
+    edge_softmax.__doc__ = original.__doc__
+    edge_softmax._ampfx_fp32 = True
+    return edge_softmax
+
+
+@contextlib.contextmanager
+def fp32_edge_softmax(cls: type) -> Iterator[None]:
+    """Inside the block, ``edge_softmax`` as called by ``cls`` (the name in its Python module,
+    e.g. ``dgl.nn.pytorch.conv.gatconv``, and its bases') runs in float32 for this thread's
+    low-precision logits: the logits are cast up, the attention weights back down. DGL's own
+    function is put back when the last block using it exits (blocks in other threads count);
+    calls outside any block, from any thread, reach DGL's function unchanged.
+
+    >>> class NoSoftmax: ...
+    >>> with fp32_edge_softmax(NoSoftmax): pass   # nothing to wrap
+    """
+    homes = _edge_softmax_homes(cls)
+    with _PATCH_LOCK:
+        for home in homes:
+            original, users = _PATCHED.get(home, (home.edge_softmax, 0))
+            if users == 0:
+                home.edge_softmax = _fp32_wrapper(original)
+            _PATCHED[home] = (original, users + 1)
+    token = _FP32_EDGE_SOFTMAX.set(True)
+    try:
+        yield
+    finally:
+        _FP32_EDGE_SOFTMAX.reset(token)
+        with _PATCH_LOCK:
+            for home in homes:
+                original, users = _PATCHED.pop(home)
+                if users == 1:
+                    home.edge_softmax = original
+                else:
+                    _PATCHED[home] = (original, users - 1)
 
 
 def _calls_edge_softmax(cls: type) -> bool:
