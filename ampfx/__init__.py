@@ -5,6 +5,7 @@
 >>> amp.ampfx_report.by_node("linear").dtype
 torch.bfloat16
 """
+from . import integrations  # noqa: F401 - registers other libraries' op tables (imports no library)
 from .debug import NonFiniteError, debug
 from .measure import count_casts
 from .ops import Category

@@ -417,14 +417,21 @@ _BY_QUALNAME: dict[str, str] = {
     "timm.layers.drop.drop_block_fast_2d": "dropout",
 }
 
-# Other libraries' module tables live with their integration (data only: importing it imports no
-# library). Each entry becomes an op named like "dgl.GATConv", matched by qualified type name.
-from .integrations import dgl as _dgl  # noqa: E402
 
-for _rule in _dgl.TABLE:
-    _op(_rule.name, _rule.category, _rule.reason)
-    for _q in (*_rule.types, *_rule.functions):
-        _BY_QUALNAME[_q] = _rule.name
+def register_library(entries: Iterable[tuple[str, Category, str, Iterable[str]]]) -> None:
+    """Add another library's ops to the tables: ``(canonical name, list, reason, qualified names)``
+    each, the qualified names being the library's module types and functions that the op covers.
+    Their tables live with their integration (data only: importing it imports no library), which
+    registers them when ampfx is imported (:mod:`ampfx.integrations`); this module imports none.
+
+    >>> "dgl.GATConv" in RULES and lookup_name("dgl.GATConv")
+    'dgl.GATConv'
+    """
+    for name, category, reason, qualnames in entries:
+        _op(name, category, reason)
+        for q in qualnames:
+            assert _BY_QUALNAME.get(q, name) == name, f"{q!r} is both {_BY_QUALNAME[q]!r} and {name!r}"
+            _BY_QUALNAME[q] = name
 
 
 # --------------------------------------------------------------------------- lookup

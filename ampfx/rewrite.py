@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from . import integrations
 from .capture import export
 from .capture.base import Capture
 from .capture.tracer import trace_other_mode
@@ -68,8 +69,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     before = gm.code
     analysis = analyse(gm, inputs, request, root_inputs=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
-                      example_inputs=inputs, leaves=dict(capture.leaves), symbols=analysis.symbols,
-                      regions=regions)
+                      leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
+                      leaf_facts=integrations.observe(work, inputs, request.policy.dtype))
     run_passes(gm, ctx)
     notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes,
              *_other_mode(gm, work, capture, inputs, request, ctx)]

@@ -114,7 +114,7 @@ def _eager(job: _Job, calls: _Calls, request: Request) -> tuple[None, list[_Job]
                 visit(child, f"{sub}.")
             elif not called:
                 part.regions.append(Region(full, "left as is: not called on the example inputs"))
-            elif (leaf := integrations.convert_eager_leaf(child, request.policy, inputs, full,
+            elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy, inputs, prefix,
                                                           device_of(child, inputs))) is not None:
                 setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
                 part.children.append(_Part(report=leaf[1]))

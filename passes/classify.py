@@ -12,7 +12,10 @@ After (meta only, the graph is unchanged)::
     linear.meta['ampfx']  == Decision(op='linear', category=ALLOW, rule='table', ...)
     softmax.meta['ampfx'] == Decision(op='softmax', category=DENY, dtype=float32, rule='table', ...)
 
-Precedence is documented in :mod:`ampfx.policy`.
+Precedence is documented in :mod:`ampfx.policy`; its module and list part
+(``fp32_modules`` / ``module_filter_fn``, unlisted, listed) is
+:mod:`ampfx.decide`, which the eager-leaf path of :mod:`ampfx.integrations`
+shares. :func:`_verdict` is the whole chain for one node.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import integrations, ops, probes
+from .. import decide, integrations, ops, probes
 from ..meta import RECORD, node_module_path, out_infos
 from ..ops import Category
 from ..policy import Policy
@@ -100,23 +103,6 @@ def attr_of(gm: fx.GraphModule, target: str) -> Any:
     return operator.attrgetter(target)(gm)
 
 
-def _fp32_module(path: str, ctx: PassContext, gm: fx.GraphModule) -> tuple[str, str] | None:
-    full = ctx.prefix + path if path else ctx.prefix.rstrip(".")
-    for p in ctx.policy.fp32_modules:
-        if full == p or full.startswith(p + "."):
-            return "fp32_modules", f"inside module {p!r}, named in fp32_modules: kept float32"
-    fn = ctx.policy.module_filter_fn
-    if fn is not None:
-        parts = path.split(".") if path else []
-        for i in range(len(parts), -1, -1):
-            sub = ".".join(parts[:i])
-            mod = gm.get_submodule(sub) if sub else gm
-            fqn = (ctx.prefix + sub) if sub else ctx.prefix.rstrip(".")
-            if not fn(mod, fqn):
-                return "module_filter_fn", f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
-    return None
-
-
 def _probe_variant(kind: str, node: fx.Node, gm: fx.GraphModule) -> probes.Variant:
     """Which kernel of probe ``kind`` the node runs (dimensions, mode): see :func:`ampfx.probes.variant_of`."""
     module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
@@ -146,82 +132,99 @@ def _out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
 
 def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Annotate every node with its category (see module docstring)."""
-    policy = ctx.policy
-    low = policy.dtype
     decided: dict[fx.Node, Decision] = {}
     for node in gm.graph.nodes:
         module = node_module_path(node)
-        full_module = (ctx.prefix + module) if module else ctx.prefix.rstrip(".")
-        shapes = tuple(str(i) for i in (out_infos(node) or ()))
-        base = dict(node=node.name, target=target_str(node), module=full_module, kind=node.op, shapes=shapes)
+        where = dict(node=node.name, target=target_str(node),
+                     module=(ctx.prefix + module) if module else ctx.prefix.rstrip("."), kind=node.op,
+                     shapes=tuple(str(i) for i in (out_infos(node) or ())))
         if node.op in ("placeholder", "get_attr", "output"):
-            what = {"placeholder": "graph input: kept as given",
-                    "get_attr": "parameter or buffer: stays float32 (master copy); cast after get_attr where a "
-                                "consumer wants low precision",
-                    "output": "graph output: float results return in their original dtype"}[node.op]
-            out = None
-            if node.op == "get_attr":
-                val = attr_of(gm, str(node.target))
-                out = val.dtype if isinstance(val, torch.Tensor) and val.dtype in CASTABLE else None
-            elif node.op == "placeholder":
-                infos = out_infos(node)
-                if infos is None:
-                    out = torch.float32
-                else:
-                    floats = [i.dtype for i in infos if i.dtype in CASTABLE]
-                    out = floats[0] if floats else None
-            decided[node] = Decision(op=node.op, category=Category.PASS, dtype=None, rule="structure", reason=what,
-                                     out=out, **base)
-            node.meta[RECORD] = decided[node]
-            continue
-
-        base["in_shapes"] = tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i)
-        name = op_name(node, gm, policy)
-        rule = ops.RULES.get(name)
-        inplace = is_inplace(node, gm)
-        base.update(op=name, inplace=inplace)
-        float_inputs = [n for n in node.all_input_nodes if carries_float(n, decided)]
-        infos = out_infos(node)
-        out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
-
-        def decide(category: Category, dtype: torch.dtype | None, rule_name: str, reason: str) -> Decision:
-            return Decision(category=category, dtype=dtype, rule=rule_name, reason=reason, **base)
-
-        listed = policy.category_of(name)
-        if listed is None and rule is not None and rule.category is Category.PASS:
-            d = decide(Category.PASS, None, "table", rule.reason)
-        elif not float_inputs and (not out_float or (infos is None and rule is not None)):
-            d = decide(Category.PASS, None, "non-float", "no float32/16/bf16 tensor in or out: left as written")
-        elif node.op == "call_module" and str(node.target) in ctx.regions:
-            d = decide(Category.FP32, torch.float32, "region",
-                       f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python on "
-                       "float32 inputs, with its children converted separately (see their records)")
-        elif (hit := _fp32_module(module, ctx, gm)) is not None:
-            d = decide(Category.FP32, torch.float32, *hit)
-        elif listed is None:
-            why = ctx.leaves.get(str(node.target)) if node.op == "call_module" else None
-            reason = (f"{name} is not in any list: stays float32 (add it with AMPFX_ALLOWLIST_ADD / "
-                      f"AMPFX_INFERLIST_ADD / ...={name})")
-            if why:
-                reason += f"; traced as a leaf because {why}"
-            d = decide(Category.FP32, torch.float32, "unlisted", reason)
+            d = _structure(node, gm, where)
         else:
-            category, source, reason = listed
-            d = decide(category, torch.float32 if category is Category.DENY else None, source, reason)
-            if (category in (Category.ALLOW, Category.INFER, Category.CLEAR) and policy.probe
-                    and rule is not None and rule.probe):
-                variant = _probe_variant(rule.probe, node, gm)
-                err = probes.check(rule.probe, low, ctx.device, variant)
-                if err is not None:
-                    d = decide(Category.FP32, torch.float32, "probe",
-                               f"{name}{probes.describe(variant)} has no working {str(low)[6:]} kernel on "
-                               f"{ctx.device} ({err}): float32")
-            if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and (
-                    big := _out_of_range(node, low)) is not None:
-                d = decide(Category.FP32, torch.float32, "range:constant",
-                           f"{name} uses the constant {big:.4g}, outside {str(low)[6:]}'s range: float32")
-        if node.op == "call_module" and d.rule not in ("region", "fp32_modules", "module_filter_fn", "non-float"):
-            # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
-            d = integrations.refine(d, gm.get_submodule(str(node.target)), node, gm, ctx)
+            d = _compute(node, gm, ctx, decided, where)
         decided[node] = d
         node.meta[RECORD] = d
+
+
+def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any]) -> Decision:
+    """Graph inputs, parameters and buffers, the output: never converted themselves."""
+    what = {"placeholder": "graph input: kept as given",
+            "get_attr": "parameter or buffer: stays float32 (master copy); cast after get_attr where a "
+                        "consumer wants low precision",
+            "output": "graph output: float results return in their original dtype"}[node.op]
+    out = None
+    if node.op == "get_attr":
+        val = attr_of(gm, str(node.target))
+        out = val.dtype if isinstance(val, torch.Tensor) and val.dtype in CASTABLE else None
+    elif node.op == "placeholder":
+        infos = out_infos(node)
+        if infos is None:
+            out = torch.float32
+        else:
+            floats = [i.dtype for i in infos if i.dtype in CASTABLE]
+            out = floats[0] if floats else None
+    return Decision(op=node.op, category=Category.PASS, dtype=None, rule="structure", reason=what, out=out,
+                    **where)
+
+
+def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
+             where: dict[str, Any]) -> Decision:
+    """An op: the precedence chain (:func:`_verdict`), then, for another library's leaf module,
+    that library's rules (:func:`ampfx.integrations.refine`, given the facts about the leaf)."""
+    name = op_name(node, gm, ctx.policy)
+    where.update(in_shapes=tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
+                 op=name, inplace=is_inplace(node, gm))
+    d = _verdict(node, gm, ctx, decided, name).decision(**where)
+    if node.op == "call_module" and d.rule not in decide.FINAL_RULES:
+        # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
+        target = str(node.target)
+        facts = integrations.LeafFacts(path=ctx.prefix + target, device=ctx.device, dtype=ctx.policy.dtype,
+                                       observed=ctx.leaf_facts.get(target))
+        d = integrations.refine(d, gm.get_submodule(target), facts)
+    return d
+
+
+def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
+             name: str) -> decide.Verdict:
+    """The precedence chain for one op, first match wins: a PASS table entry; no float data; a
+    region (a module that runs eagerly); ``fp32_modules`` / ``module_filter_fn``; the lists
+    (unlisted, or listed and then checked for a working kernel and representable constants)."""
+    rule = ops.RULES.get(name)
+    float_inputs = [n for n in node.all_input_nodes if carries_float(n, decided)]
+    infos = out_infos(node)
+    out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
+    if ctx.policy.category_of(name) is None and rule is not None and rule.category is Category.PASS:
+        return decide.Verdict(Category.PASS, None, "table", rule.reason)
+    if not float_inputs and (not out_float or (infos is None and rule is not None)):
+        return decide.Verdict(Category.PASS, None, "non-float", "no float32/16/bf16 tensor in or out: left as written")
+    if node.op == "call_module" and str(node.target) in ctx.regions:
+        return decide.Verdict(Category.FP32, torch.float32, "region",
+                              f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
+                              "on float32 inputs, with its children converted separately (see their records)")
+    hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix)
+    if hit is not None:
+        return decide.Verdict(Category.FP32, torch.float32, *hit)
+    why = ctx.leaves.get(str(node.target)) if node.op == "call_module" else None
+    verdict = decide.decide_op(ctx.policy, name, why)
+    if verdict.category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+        verdict = _kernel_checks(verdict, node, gm, ctx, name)
+    return verdict
+
+
+def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, ctx: PassContext,
+                   name: str) -> decide.Verdict:
+    """A listed low-precision candidate stays float32 where the device has no working kernel for
+    it (rule ``probe``) or it takes a constant the low dtype cannot hold (``range:constant``)."""
+    low = ctx.policy.dtype
+    rule = ops.RULES.get(name)
+    if ctx.policy.probe and rule is not None and rule.probe:
+        variant = _probe_variant(rule.probe, node, gm)
+        err = probes.check(rule.probe, low, ctx.device, variant)
+        if err is not None:
+            verdict = decide.Verdict(Category.FP32, torch.float32, "probe",
+                                     f"{name}{probes.describe(variant)} has no working {str(low)[6:]} kernel on "
+                                     f"{ctx.device} ({err}): float32")
+    if (big := _out_of_range(node, low)) is not None:
+        verdict = decide.Verdict(Category.FP32, torch.float32, "range:constant",
+                                 f"{name} uses the constant {big:.4g}, outside {str(low)[6:]}'s range: float32")
+    return verdict

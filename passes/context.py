@@ -16,8 +16,9 @@ class PassContext:
     module traced as a leaf to why; ``regions`` are the leaves that run their
     own Python with their children converted separately. ``symbols`` (a
     :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
-    from example inputs. ``example_inputs`` are as given to ``convert``
-    (integrations read values from them: DGL's overflow guard).
+    from example inputs. ``leaf_facts`` maps the path of each other library's
+    leaf module to what :func:`ampfx.integrations.observe` saw of it on the
+    example inputs (DGL's overflow guard reads its in-degree and feature sizes).
 
     >>> from ampfx import Policy
     >>> ctx = PassContext(Policy())
@@ -31,7 +32,7 @@ class PassContext:
     leaves: Mapping[str, str] = field(default_factory=dict)
     regions: frozenset[str] = frozenset()
     symbols: Any = None
-    example_inputs: Any = None
+    leaf_facts: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def has_shapes(self) -> bool:

@@ -258,6 +258,29 @@ def test_bf16_gat_is_accurate_above_in_degree_4096():
     assert raw_rel > 0.5, raw_rel  # the test would fail without the float32 edge_softmax
 
 
+def test_fp32_edge_softmax_is_scoped_to_the_low_precision_call():
+    """The float32 edge_softmax is installed only while a converted attention conv runs: before and after,
+    dgl.nn's GATConv module calls DGL's own edge_softmax, and a plain bf16 GATConv keeps DGL's behaviour."""
+    from dgl.nn.pytorch.conv import gatconv
+
+    original = gatconv.edge_softmax
+    g, x = graph(), torch.randn(40, 8)
+    model = GAT(8, 4, 3, [2, 2, 2])
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, x))
+    inside = []
+    amp.get_submodule("layers.0").register_forward_pre_hook(lambda m, a: inside.append(gatconv.edge_softmax))
+    amp(g, x).sum().backward()
+    assert inside and inside[0] is not original and inside[0].__wrapped__ is original
+    assert gatconv.edge_softmax is original is dgl.ops.edge_softmax
+    assert model.layers[0].fc.weight.grad is not None
+    conv = dglnn.GATConv(8, 4, 2)
+    with integ.fp32_edge_softmax(type(conv)):  # nested blocks: DGL's function back only after the outer one
+        with integ.fp32_edge_softmax(type(conv)):
+            pass
+        assert gatconv.edge_softmax is not original
+    assert gatconv.edge_softmax is original
+
+
 # --------------------------------------------------------------------------- the float16 overflow guard
 def test_overflow_guard_numbers_come_from_the_real_graph_and_features():
     """stats_of measures max in-degree and max |feature|; under float16 on CUDA a GraphConv whose bound
@@ -355,8 +378,14 @@ def test_every_allowed_module_runs_in_bf16_close_to_fp32_and_trains_the_masters(
     sum(o.sum() for o in out).backward()
     grads = [p.grad for p in model.parameters()]
     assert grads and all(gr is not None and gr.dtype == torch.float32 for gr in grads)
-    if integ.rule_for(model.conv).edge_softmax:
-        assert _sys.modules[type(model.conv).__module__].edge_softmax._ampfx_fp32
+    if integ.rule_for(model.conv).edge_softmax:  # float32 edge_softmax inside the call, DGL's own after it
+        home = _sys.modules[type(model.conv).__module__]
+        inside = []
+        hook = amp.get_submodule("conv").register_forward_pre_hook(
+            lambda m, a: inside.append(getattr(home.edge_softmax, "_ampfx_fp32", False)))
+        amp(g, x, e)
+        hook.remove()
+        assert inside == [True] and home.edge_softmax is dgl.ops.edge_softmax
 
 
 class MiniBatchSAGE(nn.Module):
@@ -506,6 +535,58 @@ def test_dgl_modules_called_from_an_untraceable_forward_still_run_in_bf16():
     kept = ampfx.convert(model, "bf16", example_inputs=(g, feat), environ={"AMPFX_FP32_MODULES": "conv1"})
     assert type(kept.conv1) is dglnn.GraphConv and [(r.dtype, r.rule) for r in records(kept)] == [
         (torch.float32, "fp32_modules"), (torch.bfloat16, "table")]
+
+
+class Stacked(nn.Module):
+    """DGL convolutions inside a container, called from a forward torch.fx cannot trace (zip over the list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([dglnn.GraphConv(8, 8), dglnn.GraphConv(8, 4)])
+
+    def forward(self, g, h):
+        for conv, act in zip(self.convs, (F.relu, lambda t: t)):
+            h = act(conv(g, h))
+        with g.local_scope():
+            g.ndata["h"] = h
+            return dgl.mean_nodes(g, "h")
+
+
+def test_eager_leaves_follow_the_same_module_rules_as_traced_leaves():
+    """A DGL module called from eager code is decided by the same chain as a traced leaf
+    (ampfx.decide.decide_leaf): module_filter_fn rejecting a *parent* ('convs') keeps both convolutions
+    float32, as it would inside a traced graph; without the filter they run in bf16."""
+    g, x = graph(), torch.randn(40, 8)
+    model = Stacked()
+    amp = ampfx.convert(model, "bf16", example_inputs=(g, x))
+    assert [(r.module, r.dtype, r.rule) for r in records(amp)] == [
+        ("convs.0", torch.bfloat16, "table"), ("convs.1", torch.bfloat16, "table")]
+    kept = ampfx.convert(model, "bf16", example_inputs=(g, x), module_filter_fn=lambda m, fqn: fqn != "convs")
+    convs = records(kept)
+    assert [(r.module, r.dtype, r.rule) for r in convs] == [
+        ("convs.0", torch.float32, "module_filter_fn"), ("convs.1", torch.float32, "module_filter_fn")]
+    assert all("module_filter_fn rejected module 'convs'" in r.reason for r in convs)
+    assert type(kept.convs[0]) is dglnn.GraphConv
+    torch.testing.assert_close(kept(g, x), model(g, x))
+
+
+def test_observe_reports_each_leaf_and_leaves_the_model_as_it_was():
+    """integrations.observe runs the model once with hooks on its DGL leaves and returns, per module path,
+    what DGL's rules need (in-degree and feature sizes, COO-only graphs); training flags and RNG untouched;
+    no run for a dtype whose rules need no values (bf16)."""
+    from ampfx import integrations
+
+    g = high_degree_graph(n_src=300, n_dst=2)
+    x = torch.full((g.num_nodes(), 8), 3.0)
+    wrapper = _Call(dglnn.GraphConv(8, 8, norm="none")).train()
+    state = torch.random.get_rng_state()
+    facts = integrations.observe(wrapper, (g, x), torch.float16)
+    assert list(facts) == ["conv"] and facts["conv"].stats.max_in_degree == 301
+    assert facts["conv"].stats.max_abs_node == 3.0 and not facts["conv"].coo_only
+    assert torch.equal(torch.random.get_rng_state(), state) and wrapper.training
+    assert integrations.observe(wrapper, (g, x), torch.bfloat16)["conv"].stats is None
+    assert integrations.observe(wrapper, (g.formats("coo"), x), torch.bfloat16)["conv"].coo_only
+    assert integrations.observe(wrapper, None) == {}
 
 
 def _reload(module):

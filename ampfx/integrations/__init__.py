@@ -1,17 +1,24 @@
-"""Other libraries' modules: per-library rules and runners, found by the
-module's qualified type name so that ampfx imports none of those libraries.
+"""Other libraries' modules: per-library plugins, found by the module's
+qualified type name so that ampfx imports none of those libraries.
 
-The core passes ask this package two questions about a leaf module:
+An integration is a table plus a runner, and it receives facts: it never sees
+a graph or a pass context, and imports nothing from :mod:`ampfx.passes`. Each
+one (a module named in :data:`LIBRARIES`, data and functions only; importing
+it imports no library) provides:
 
-- :func:`refine`: given the decision the op lists produced for a leaf
-  (``classify``), return the library's decision (device rules, variants,
-  overflow guards), or the decision unchanged;
-- :func:`runner`: the function the rewritten graph calls to run a leaf in
-  low precision (``casts``), or ``None`` for ampfx's generic
-  :func:`ampfx.runtime.call_module_low`.
-
-A library is recognised by the top-level package of the module's class
-(``type(m).__module__``); its integration module is imported only then.
+- ``TABLE``: entries with ``name``, ``category``, ``reason`` and
+  ``qualnames``, registered in the op lists (:func:`ampfx.ops.register_library`)
+  when ampfx is imported, so policies and env variables can name them
+  (``AMPFX_DENYLIST_ADD=dgl.GATConv``);
+- ``refine(decision, module, facts)``: the library's decision for a leaf the
+  lists decided (device rules, variants, overflow guards), given
+  :class:`LeafFacts`;
+- ``needs_run(dtype)``, ``observe_call(module, args, kwargs)`` and
+  ``observation(calls, example_inputs)``: what :func:`observe` records of a
+  leaf on the example inputs (``facts.observed``);
+- ``runner(module)`` / ``RUNNERS``: the function the rewritten graph calls to
+  run a leaf in low precision, ``eager_leaf(module, dtype)``: the module that
+  replaces a leaf called from eager code, ``RUNS_ON_FAKE_TENSORS``.
 
 >>> import torch
 >>> library_of(torch.nn.Linear(2, 2)) is None
@@ -19,35 +26,153 @@ True
 """
 from __future__ import annotations
 
-import importlib
+import contextlib
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable
 
-LIBRARIES: dict[str, str] = {
-    "dgl": "ampfx.integrations.dgl",  # DGL's graph convolutions and readouts (dgl.nn)
+import torch
+import torch.nn as nn
+
+from .. import decide, ops
+from ..inputs import ExampleInputs
+from ..policy import Policy
+from ..report import Region, Report, dtype_name
+from ..state import kept_buffers, modes
+from . import dgl
+
+LIBRARIES: dict[str, Any] = {
+    "dgl": dgl,  # DGL's graph convolutions and readouts (dgl.nn)
 }
 """Top-level package of a module's class -> the ampfx module that integrates it."""
 
+for _lib in LIBRARIES.values():
+    ops.register_library((r.name, r.category, r.reason, r.qualnames) for r in _lib.TABLE)
+
+
+@dataclass(frozen=True)
+class LeafFacts:
+    """What an integration is told about one leaf: its module path in the user's model, the
+    device it runs on, the policy's low dtype, and ``observed``: what the library recorded of
+    it on the example inputs (:func:`observe`; ``None`` without example inputs)."""
+
+    path: str
+    device: str
+    dtype: torch.dtype
+    observed: Any = None
+
 
 def library_of(module: Any) -> Any | None:
-    """The integration module for ``module``'s library, or ``None`` (imported lazily)."""
+    """The integration module for ``module``'s library (the top-level package of its class or a
+    base class), or ``None``."""
     for klass in type(module).__mro__:
         top = getattr(klass, "__module__", "").split(".")[0]
         if top in LIBRARIES:
-            return importlib.import_module(LIBRARIES[top])
+            return LIBRARIES[top]
     return None
 
 
-def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
-    """The library's decision for the leaf ``module`` at ``node`` (see the module docstring)."""
+def refine(decision: Any, module: Any, facts: LeafFacts) -> Any:
+    """The library's decision for the leaf ``module`` (see the module docstring); ``decision`` unchanged
+    for modules of no library."""
     lib = library_of(module)
-    return decision if lib is None else lib.refine(decision, module, node, gm, ctx)
+    return decision if lib is None else lib.refine(decision, module, facts)
 
 
-def convert_eager_leaf(module: Any, policy: Any, example_inputs: Any, path: str, device: str) -> Any:
+def observe(model: nn.Module, example_inputs: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Module path (relative to ``model``) -> what its library observed of each library leaf on
+    ``example_inputs``; ``{}`` without example inputs or library leaves.
+
+    Runs ``model`` once on the example inputs (eval mode, no grad; buffers,
+    training flags and the RNG restored) with a forward pre-hook on each
+    library leaf, unless no library needs values under ``dtype`` (``None``:
+    run). A run that fails leaves only the facts that need no run.
+
+    >>> observe(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    {}
+    """
+    if example_inputs is None:
+        return {}
+    example_inputs = ExampleInputs.of(example_inputs)
+    leaves = {path: (m, lib) for path, m in model.named_modules() if path and (lib := library_of(m)) is not None}
+    calls: dict[str, list[Any]] = {path: [] for path in leaves}
+    if any(lib.needs_run(dtype) for _, lib in leaves.values()):
+        try:
+            _run_observed(model, example_inputs, leaves, calls)
+        except Exception:  # noqa: BLE001 - no numbers: the rules that need them then say nothing
+            calls = {path: [] for path in leaves}
+    given = (example_inputs.args, dict(example_inputs.kwargs))
+    return {path: lib.observation(calls[path], given) for path, (_, lib) in leaves.items()}
+
+
+def _run_observed(model: nn.Module, example_inputs: Any, leaves: dict[str, tuple[nn.Module, Any]],
+                  calls: dict[str, list[Any]]) -> None:
+    hooks = []
+    for path, (module, lib) in leaves.items():
+        def hook(mod: nn.Module, args: Any, kwargs: Any, seen: list = calls[path], lib: Any = lib) -> None:
+            seen.append(lib.observe_call(mod, args, kwargs))
+        hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    tensors = [*model.parameters(), *model.buffers(),
+               *example_inputs.tensors()]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=cuda))
+            stack.enter_context(kept_buffers(model))
+            stack.enter_context(modes(model, training=False))
+            stack.enter_context(torch.no_grad())
+            example_inputs.call(model)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, inputs: Any, prefix: str = "",
+                       device: str = "cpu") -> tuple[nn.Module, Report] | None:
     """For a library module called from eager code (its parent could not be traced): ``(replacement,
-    Report)`` running it as the library's table says, or ``None`` for modules of no library."""
+    Report)`` running it as the library's table says, or ``None`` for modules of no library.
+
+    ``path`` is the module's path under ``root``, which sits at ``prefix`` in the user's model;
+    ``inputs`` are what the module received on the example inputs (a tuple, or a dict by parameter
+    name; ``None`` without example inputs). The decision is the traced leaf's: the module rules and
+    the lists (:func:`ampfx.decide.decide_leaf`, parents included), then the library's
+    :func:`refine`. A low result is the library's ``eager_leaf``, a float32 one the module unchanged.
+    """
+    module = root.get_submodule(path)
     lib = library_of(module)
-    return None if lib is None else lib.convert_eager_leaf(module, policy, example_inputs, path, device)
+    if lib is None:
+        return None
+    full = prefix + path
+    verdict = decide.decide_leaf(policy, root, path, prefix)
+    record = verdict.decision(node=full.replace(".", "_") or "leaf", op=decide.leaf_name(policy, module),
+                              target=full, module=full, kind="call_module", out=torch.float32)
+    if record.rule not in decide.FINAL_RULES:
+        record = lib.refine(record, module, LeafFacts(full, device, policy.dtype, _observe_inputs(
+            lib, module, inputs, policy.dtype)))
+    dtype = record.dtype if record.dtype is not None else torch.float32
+    where = "called from eager code (its parent could not be traced)"
+    if dtype != torch.float32:
+        how = f"runs by {lib.runner(module).__name__}, float outputs back in its inputs' dtype"
+        replacement = lib.eager_leaf(module, dtype)
+    else:
+        how, replacement = "runs as written", module
+    record = dataclasses.replace(record, dtype=dtype, reason=f"{record.reason}; {where}: {how}")
+    return replacement, Report(dtype=policy.dtype, records=(record,), regions=(
+        Region(full, f"a {lib.LIBRARY} module called from eager code: {dtype_name(dtype)} leaf"),))
+
+
+def _observe_inputs(lib: Any, module: nn.Module, inputs: Any, dtype: torch.dtype) -> Any:
+    """``facts.observed`` for a leaf from the inputs it was seen to receive (no run needed)."""
+    if inputs is None:
+        return None
+    inputs = ExampleInputs.of(inputs)
+    calls = []
+    if lib.needs_run(dtype):
+        try:
+            calls.append(lib.observe_call(module, inputs.args, dict(inputs.kwargs)))
+        except Exception:  # noqa: BLE001 - no numbers: the rules that need them then say nothing
+            pass
+    return lib.observation(calls, (inputs.args, dict(inputs.kwargs)))
 
 
 def runs_on_fake_tensors(module: Any) -> bool:
@@ -62,7 +187,7 @@ def runners() -> tuple[Callable[..., Any], ...]:
     >>> [f.__name__ for f in runners()]
     ['call_dgl_low']
     """
-    return tuple(f for path in LIBRARIES.values() for f in importlib.import_module(path).RUNNERS)
+    return tuple(f for lib in LIBRARIES.values() for f in lib.RUNNERS)
 
 
 def runner(module: Any) -> Callable[..., Any] | None:

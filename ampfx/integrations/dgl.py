@@ -14,7 +14,10 @@ with its reason) is registered in the op lists under a canonical name such as
     AMPFX_FP32_MODULES=layers.0                                          # keep one layer float32
     AMPFX_ALLOWLIST_ADD=dgl.nn.pytorch.conv.tagconv.TAGConv              # opt an unlisted module in
 
-**Rules applied on top** (:func:`decide`), each recorded in the decision log:
+**Rules applied on top** (:func:`decide`, through :func:`refine`, which the
+passes call with the facts of one leaf: low dtype, device, and what
+:func:`ampfx.integrations.observe` saw on the example inputs as an
+:class:`Observed`), each recorded in the decision log:
 
 - DGL has no float16 kernels on CPU: a float16 policy runs DGL leaves in
   bfloat16 there (or float32 where bfloat16 has no kernel either), rule
@@ -27,9 +30,10 @@ with its reason) is registered in the op lists under a canonical name such as
   65504, the layer runs in bfloat16 where the device has it, else float32,
   rule ``dgl:overflow``, with the numbers in the reason;
 - modules that call ``edge_softmax`` run it in float32 (the logits are cast
-  up and the attention weights back down): DGL's CPU bfloat16 edge_softmax
-  accumulates the exponent sum in bfloat16, so per-node attention weights
-  sum to ~5 instead of 1 above in-degree 4096;
+  up and the attention weights back down, by :func:`fp32_edge_softmax`, only
+  during the leaf's call): DGL's CPU bfloat16 edge_softmax accumulates the
+  exponent sum in bfloat16, so per-node attention weights sum to ~5 instead
+  of 1 above in-degree 4096;
 - ``dgl.nn`` modules in no table stay float32 (rule ``unlisted``).
 
 **The runner** (:func:`call_dgl_low`) runs a low-precision leaf with
@@ -52,15 +56,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import sys
+import threading
+import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.func import functional_call
 
+from .. import probes
 from ..ops import Category
 
+LIBRARY = "DGL"
 FP16_MAX = 65504.0
 RUNS_ON_FAKE_TENSORS = False
 """DGL passes tensors to its C++ kernels through DLPack: meta and fake tensors crash it (segfault)."""
@@ -90,6 +98,11 @@ class ModuleRule:
     edge_softmax: bool = False
     cpu_bf16: bool = True
     functions: tuple[str, ...] = ()
+
+    @property
+    def qualnames(self) -> tuple[str, ...]:
+        """The qualified names the entry covers (module types, then functions), as registered in the op lists."""
+        return (*self.types, *self.functions)
 
     def aggregation_of(self, module: Any) -> str | None:
         """The aggregation ``module`` uses (its aggregator attribute, else the rule's)."""
@@ -138,7 +151,7 @@ TABLE: tuple[ModuleRule, ...] = (
 )
 """The per-module policy table: canonical name, qualified type names, list, reason."""
 
-_BY_TYPE_NAME: dict[str, ModuleRule] = {t: r for r in TABLE for t in (*r.types, *r.functions)}
+_BY_TYPE_NAME: dict[str, ModuleRule] = {t: r for r in TABLE for t in r.qualnames}
 _BY_NAME: dict[str, ModuleRule] = {r.name: r for r in TABLE}
 
 
@@ -198,8 +211,6 @@ def _short(dtype: torch.dtype) -> str:
 def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> str | None:
     if aggregation != "lstm":
         return None
-    from .. import probes
-
     return probes.check("lstm", dtype, device)
 
 
@@ -265,20 +276,26 @@ def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str
     return Choice(want, rule_name, "; ".join(why))
 
 
-def refine(decision: Any, module: Any, node: Any, gm: Any, ctx: Any) -> Any:
-    """Hook for ``passes.classify``: the DGL decision for a leaf the op lists decided.
+def refine(decision: Any, module: Any, facts: Any) -> Any:
+    """The DGL decision for a leaf the op lists decided (``decision``: a record with ``category``,
+    ``dtype``, ``rule`` and ``reason``), given ``facts`` (:class:`ampfx.integrations.LeafFacts`:
+    the policy's low dtype, the device, and the :class:`Observed` facts of the example inputs).
 
     ALLOW leaves get :func:`decide`'s dtype (a float32 result makes the leaf
     ``FP32``); leaves in no list get a DGL-specific reason; others are kept.
+
+    >>> import torch
+    >>> from ampfx.integrations import LeafFacts
+    >>> from ampfx.decide import Verdict
+    >>> allowed = Verdict(Category.ALLOW, None, "table", "GEMMs")
+    >>> facts = LeafFacts("conv", "cpu", torch.float16, Observed(coo_only=True))
+    >>> refine(allowed, None, facts).rule, refine(allowed, None, facts).dtype
+    ('dgl:device', torch.float32)
     """
     if decision.category is Category.ALLOW:
-        rule = rule_for(module)
-        aggregation = rule.aggregation_of(module) if rule is not None else None
-        stats = None
-        if ctx.policy.dtype == torch.float16 and aggregation in ("sum", "mean"):
-            stats = leaf_stats(gm, ctx).get(node.name)
-        choice = decide(rule, module, ctx.policy.dtype, ctx.device, stats=stats, source=decision.rule,
-                        reason=decision.reason, coo_only=any(_coo_only(g) for g in _graphs(ctx.example_inputs)))
+        observed = facts.observed if facts.observed is not None else Observed()
+        choice = decide(rule_for(module), module, facts.dtype, facts.device, stats=observed.stats,
+                        source=decision.rule, reason=decision.reason, coo_only=observed.coo_only)
         if choice.dtype == torch.float32:
             return dataclasses.replace(decision, category=Category.FP32, dtype=torch.float32, rule=choice.rule,
                                        reason=choice.reason)
@@ -327,95 +344,44 @@ class EagerLeaf(torch.nn.Module):
         return f"{type(self.leaf).__name__} run in {_short(self.low_dtype)} by ampfx.integrations.dgl.call_dgl_low"
 
 
-def convert_eager_leaf(module: torch.nn.Module, policy: Any, example_inputs: Any, path: str,
-                       device: str) -> tuple[torch.nn.Module, Any]:
-    """A DGL module called from eager code: ``(module to put in its place, Report with its one record)``.
-
-    The same lists, table and rules as a traced leaf (:func:`decide`); a low
-    result is an :class:`EagerLeaf`, a float32 one the module unchanged.
-    """
-    from .. import ops
-    from ..report import Decision, Region, Report
-
-    name = policy.op_name(type(module)) or ops.qualified_name(type(module))
-    record = dict(node=path.replace(".", "_") or "leaf", op=name, target=path, module=path, kind="call_module")
-    listed = policy.category_of(name)
-    fp32 = next((p for p in policy.fp32_modules if path == p or path.startswith(p + ".")), None)
-    rejected = policy.module_filter_fn is not None and not policy.module_filter_fn(module, path)
-    dtype, category = torch.float32, Category.FP32
-    if fp32 is not None:
-        rule, reason = "fp32_modules", f"inside module {fp32!r}, named in fp32_modules: kept float32"
-    elif rejected:
-        rule, reason = "module_filter_fn", f"module_filter_fn rejected module {path!r}: kept float32"
-    elif listed is None:
-        qual = ops.qualified_name(type(module))
-        rule, reason = "unlisted", (f"dgl.nn module {type(module).__name__} is not in ampfx's DGL table: float32; "
-                                    f"allow it with AMPFX_ALLOWLIST_ADD={qual}")
-    elif listed[0] is Category.ALLOW:
-        rule_entry = rule_for(module)
-        aggregation = rule_entry.aggregation_of(module) if rule_entry is not None else None
-        stats = (stats_of(example_inputs, {}) if example_inputs is not None and policy.dtype == torch.float16
-                 and aggregation in ("sum", "mean") else None)
-        choice = decide(rule_entry, module, policy.dtype, device, stats=stats, source=listed[1], reason=listed[2],
-                        coo_only=any(_coo_only(g) for g in _graphs(example_inputs)))
-        dtype, rule, reason = choice.dtype, choice.rule, choice.reason
-        category = Category.ALLOW if dtype != torch.float32 else Category.FP32
-    else:
-        category, rule, reason = listed[0], listed[1], listed[2]
-    where = "called from eager code (its parent could not be traced)"
-    if dtype != torch.float32:
-        reason += f"; {where}: runs by call_dgl_low, float outputs back in its inputs' dtype"
-        replacement: torch.nn.Module = EagerLeaf(module, dtype)
-    else:
-        reason += f"; {where}: runs as written"
-        replacement = module
-    decision = Decision(category=category, dtype=dtype, rule=rule, reason=reason, out=torch.float32, **record)
-    return replacement, Report(dtype=policy.dtype, records=(decision,), regions=(
-        Region(path, f"a DGL module called from eager code: {_short(dtype)} leaf"),))
+def eager_leaf(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """What replaces a DGL module called from eager code that runs in ``dtype``: an :class:`EagerLeaf`."""
+    return EagerLeaf(module, dtype)
 
 
 # --------------------------------------------------------------------------- example-input facts
 
-def leaf_stats(gm: torch.fx.GraphModule, ctx: Any) -> dict[str, LeafStats]:
-    """Node name -> :class:`LeafStats` for every DGL leaf of ``gm``, from one
-    float32 run on the example inputs (eval mode, no grad, buffers restored).
-    Empty without example inputs or when the run fails. Cached in ``gm.meta``."""
-    cached = gm.meta.get("ampfx_dgl_stats")
-    if cached is not None:
-        return cached
-    stats: dict[str, LeafStats] = {}
-    example = getattr(ctx, "example_inputs", None)
-    if example is not None:
-        try:
-            stats = _run_for_stats(gm, example)
-        except Exception:  # noqa: BLE001 - no numbers: the guard then says nothing
-            stats = {}
-    gm.meta["ampfx_dgl_stats"] = stats
-    return stats
+@dataclass(frozen=True)
+class Observed:
+    """What the example inputs say about one DGL leaf: :class:`LeafStats` of its inputs (``None``
+    when the model was not run for them, or the run failed) and whether the example graphs are
+    restricted to the COO format."""
+
+    stats: LeafStats | None = None
+    coo_only: bool = False
 
 
-def _run_for_stats(gm: torch.fx.GraphModule, example: Any) -> dict[str, LeafStats]:
-    from ..inputs import ExampleInputs
-    from ..state import kept_buffers, modes
+def needs_run(dtype: torch.dtype | None) -> bool:
+    """Do the rules read values seen by running the model under ``dtype`` (``None``: any)? Only the
+    float16 overflow guard does."""
+    return dtype is None or dtype == torch.float16
 
-    out: dict[str, LeafStats] = {}
 
-    class Recorder(torch.fx.Interpreter):
-        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-            module = self.fetch_attr(target)
-            if is_dgl(module):
-                s = stats_of(args, kwargs)
-                if s is not None:
-                    out[self._current] = s
-            return super().call_module(target, args, kwargs)
+def observe_call(module: torch.nn.Module, args: Any, kwargs: Any) -> LeafStats | None:
+    """What one call of a DGL leaf shows (forward pre-hook of :func:`ampfx.integrations.observe`)."""
+    return stats_of(args, kwargs)
 
-        def run_node(self, n: torch.fx.Node) -> Any:
-            self._current = n.name
-            return super().run_node(n)
 
-    with kept_buffers(gm), modes(gm, training=False), torch.no_grad():
-        Recorder(gm).run(*ExampleInputs.of(example).positional(gm))
-    return out
+def observation(calls: Sequence[LeafStats | None], example_inputs: Any) -> Observed:
+    """The :class:`Observed` facts of one leaf from its calls (the largest of each number over
+    every call) and the example inputs given to ``convert`` (or recorded for the leaf)."""
+    seen = [c for c in calls if c is not None]
+    stats = None
+    if seen:
+        edges = [c.max_abs_edge for c in seen if c.max_abs_edge is not None]
+        stats = LeafStats(max(c.max_in_degree for c in seen), max(c.max_abs_node for c in seen),
+                          max(edges) if edges else None)
+    return Observed(stats, coo_only=any(_coo_only(g) for g in _graphs(example_inputs)))
 
 
 def _graphs(values: Any) -> list[Any]:
@@ -483,18 +449,14 @@ def call_dgl_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **kwar
                  None)
     if proxy is not None:  # re-tracing a converted module: stay one node
         return proxy.tracer.create_proxy("call_function", call_dgl_low, (module, dtype, *args), kwargs)
-    from torch.func import functional_call
-
     params = {name: p.to(dtype) if p.dtype in CASTABLE else p for name, p in module.named_parameters()}
     params.update(_constant_buffers(module, dtype))
     args, kwargs = _cast_tree((args, kwargs), dtype)
-    _install_fp32_edge_softmax(type(module))
     with contextlib.ExitStack() as stack:
         for g in _graphs((args, kwargs)):
             stack.enter_context(g.local_scope())
             _cast_graph_data(g, dtype)
-        token = _FP32_EDGE_SOFTMAX.set(True)
-        stack.callback(_FP32_EDGE_SOFTMAX.reset, token)
+        stack.enter_context(fp32_edge_softmax(type(module)))
         return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
 
 
@@ -551,26 +513,64 @@ def _cast_graph_data(g: Any, dtype: torch.dtype) -> None:
             frames[i] = new
 
 
-@functools.lru_cache(maxsize=None)
-def _install_fp32_edge_softmax(cls: type) -> None:
-    """Wrap ``edge_softmax`` where ``cls`` (or a base) calls it: in float32 while
-    :func:`call_dgl_low` runs, untouched otherwise (the wrapper calls DGL's own
-    function unchanged when no ampfx leaf is running)."""
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict[types.ModuleType, tuple[Callable[..., Any], int]] = {}
+"""Python module whose ``edge_softmax`` is wrapped now -> (DGL's function, how many calls need the wrapper)."""
+
+
+def _edge_softmax_homes(cls: type) -> list[types.ModuleType]:
+    """The Python modules of ``cls`` and its bases that call ``edge_softmax`` by a module-level name."""
+    homes = []
     for klass in cls.__mro__:
         home = sys.modules.get(getattr(klass, "__module__", ""))
-        original = getattr(home, "edge_softmax", None) if home is not None else None
-        if original is None or getattr(original, "_ampfx_fp32", False):
-            continue
+        if home is not None and getattr(home, "edge_softmax", None) is not None and home not in homes:
+            homes.append(home)
+    return homes
 
-        @functools.wraps(original)
-        def edge_softmax(graph: Any, logits: torch.Tensor, *a: Any, _orig: Any = original, **k: Any) -> Any:
-            if _FP32_EDGE_SOFTMAX.get() and isinstance(logits, torch.Tensor) and logits.dtype in (
-                    torch.float16, torch.bfloat16):
-                return _orig(graph, logits.float(), *a, **k).to(logits.dtype)
-            return _orig(graph, logits, *a, **k)
 
-        edge_softmax._ampfx_fp32 = True
-        home.edge_softmax = edge_softmax
+def _fp32_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def edge_softmax(graph: Any, logits: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if _FP32_EDGE_SOFTMAX.get() and isinstance(logits, torch.Tensor) and logits.dtype in (
+                torch.float16, torch.bfloat16):
+            return original(graph, logits.float(), *a, **k).to(logits.dtype)
+        return original(graph, logits, *a, **k)
+
+    edge_softmax.__wrapped__ = original
+    edge_softmax.__doc__ = original.__doc__
+    edge_softmax._ampfx_fp32 = True
+    return edge_softmax
+
+
+@contextlib.contextmanager
+def fp32_edge_softmax(cls: type) -> Iterator[None]:
+    """Inside the block, ``edge_softmax`` as called by ``cls`` (the name in its Python module,
+    e.g. ``dgl.nn.pytorch.conv.gatconv``, and its bases') runs in float32 for this thread's
+    low-precision logits: the logits are cast up, the attention weights back down. DGL's own
+    function is put back when the last block using it exits (blocks in other threads count);
+    calls outside any block, from any thread, reach DGL's function unchanged.
+
+    >>> class NoSoftmax: ...
+    >>> with fp32_edge_softmax(NoSoftmax): pass   # nothing to wrap
+    """
+    homes = _edge_softmax_homes(cls)
+    with _PATCH_LOCK:
+        for home in homes:
+            original, users = _PATCHED.get(home, (home.edge_softmax, 0))
+            if users == 0:
+                home.edge_softmax = _fp32_wrapper(original)
+            _PATCHED[home] = (original, users + 1)
+    token = _FP32_EDGE_SOFTMAX.set(True)
+    try:
+        yield
+    finally:
+        _FP32_EDGE_SOFTMAX.reset(token)
+        with _PATCH_LOCK:
+            for home in homes:
+                original, users = _PATCHED.pop(home)
+                if users == 1:
+                    home.edge_softmax = original
+                else:
+                    _PATCHED[home] = (original, users - 1)
 
 
 def _calls_edge_softmax(cls: type) -> bool:

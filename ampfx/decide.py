@@ -1,0 +1,109 @@
+"""The module and list part of the precedence chain, written once.
+
+``passes/classify.py`` decides every node of a traced graph, and
+:func:`ampfx.integrations.convert_eager_leaf` decides another library's module
+called from eager code (its parent could not be traced). Both ask this module
+the same two questions, in this order (the full chain is in :mod:`ampfx.policy`):
+
+1. :func:`decide_module`: is the code inside a module named in
+   ``fp32_modules`` (or under one), or a module that ``module_filter_fn``
+   rejects, checked on the module and on each of its parents up to the root
+   of the conversion? Then it stays float32 (rule ``fp32_modules`` /
+   ``module_filter_fn``), whatever the lists say.
+2. :func:`decide_op`: the lists, by canonical op name: in no list, float32
+   (rule ``unlisted``); on a list, its category and the source of the entry
+   (``table``, ``argument``, ``env:AMPFX_...``); ``DENY`` computes in float32,
+   the other lists leave the dtype to painting.
+
+:func:`decide_leaf` is 1 then 2 for one leaf module. What comes after (probes
+and out-of-range constants for graph nodes, a library's device rules through
+:func:`ampfx.integrations.refine`) refines a :class:`Verdict`, and never one
+whose rule is in :data:`FINAL_RULES`.
+
+>>> import torch, ampfx
+>>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1))
+>>> policy = ampfx.Policy("bf16", module_filter_fn=lambda m, fqn: fqn != "enc")
+>>> decide_module(policy, net, "0", prefix="enc.")
+('module_filter_fn', "module_filter_fn rejected module 'enc': kept float32")
+>>> decide_leaf(ampfx.Policy("bf16"), net, "1").rule
+'table'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import ops
+from .ops import Category
+from .policy import Policy
+from .report import Decision
+
+FINAL_RULES = frozenset({"region", "fp32_modules", "module_filter_fn", "non-float"})
+"""Rules no later step (probe, constant range, a library's refinement) overrides."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A decision before it is tied to a node: category, compute dtype (``None``: painting
+    decides), the rule that won and why."""
+
+    category: Category
+    dtype: torch.dtype | None
+    rule: str
+    reason: str
+
+    def decision(self, **where: Any) -> Decision:
+        """The :class:`~ampfx.report.Decision` for one node (``where``: its name, op, module, shapes, ...)."""
+        return Decision(category=self.category, dtype=self.dtype, rule=self.rule, reason=self.reason, **where)
+
+
+def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") -> tuple[str, str] | None:
+    """``(rule, reason)`` when the module at ``path`` (relative to ``root``, which sits at
+    ``prefix`` in the user's model) is kept float32 by ``fp32_modules`` or ``module_filter_fn``;
+    else ``None``. The filter is asked about the module and each parent, innermost first,
+    up to ``root``."""
+    full = prefix + path if path else prefix.rstrip(".")
+    for p in policy.fp32_modules:
+        if full == p or full.startswith(p + "."):
+            return "fp32_modules", f"inside module {p!r}, named in fp32_modules: kept float32"
+    fn = policy.module_filter_fn
+    if fn is not None:
+        parts = path.split(".") if path else []
+        for i in range(len(parts), -1, -1):
+            sub = ".".join(parts[:i])
+            mod = root.get_submodule(sub) if sub else root
+            fqn = (prefix + sub) if sub else prefix.rstrip(".")
+            if not fn(mod, fqn):
+                return "module_filter_fn", f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
+    return None
+
+
+def decide_op(policy: Policy, name: str, why: str | None = None) -> Verdict:
+    """What the lists say about the op ``name`` (``why``: the reason it was traced as a leaf, if it was)."""
+    listed = policy.category_of(name)
+    if listed is None:
+        reason = (f"{name} is not in any list: stays float32 (add it with AMPFX_ALLOWLIST_ADD / "
+                  f"AMPFX_INFERLIST_ADD / ...={name})")
+        if why:
+            reason += f"; traced as a leaf because {why}"
+        return Verdict(Category.FP32, torch.float32, "unlisted", reason)
+    category, source, reason = listed
+    return Verdict(category, torch.float32 if category is Category.DENY else None, source, reason)
+
+
+def leaf_name(policy: Policy, module: nn.Module) -> str:
+    """The op name of a leaf module: its canonical name, else its type's qualified name."""
+    return policy.op_name(type(module)) or ops.qualified_name(type(module))
+
+
+def decide_leaf(policy: Policy, root: nn.Module, path: str, prefix: str = "", why: str | None = None) -> Verdict:
+    """The module rules (:func:`decide_module`), then the lists (:func:`decide_op`), for the leaf
+    module at ``path`` under ``root``."""
+    hit = decide_module(policy, root, path, prefix)
+    if hit is not None:
+        return Verdict(Category.FP32, torch.float32, *hit)
+    module = root.get_submodule(path) if path else root
+    return decide_op(policy, leaf_name(policy, module), why)
