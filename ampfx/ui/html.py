@@ -52,12 +52,10 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from ..report import RULES_DOC, Decision, Report, dtype_name
+from ..report import SHORT_NAMES, Decision, Report, Rule, dtype_name
 
 COLLAPSE_ABOVE = 200
 """Records above which every module group starts collapsed."""
-ADDED = ("bias-fp32", "pad")
-"""Rules of nodes ampfx adds to the graph (drawn with a dotted border)."""
 
 
 # --------------------------------------------------------------------- edges
@@ -222,7 +220,8 @@ def graph(report: Report) -> dict[str, Any]:
     nodes = [{**r.as_json(), "g": node_group[i]} for i, r in enumerate(records)]
     return {"low": low, "nodes": nodes, "groups": groups, "edges": es,
             "casts": [c.as_json() for c in report.casts],
-            "collapsed": len(records) > COLLAPSE_ABOVE, "rules": RULES_DOC, "added": list(ADDED)}
+            "collapsed": len(records) > COLLAPSE_ABOVE, "rules": {r.value: r.doc for r in Rule},
+            "added": [r.value for r in Rule if r.inserted]}  # nodes ampfx added: drawn with a dotted border
 
 
 def _rows(members: list[int], links: set[tuple[int, int]], first) -> list[list[int]]:
@@ -356,7 +355,7 @@ _JS = r"""
     const N = D.nodes, G = D.groups, E = D.edges, C = D.casts;
     const NS = "http://www.w3.org/2000/svg";
     const NW = 170, NH = 38, CW = 210, CH = 54, GAP = 14, ROWGAP = 28, PAD = 10, HEAD = 22;
-    const SHORT = {bfloat16: "bf16", float16: "fp16", float32: "fp32"};
+    const SHORT = %SHORT%;
     const open = G.map((g, i) => i === 0 || !D.collapsed);
     const size = new Map(), pos = new Map();
     let selected = -1;
@@ -599,3 +598,4 @@ _JS = r"""
   }
 })();
 """
+_JS = _JS.replace("%SHORT%", json.dumps({dtype_name(d): dtype_name(d, short=True) for d in SHORT_NAMES}))
