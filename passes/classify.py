@@ -40,7 +40,7 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
             return True
         packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
         name = getattr(packet if packet is not None else node.target, "__name__", "")
-        return name in ("setitem", "iadd", "isub", "imul", "itruediv") or (
+        return ops.is_inplace_operator(node.target) or (
             name.endswith("_") and not name.endswith("__") and node.target not in (torch._assert,))
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True

@@ -39,14 +39,15 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, decision, out_infos
 from ..ops import Category
-from ..report import Decision
+from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .casts import VIEWS, needed_casts
+from .casts import needed_casts
 from .classify import carries_float, original_dtype
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
+SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
 
 
 def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
@@ -67,7 +68,7 @@ def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]
 def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision."""
     low = ctx.policy.dtype
-    low_name = str(low).replace("torch.", "")
+    low_name = dtype_name(low)
     nodes = list(gm.graph.nodes)
     cat = {n: decision(n).category for n in nodes}
     paintable = {n for n in nodes if cat[n] in PAINTABLE}
@@ -89,7 +90,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     u_set = set(seeds) | set(feeders)
     deny = [n for n in nodes if cat[n] is Category.DENY]
     for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
-        color[n] = (torch.float32, "paint:deny",
+        color[n] = (torch.float32, Rule.PAINT_DENY,
                     f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
     denied = {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
 
@@ -103,8 +104,8 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             # both ends in another low dtype an integration chose (DGL under float16 on CPU): that dtype
             ends = {color[forward[n]][0], color[origin][0]}
             dtype = ends.pop() if len(ends) == 1 else low
-            color[n] = (dtype, "paint:between-allow",
-                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {str(dtype)[6:]}")
+            color[n] = (dtype, Rule.PAINT_BETWEEN_ALLOW,
+                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {dtype_name(dtype)}")
 
     # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
@@ -120,14 +121,14 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
         lows = [n for n, c in color.items() if c[0] == low]
         both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
         for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
-            color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
+            color[n] = (low, Rule.PAINT_CLEAR, f"clear op next to low-precision {origin.name}: {low_name}")
         if len(color) == painted:
             break
     _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
 
     for n in nodes:
         d: Decision = decision(n)
-        earlier = f" ({d.reason})" if d.rule.startswith("shape:") else ""  # keep the size facts
+        earlier = f" ({d.reason})" if d.rule in SIZE_RULES else ""  # keep the size facts
         if n in color:
             dtype, rule, reason = color[n]
             d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
@@ -135,7 +136,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
             why = (f"not between low-precision ops, and not all its float inputs are {low_name} "
                    f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
-            d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
+            d = dataclasses.replace(d, dtype=torch.float32, rule=Rule.PAINT_DEFAULT,
                                     reason=f"{cat[n].value} op {why}: float32" + earlier)
         n.meta[RECORD] = d
     _values(gm, low)
@@ -146,7 +147,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
                   low: torch.dtype) -> None:
     """Step 4, one pass in graph order (see the module docstring)."""
-    low_name = str(low).replace("torch.", "")
+    low_name = dtype_name(low)
     for n in nodes:
         if n in color or n in denied or cat[n] not in (Category.INFER, Category.CLEAR):
             continue
@@ -156,12 +157,12 @@ def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, dec
         if not lows or any(p in denied for p in feeds):
             continue
         if cat[n] is Category.CLEAR:
-            color[n] = (low, "paint:follow-allow", f"clear op fed by low-precision {lows[0].name}: {low_name}")
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW, f"clear op fed by low-precision {lows[0].name}: {low_name}")
         elif low == torch.bfloat16:
-            color[n] = (low, "paint:follow-allow",
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW,
                         f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
         elif len(lows) == len(feeds):
-            color[n] = (low, "paint:follow-allow",
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW,
                         f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
 
 
@@ -197,7 +198,7 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
         if any(not any(u is not n and wants_fp32(u, p) for u in p.users) for p in low_feeds):
             continue
         users = ", ".join(u.name for u in n.users)
-        color[n] = (torch.float32, "paint:save-cast",
+        color[n] = (torch.float32, Rule.PAINT_SAVE_CAST,
                     f"every user ({users}) computes in float32 and its inputs are cast to float32 anyway: "
                     "float32 saves a cast")
 
@@ -227,7 +228,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
         d = dec[n]
         if d.out != low or d.category not in (Category.INFER, Category.CLEAR) or d.inplace:
             return False
-        return d.rule != "select" or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
+        return d.rule is not Rule.SELECT or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
 
     parent = {n: n for n in nodes if candidate(n)}
 
@@ -256,19 +257,19 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     for region in regions.values():
         members = set(region)
         consumers = {u for n in region for u in n.users if u not in members}
-        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule != "select"
+        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
                                   and dec[u].out in CASTABLE) for u in consumers):
             continue  # a consumer whose own dtype would follow the region's: leave it
         touched = members | consumers
         cost = {}
         for option in (low, torch.float32):
             out_of = (lambda n, o=option: o if n in members else dec[n].out)
-            per_node = {n: needed_casts(n, option if n in members and dec[n].rule != "select" else dec[n].dtype,
+            per_node = {n: needed_casts(n, option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype,
                                         out_of, keep) for n in touched}
             new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
             moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
             for n in region:  # the region's ops read their inputs and write their outputs
-                if dec[n].op in VIEWS:
+                if ops.is_view(dec[n].op):
                     continue
                 casted = dict(per_node[n])
                 moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
@@ -280,9 +281,9 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
         for n in region:
-            if dec[n].rule != "select":
+            if dec[n].rule is not Rule.SELECT:
                 dec[n] = dataclasses.replace(
-                    dec[n], dtype=torch.float32, rule="paint:save-cast",
+                    dec[n], dtype=torch.float32, rule=Rule.PAINT_SAVE_CAST,
                     reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
                            f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
             dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
@@ -336,25 +337,31 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
         if not floats:
             return None
     kind = rule.result if rule is not None else None
-    if d.rule == "non-float" or kind == "nonfloat":
+    if d.rule is Rule.NON_FLOAT or kind == "nonfloat":
         return None
     if kind == "fp32":
         return torch.float32
     first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if kind == "cast":
-        name = str(n.target)
-        fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": None}
-        if name in fixed:
-            return fixed[name]
+        spelling = str(n.target)
+        fixed = dict(rule.cast_to)  # x.half(): a fixed dtype
+        if spelling in fixed:
+            return fixed[spelling]
         for a in (*n.args[1:], *n.kwargs.values()):
             if isinstance(a, torch.dtype):
                 return a if a in CASTABLE else None
-            if isinstance(a, fx.Node):
-                return out.get(a, DYNAMIC) if name in ("type_as",) or out.get(a) in CASTABLE else DYNAMIC
+            if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
+                return out.get(a, DYNAMIC) if spelling in rule.cast_like or out.get(a) in CASTABLE else DYNAMIC
         return first  # .to(device), .cpu(): same dtype
     if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
         return meta_dtype  # factories: dtype fixed by constant arguments
     return DYNAMIC
+
+
+def _selects(d: Decision) -> bool:
+    """Does the op take a part of its first argument and keep its dtype (``OpRule.select``: ``x[i]``)?"""
+    rule = ops.RULES.get(d.op)
+    return rule is not None and rule.select
 
 
 def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
@@ -370,18 +377,18 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
             target = out.get(n.args[0])
             dtype = target if isinstance(target, torch.dtype) else None
             if d.category is not Category.PASS:
-                d = dataclasses.replace(d, dtype=dtype, rule="inplace",
-                                        reason=f"in-place op keeps the dtype of {n.args[0].name} "
-                                               f"({'run-time' if target == DYNAMIC else str(target)[6:]})")
+                held = "run-time" if target == DYNAMIC else dtype_name(target, none="")
+                d = dataclasses.replace(d, dtype=dtype, rule=Rule.INPLACE,
+                                        reason=f"in-place op keeps the dtype of {n.args[0].name} ({held})")
             out[n] = target
-        elif d.op == "getitem" and n.args and isinstance(n.args[0], fx.Node):
+        elif _selects(d) and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])
             if out[n] is None:  # an item of a non-tensor container (DGL's nodes.data['h']): its own dtype
                 infos = out_infos(n)
                 floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
                 out[n] = floats[0] if floats else (DYNAMIC if infos is None else None)
             src = out[n]
-            d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule="select",
+            d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule=Rule.SELECT,
                                     reason="selects from its input; keeps the input's dtype (consumers cast the "
                                            "selection, which is smaller)")
         elif d.category is Category.PASS:

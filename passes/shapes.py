@@ -27,6 +27,7 @@ import sympy
 from torch.utils._pytree import tree_leaves
 
 from ..meta import OUT_INFOS
+from ..report import dtype_name
 from ..state import kept_buffers, modes
 
 
@@ -39,7 +40,7 @@ class TensorInfo:
     dtype: torch.dtype
 
     def __str__(self) -> str:
-        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(str(s) for s in self.shape)}]"
+        return f"{dtype_name(self.dtype)}[{', '.join(str(s) for s in self.shape)}]"
 
     def numel(self) -> int | sympy.Expr:
         return sympy.Mul(*self.shape) if any(isinstance(s, sympy.Expr) for s in self.shape) else _prod(self.shape)

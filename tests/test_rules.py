@@ -1,4 +1,5 @@
-"""The vocabulary of decision rules (``ampfx.report.Rule``)."""
+"""The vocabulary of decision rules (``ampfx.report.Rule``) and the per-op facts the passes read."""
+import ast
 import json
 import pickle
 import re
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ampfx import ops
 from ampfx.ops import Category
 from ampfx.report import Decision, Rule, dtype_name
 
@@ -70,3 +72,28 @@ def test_dtype_names():
     assert [dtype_name(d, short=True) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)] == [
         "fp32", "fp16", "bf16", "float64"]
 
+
+def test_per_op_facts_the_passes_read():
+    """The op table says which ops are views, selections, size-decided reductions,
+    float32-accumulating, bias-splitting; the passes name none of them."""
+    def having(field):
+        return sorted(n for n, r in ops.RULES.items() if getattr(r, field))
+
+    assert having("view") == sorted([
+        "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
+        "expand_as", "narrow", "select", "getitem", "chunk", "split", "tensor_split", "unbind", "view_as",
+        "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach"])
+    assert having("select") == ["getitem"]
+    assert having("reduction") == sorted(["sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp"])
+    assert having("fp32_accumulation") == ["mean", "sum"]
+    assert having("split_bias") == ["linear"]
+    assert dict(ops.RULES["to"].cast_to)["half"] is torch.float16 and ops.RULES["to"].cast_like == ("type_as",)
+    passes = Path(__file__).resolve().parent.parent / "passes"
+    for name in ("paint.py", "casts.py", "reductions.py", "pad.py", "calibrate.py"):
+        compared = set()
+        for node in ast.walk(ast.parse((passes / name).read_text())):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    compared |= {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        assert not compared & set(ops.RULES), (name, compared & set(ops.RULES))
