@@ -48,6 +48,8 @@ from .classify import carries_float, original_dtype
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
+Neighbours = Callable[[fx.Node], list[fx.Node]]
+Color = dict[fx.Node, tuple[torch.dtype, Rule, str]]  # node -> (dtype, rule, reason) painted so far
 
 
 def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
@@ -68,7 +70,6 @@ def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]
 def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision."""
     low = ctx.policy.dtype
-    low_name = dtype_name(low)
     nodes = list(gm.graph.nodes)
     cat = {n: decision(n).category for n in nodes}
     paintable = {n for n in nodes if cat[n] in PAINTABLE}
@@ -79,12 +80,36 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     def outs(n: fx.Node) -> list[fx.Node]:
         return [u for u in n.users if u in paintable]
 
-    color: dict[fx.Node, tuple[torch.dtype, str, str]] = {}
+    # 1. allow; an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
-    for n in allow:  # an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
-        color[n] = (decision(n).dtype or low, decision(n).rule, decision(n).reason)
+    color: Color = {n: (decision(n).dtype or low, decision(n).rule, decision(n).reason) for n in allow}
+    denied = _deny_propagation(nodes, cat, ins, outs, color)
+    _between_allow(allow, cat, ins, outs, color, denied, low)
+    # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
+    #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
+    #    low (then it runs in its inputs' dtype, as under autocast; range-risky ops are on the float16
+    #    deny list)
+    #    Steps 4 and 5 repeat until nothing changes: a clear op painted in 5 can make an infer op's
+    #    inputs all low.
+    decided = {n: decision(n) for n in nodes}
+    while True:
+        painted = len(color)
+        _follow_allow(nodes, cat, color, denied, decided, low)
+        _clear_propagation(cat, ins, outs, color, low)
+        if len(color) == painted:
+            break
+    _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
+    _record_paint(nodes, cat, ins, outs, color, low)
+    _values(gm, low)
+    if _float32_regions(gm, ctx):
+        _values(gm, low)
 
-    # 2. deny propagation into U = infer/deny nodes and the clear nodes leading to them
+
+def _deny_propagation(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours,
+                      color: Color) -> set[fx.Node]:
+    """Step 2: paint float32 the infer/clear nodes a deny node reaches through
+    U = infer/deny nodes and the clear nodes leading to them. Returns the
+    denied nodes: the deny nodes and every node painted float32 so far."""
     seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
     feeders = _walk(seeds, ins, lambda p: cat[p] is Category.CLEAR)
     u_set = set(seeds) | set(feeders)
@@ -92,9 +117,13 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
         color[n] = (torch.float32, Rule.PAINT_DENY,
                     f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
-    denied = {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
+    return {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
 
-    # 3. between-allow
+
+def _between_allow(allow: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours, color: Color,
+                   denied: set, low: torch.dtype) -> None:
+    """Step 3: infer/clear nodes on a path from one low node to another, not
+    through denied nodes, go low."""
     def passable(n: fx.Node) -> bool:
         return cat[n] in (Category.INFER, Category.CLEAR) and n not in denied
 
@@ -107,25 +136,19 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             color[n] = (dtype, Rule.PAINT_BETWEEN_ALLOW,
                         f"between low-precision ops ({forward[n].name} ... {origin.name}): {dtype_name(dtype)}")
 
-    # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
-    #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
-    #    low (then it runs in its inputs' dtype, as under autocast; range-risky ops are on the float16
-    #    deny list)
-    #    Steps 4 and 5 repeat until nothing changes: a clear op painted in 5 can make an infer op's
-    #    inputs all low.
-    decided = {n: decision(n) for n in nodes}
-    while True:
-        painted = len(color)
-        _follow_allow(nodes, cat, color, denied, decided, low)
-        # 5. clear propagation, both directions
-        lows = [n for n, c in color.items() if c[0] == low]
-        both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
-        for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
-            color[n] = (low, Rule.PAINT_CLEAR, f"clear op next to low-precision {origin.name}: {low_name}")
-        if len(color) == painted:
-            break
-    _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
 
+def _clear_propagation(cat: dict, ins: Neighbours, outs: Neighbours, color: Color, low: torch.dtype) -> None:
+    """Step 5: unpainted clear nodes next to low nodes go low, both directions."""
+    lows = [n for n, c in color.items() if c[0] == low]
+    both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
+    for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
+        color[n] = (low, Rule.PAINT_CLEAR, f"clear op next to low-precision {origin.name}: {dtype_name(low)}")
+
+
+def _record_paint(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours, color: Color,
+                  low: torch.dtype) -> None:
+    """Write the paint into the records; unpainted infer/clear nodes stay float32
+    (``paint:default``). A size rule's reason is kept at the end of the new one."""
     for n in nodes:
         d: Decision = decision(n)
         earlier = f" ({d.reason})" if d.rule in SIZE_RULES else ""  # keep the size facts
@@ -134,14 +157,11 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
             d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
         elif cat[n] in (Category.INFER, Category.CLEAR):
             near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
-            why = (f"not between low-precision ops, and not all its float inputs are {low_name} "
+            why = (f"not between low-precision ops, and not all its float inputs are {dtype_name(low)} "
                    f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
             d = dataclasses.replace(d, dtype=torch.float32, rule=Rule.PAINT_DEFAULT,
                                     reason=f"{cat[n].value} op {why}: float32" + earlier)
         n.meta[RECORD] = d
-    _values(gm, low)
-    if _float32_regions(gm, ctx):
-        _values(gm, low)
 
 
 def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
@@ -223,7 +243,40 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
     nodes = list(gm.graph.nodes)
     dec = {n: decision(n) for n in nodes}
+    current = lambda n: dec[n].out  # noqa: E731
+    needs = {n: needed_casts(n, dec[n].dtype, current, keep) for n in nodes}  # node -> its (value, dtype) casts
+    users_of: dict[tuple, set[fx.Node]] = {}  # (value, dtype) -> the nodes that need that cast
+    for n, pairs in needs.items():
+        for pair in pairs:
+            users_of.setdefault(pair, set()).add(n)
 
+    moved = False
+    for region in _low_regions(nodes, dec, low):
+        members = set(region)
+        consumers = {u for n in region for u in n.users if u not in members}
+        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
+                                  and dec[u].out in CASTABLE) for u in consumers):
+            continue  # a consumer whose own dtype would follow the region's: leave it
+        touched = members | consumers
+        cost = {option: _region_cost(region, touched, option, dec, users_of, keep, ctx)
+                for option in (low, torch.float32)}
+        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
+        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+            continue
+        _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
+        for n in touched:
+            for pair in needs[n]:
+                users_of[pair].discard(n)
+            needs[n] = per_node[n]
+            for pair in needs[n]:
+                users_of.setdefault(pair, set()).add(n)
+        moved = True
+    return moved
+
+
+def _low_regions(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.dtype) -> list[list[fx.Node]]:
+    """The connected regions (in graph order) of infer/clear ops whose value is
+    ``low``, not in place; a selection joins only when what it selects from does."""
     def candidate(n: fx.Node) -> bool:
         d = dec[n]
         if d.out != low or d.category not in (Category.INFER, Category.CLEAR) or d.inplace:
@@ -245,56 +298,41 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     regions: dict[fx.Node, list[fx.Node]] = {}
     for n in parent:
         regions.setdefault(root(n), []).append(n)
+    return list(regions.values())
 
-    current = lambda n: dec[n].out  # noqa: E731
-    needs = {n: needed_casts(n, dec[n].dtype, current, keep) for n in nodes}  # node -> its (value, dtype) casts
-    users_of: dict[tuple, set[fx.Node]] = {}  # (value, dtype) -> the nodes that need that cast
-    for n, pairs in needs.items():
-        for pair in pairs:
-            users_of.setdefault(pair, set()).add(n)
 
-    moved = False
-    for region in regions.values():
-        members = set(region)
-        consumers = {u for n in region for u in n.users if u not in members}
-        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
-                                  and dec[u].out in CASTABLE) for u in consumers):
-            continue  # a consumer whose own dtype would follow the region's: leave it
-        touched = members | consumers
-        cost = {}
-        for option in (low, torch.float32):
-            out_of = (lambda n, o=option: o if n in members else dec[n].out)
-            per_node = {n: needed_casts(n, option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype,
-                                        out_of, keep) for n in touched}
-            new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
-            moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
-            for n in region:  # the region's ops read their inputs and write their outputs
-                if ops.is_view(dec[n].op):
-                    continue
-                casted = dict(per_node[n])
-                moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
-                    _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
-                    if out_of(p) in CASTABLE)
-            cost[option] = (len(new), moved_bytes, per_node)
-        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
-        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dtype, dec: dict[fx.Node, Decision],
+                 users_of: dict[tuple, set[fx.Node]], keep: bool,
+                 ctx: PassContext) -> tuple[int, int, dict[fx.Node, set]]:
+    """``(casts, bytes moved, each touched node's casts)`` if ``region``'s values
+    were ``option``: the casts no node outside ``touched`` shares, the bytes
+    they and the region's ops (views aside) read and write."""
+    members = set(region)
+    out_of = (lambda n: option if n in members else dec[n].out)
+    per_node = {n: needed_casts(n, option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype,
+                                out_of, keep) for n in touched}
+    new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
+    moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
+    for n in region:  # the region's ops read their inputs and write their outputs
+        if ops.is_view(dec[n].op):
             continue
-        names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
-        for n in region:
-            if dec[n].rule is not Rule.SELECT:
-                dec[n] = dataclasses.replace(
-                    dec[n], dtype=torch.float32, rule=Rule.PAINT_SAVE_CAST,
-                    reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
-                           f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
-            dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
-        for n in touched:
-            for pair in needs[n]:
-                users_of[pair].discard(n)
-            needs[n] = per_node[n]
-            for pair in needs[n]:
-                users_of.setdefault(pair, set()).add(n)
-        moved = True
-    return moved
+        casted = dict(per_node[n])
+        moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
+            _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
+            if out_of(p) in CASTABLE)
+    return len(new), moved_bytes, per_node
+
+
+def _move_to_float32(region: list[fx.Node], dec: dict[fx.Node, Decision], counts: str) -> None:
+    """Record that ``region`` computes (selections aside) and produces float32."""
+    names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
+    for n in region:
+        if dec[n].rule is not Rule.SELECT:
+            dec[n] = dataclasses.replace(
+                dec[n], dtype=torch.float32, rule=Rule.PAINT_SAVE_CAST,
+                reason=f"its region of infer/clear ops ({names}) computes in float32: {counts} "
+                       f"(was {dec[n].rule})")
+        dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
 
 
 def _numel(n: fx.Node, ctx: PassContext) -> int:
