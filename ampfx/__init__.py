@@ -8,8 +8,8 @@ torch.bfloat16
 from . import integrations  # noqa: F401 - registers other libraries' op tables (imports no library)
 from .debug import NonFiniteError, debug
 from .measure import count_casts
-from .ops import Category
 from .api import convert
+from .ops import Category
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
 

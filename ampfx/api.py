@@ -25,7 +25,7 @@ from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy, PolicyError
-from .report import Report
+from .report import Report, dtype_name
 from .rewrite import Request
 from .state import copy_tree
 from .tree import convert_tree
@@ -153,7 +153,7 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
         count += store_low(gm, dtype)[0]
     total_before = sum(p.numel() * p.element_size() for p in model.parameters())
     total_after = sum(p.numel() * p.element_size() for p in result.parameters())
-    return (f"inference mode: {count} parameters stored in {str(dtype)[6:]} once; parameter bytes "
+    return (f"inference mode: {count} parameters stored in {dtype_name(dtype)} once; parameter bytes "
             f"{total_before:,} -> {total_after:,} (saved {total_before - total_after:,})",)
 
 
@@ -180,7 +180,7 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
             v = getattr(policy, f"{f}_{a}")
             if v:
                 edits[f"{f}_{a}"] = list(v)
-    return {"dtype": str(policy.dtype).replace("torch.", ""), "edits": edits,
+    return {"dtype": dtype_name(policy.dtype), "edits": edits,
             "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
             "fp32_modules": list(policy.fp32_modules),

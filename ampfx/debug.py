@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .inputs import ExampleInputs
 from .meta import record
-from .report import Decision
+from .report import Decision, dtype_name
 
 
 class NonFiniteError(FloatingPointError):
@@ -37,7 +37,7 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, node: str, op: str, module: str, dtype: Any, inputs: list[str], phase: str) -> None:
         self.node, self.op, self.module, self.dtype, self.inputs, self.phase = node, op, module, dtype, inputs, phase
         where = f"{module}.{op}" if module else op
-        super().__init__(f"{phase}: {where} (node {node!r}, computing in {str(dtype).replace('torch.', '')}) "
+        super().__init__(f"{phase}: {where} (node {node!r}, computing in {dtype_name(dtype, none='None')}) "
                          f"produced inf/NaN from finite inputs; input ranges: {'; '.join(inputs) or 'none'}")
 
 
@@ -52,7 +52,7 @@ def _ranges(values: list[Any]) -> list[str]:
         for t in tree_leaves(v):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                 a = t.detach().abs().float()
-                out.append(f"{str(t.dtype)[6:]}{list(t.shape)} max|x|={a.max():.3g}")
+                out.append(f"{dtype_name(t.dtype)}{list(t.shape)} max|x|={a.max():.3g}")
     return out
 
 

@@ -39,9 +39,9 @@ import torch.nn as nn
 from . import ops
 from .ops import Category
 from .policy import Policy
-from .report import Decision
+from .report import Decision, Rule
 
-FINAL_RULES = frozenset({"region", "fp32_modules", "module_filter_fn", "non-float"})
+FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT})
 """Rules no later step (probe, constant range, a library's refinement) overrides."""
 
 
@@ -68,7 +68,7 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
     full = prefix + path if path else prefix.rstrip(".")
     for p in policy.fp32_modules:
         if full == p or full.startswith(p + "."):
-            return "fp32_modules", f"inside module {p!r}, named in fp32_modules: kept float32"
+            return Rule.FP32_MODULES, f"inside module {p!r}, named in fp32_modules: kept float32"
     fn = policy.module_filter_fn
     if fn is not None:
         parts = path.split(".") if path else []
@@ -77,7 +77,7 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
             mod = root.get_submodule(sub) if sub else root
             fqn = (prefix + sub) if sub else prefix.rstrip(".")
             if not fn(mod, fqn):
-                return "module_filter_fn", f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
+                return Rule.MODULE_FILTER_FN, f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
     return None
 
 
@@ -89,7 +89,7 @@ def decide_op(policy: Policy, name: str, why: str | None = None) -> Verdict:
                   f"AMPFX_INFERLIST_ADD / ...={name})")
         if why:
             reason += f"; traced as a leaf because {why}"
-        return Verdict(Category.FP32, torch.float32, "unlisted", reason)
+        return Verdict(Category.FP32, torch.float32, Rule.UNLISTED, reason)
     category, source, reason = listed
     return Verdict(category, torch.float32 if category is Category.DENY else None, source, reason)
 

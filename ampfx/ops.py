@@ -73,6 +73,26 @@ class OpRule:
     widest (PyTorch's type promotion, an exact upcast), so a float32 op needs
     no cast of a low input when another input is a float32 tensor with at
     least one dimension.
+
+    What the passes need to know about an op's data, instead of its name:
+
+    ``view``: the result may share storage with the first argument
+    (``x.view(...)``, ``x[i]``, ``x.t()``): a cast made before an in-place write
+    to either is stale after it, and the op moves no bytes of its own.
+    ``select``: the result is a part of the first argument (``x[i]``, a
+    container's item) and keeps its dtype; consumers cast the smaller
+    selection (rule ``select``). ``reduction``: many input elements are
+    summed or multiplied into each output element, so the reductions pass
+    decides the op by how many (``sum``, ``var``, ``norm``, ``logsumexp``).
+    ``fp32_accumulation``: the kernel accumulates in float32 whatever its
+    input dtype, so under bfloat16 (float32's range) even a large reduction
+    may follow its inputs. ``split_bias``: the op's third argument (or
+    ``bias=``) is a bias added last (``linear(x, w, b) == linear(x, w) + b``),
+    so a low-precision call whose consumers all want float32 can leave it out
+    and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
+    the spellings that convert to one fixed dtype (``x.half()``; ``None`` for a
+    dtype ampfx does not convert, ``x.double()``) and ``cast_like`` those whose
+    result takes the dtype of their tensor argument (``x.type_as(y)``).
     """
 
     name: str
@@ -87,6 +107,13 @@ class OpRule:
     probe: str | None = None
     gemm: str | None = None
     promotes: bool = False
+    view: bool = False
+    select: bool = False
+    reduction: bool = False
+    fp32_accumulation: bool = False
+    split_bias: bool = False
+    cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
+    cast_like: tuple[str, ...] = ()
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -138,7 +165,8 @@ A, I, C, D, P = Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY, C
 
 # --------------------------------------------------------------------------- ALLOW
 _GEMM = "GEMM: tensor-core friendly, low-precision inputs with float32 accumulation halve the bytes moved"
-_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear", probe="linear")
+_op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear",
+    probe="linear", split_bias=True)
 _op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"], probe="bilinear")
 _op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"],
     gemm="matmul", probe="matmul")
@@ -179,11 +207,16 @@ _views = ["view", "reshape", "permute", "transpose", "t", "flatten", "unflatten"
           "select", "flip", "roll", "movedim", "swapaxes", "view_as", "reshape_as", "clone", "detach",
           "tril", "triu", "index_select", "gather", "take_along_dim", "repeat_interleave", "diagonal",
           "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "topk", "sort", "unfold"]
+# those whose result may share its first argument's storage (OpRule.view)
+_aliasing = {"view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
+             "expand_as", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "view_as", "reshape_as",
+             "movedim", "swapaxes", "diagonal", "contiguous", "detach"}
 for _name in _views:
     _op(_name, C, _NEUTRAL, fns=[f for f in _torch_fns(_name) if _name != "unfold"],
         methods=[_name], aten=[_name],
-        index_args=(("index", 2) if _name in ("index_select", "gather") else ()))
-_op("getitem", C, _NEUTRAL + "; a slice is cast after it is taken (fewer bytes)", fns=[operator.getitem])
+        index_args=(("index", 2) if _name in ("index_select", "gather") else ()), view=_name in _aliasing)
+_op("getitem", C, _NEUTRAL + "; a slice is cast after it is taken (fewer bytes)", fns=[operator.getitem],
+    view=True, select=True)
 _op("cat", C, _NEUTRAL, fns=_torch_fns("cat", "concat", "concatenate"), aten=["cat"])
 _op("stack", C, _NEUTRAL, fns=_torch_fns("stack", "hstack", "vstack"), aten=["stack"])
 _op("pad", C, "pads with a constant: neutral", fns=[F.pad], aten=["constant_pad_nd"], modules=_mods(
@@ -277,9 +310,9 @@ _SUM16 = ("reduction: a sum of many values " + _RANGE16 + " and loses low bits; 
           "(accumulating in the op's own dtype= argument)")
 _SUMBF = "reduction: bfloat16 has float32's range and the kernel accumulates in float32"
 _op("sum", I, _SUMBF, fns=[torch.sum, torch.nansum], methods=["sum", "nansum"], aten=["sum"],
-    accum_dtype="dtype", fp16=(D, _SUM16))
+    accum_dtype="dtype", fp16=(D, _SUM16), reduction=True, fp32_accumulation=True)
 _op("mean", I, _SUMBF, fns=[torch.mean, torch.nanmean], methods=["mean", "nanmean"], aten=["mean"],
-    accum_dtype="dtype", fp16=(D, _SUM16))
+    accum_dtype="dtype", fp16=(D, _SUM16), reduction=True, fp32_accumulation=True)
 
 # --------------------------------------------------------------------------- DENY
 _op("softmax", D, "exp of its inputs overflows low precision and the normaliser needs float32 (softmax(..., dtype=float32))",
@@ -304,18 +337,19 @@ _PERIODIC = "periodic function of a possibly large argument: low precision loses
 for _name in ("sin", "cos", "tan"):
     _op(_name, D, _PERIODIC, fns=_torch_fns(_name), methods=[_name], aten=[_name])
 _REDUCE = "reduction: loses precision summing many low-precision values; kept float32"
-_op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"])
-_op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"])
+_op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"], reduction=True)
+_op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"], reduction=True)
 _op("norm", D, _REDUCE + " (squares overflow float16)",
     fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, F.normalize, torch.cdist, F.pairwise_distance,
          F.cosine_similarity],
-    methods=["norm"], aten=["norm", "linalg_vector_norm"])
+    methods=["norm"], aten=["norm", "linalg_vector_norm"], reduction=True)
 _op("cumsum", D, "running sum: every output carries the rounding of all before it",
     fns=_torch_fns("cumsum", "cumprod"), methods=["cumsum", "cumprod"], aten=["cumsum", "cumprod"],
-    accum_dtype="dtype")
+    accum_dtype="dtype", reduction=True)
 _op("prod", D, "product of many values overflows/underflows low precision", fns=[torch.prod], methods=["prod"],
-    aten=["prod"], accum_dtype="dtype")
-_op("logsumexp", D, "exp then sum: needs float32", fns=[torch.logsumexp], methods=["logsumexp"], aten=["logsumexp"])
+    aten=["prod"], accum_dtype="dtype", reduction=True)
+_op("logsumexp", D, "exp then sum: needs float32", fns=[torch.logsumexp], methods=["logsumexp"], aten=["logsumexp"],
+    reduction=True)
 _LOSS = "loss: a reduction of logs/squares over the batch; computed in float32"
 for _name, _mod in [
     ("cross_entropy", "CrossEntropyLoss"), ("nll_loss", "NLLLoss"), ("mse_loss", "MSELoss"), ("l1_loss", "L1Loss"),
@@ -349,7 +383,9 @@ for _name, _fns, _methods in [
     _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result="nonfloat")
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",
     methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
-    aten=["_to_copy", "to"], result="cast")
+    aten=["_to_copy", "to"], result="cast",
+    cast_to=(("float", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16), ("double", None)),
+    cast_like=("type_as",))
 _op("factory", P, "creates a tensor; its dtype is set by its arguments",
     fns=[f for f in _torch_fns("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor",
                                "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
@@ -502,3 +538,30 @@ def aliases_of(name: str) -> list[Any]:
     qualified names) that maps to ``name``."""
     return [k for k, v in _ALIASES.items() if v == name and k != name] + [
         f"lib::{q}" for q, v in _BY_QUALNAME.items() if v == name]
+
+
+# --------------------------------------------------------------------------- facts the passes ask
+INPLACE_OPERATORS: frozenset[Callable] = frozenset(
+    {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv})
+"""Python operators that write into their first argument (``x[i] = v``, ``x += y`` on a tensor).
+Methods and ATen ops say so by their trailing ``_`` (``add_``); modules by ``inplace=True``."""
+
+
+def is_view(name: str) -> bool:
+    """May op ``name``'s result share storage with its first argument (``OpRule.view``)?
+
+    >>> is_view("transpose"), is_view("getitem"), is_view("add"), is_view("Tensor.custom")
+    (True, True, False, False)
+    """
+    rule = RULES.get(name)
+    return rule is not None and rule.view
+
+
+def is_inplace_operator(target: Any) -> bool:
+    """Is ``target`` one of :data:`INPLACE_OPERATORS`?
+
+    >>> import operator
+    >>> is_inplace_operator(operator.setitem), is_inplace_operator(operator.add)
+    (True, False)
+    """
+    return any(target is op for op in INPLACE_OPERATORS)

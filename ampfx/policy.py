@@ -38,6 +38,7 @@ import torch
 
 from . import ops
 from .ops import LISTS, Category
+from .report import Rule
 
 ENV_PREFIX = "AMPFX_"
 LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",
@@ -159,8 +160,8 @@ class Policy:
     log_path: str | None = None
     disable: bool = False
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
-    #: where each list entry came from: ((field, op name), source) pairs; "argument" unless an env var
-    origins: tuple[tuple[tuple[str, str], str], ...] = ()
+    #: where each list entry came from: ((field, op name), rule) pairs; Rule.ARGUMENT unless an env var
+    origins: tuple[tuple[tuple[str, str], Rule], ...] = ()
     #: the AMPFX_* environment values that were read, for the log
     env: tuple[tuple[str, str], ...] = ()
     #: user functions / module types named in lists: (object, qualified name)
@@ -200,24 +201,25 @@ class Policy:
         self.lists()  # validates: no op on two lists, removals name listed ops
 
     # ------------------------------------------------------------------ effective lists
-    def _origin(self, fname: str, name: str) -> str:
-        return dict(self.origins).get((fname, name), "argument")
+    def _origin(self, fname: str, name: str) -> Rule:
+        return Rule(dict(self.origins).get((fname, name), Rule.ARGUMENT))
 
-    def lists(self) -> dict[str, tuple[Category, str, str]]:
-        """The effective lists: op name -> ``(category, source, reason)``.
+    def lists(self) -> dict[str, tuple[Category, Rule, str]]:
+        """The effective lists: op name -> ``(category, source, reason)``; the
+        source is the :class:`~ampfx.report.Rule` a record names.
 
         Ops on no list are absent (they stay float32, counted as unlisted).
         Raises :class:`PolicyError` when an edit leaves an op on two lists or
         removes an op from a list it is not on.
         """
-        members: dict[Category, dict[str, tuple[str, str]]] = {c: {} for c in LISTS}
+        members: dict[Category, dict[str, tuple[Rule, str]]] = {c: {} for c in LISTS}
         for name, rule in ops.RULES.items():
             cat, reason = rule.for_dtype(self.dtype)
             if cat in members:
-                members[cat][name] = ("table", reason)
+                members[cat][name] = (Rule.TABLE, reason)
         for from_env_vars in (False, True):  # arguments first, the environment on top
             def mine(fname: str, name: str) -> bool:
-                return self._origin(fname, name).startswith("env:") == from_env_vars
+                return (self._origin(fname, name).env_var is not None) == from_env_vars
             for cat in LISTS:
                 fname = f"{LIST_NAMES[cat]}_add"
                 for name in getattr(self, fname):
@@ -234,7 +236,7 @@ class Policy:
                             f"{self._origin(fname, name).replace('argument', 'Policy argument')} {fname}: "
                             f"{name!r} is not on the {LIST_NAMES[cat]} (it is on {', '.join(where)}).")
                     del members[cat][name]
-        out: dict[str, tuple[Category, str, str]] = {}
+        out: dict[str, tuple[Category, Rule, str]] = {}
         for cat in LISTS:
             for name, (source, reason) in members[cat].items():
                 if name in out:
@@ -247,11 +249,11 @@ class Policy:
                 out[name] = (cat, source, reason)
         return out
 
-    def category_of(self, name: str) -> tuple[Category, str, str] | None:
+    def category_of(self, name: str) -> tuple[Category, Rule, str] | None:
         """``(category, source, reason)`` for a canonical op name, or ``None`` if unlisted."""
         return self._lists_cached().get(name)
 
-    def _lists_cached(self) -> dict[str, tuple[Category, str, str]]:
+    def _lists_cached(self) -> dict[str, tuple[Category, Rule, str]]:
         cache = self.__dict__.get("_lists")
         if cache is None:
             cache = self.lists()
@@ -334,7 +336,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
             for spec in _split(var, seen[var]):
                 name, _ = resolve_op(spec, where=f"{var}={seen[var]!r}")
                 names.append(name)
-                origins[(fname, name)] = f"env:{var}"
+                origins[(fname, name)] = Rule.env(var)
             changes[fname] = tuple(getattr(base, fname)) + tuple(names)
     if "AMPFX_FP32_MODULES" in seen:
         changes["fp32_modules"] = base.fp32_modules + _split("AMPFX_FP32_MODULES", seen["AMPFX_FP32_MODULES"])

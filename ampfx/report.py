@@ -15,6 +15,7 @@ kept in a side table) and holds no reference to the graph, so it pickles.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
 from collections import Counter
@@ -27,44 +28,162 @@ import torch
 from .ops import Category
 
 COMPUTE = ("call_function", "call_method", "call_module")
-INSERTED = ("bias-fp32", "pad", "region")  # not counted as the model's converted / float32 ops  # rules of nodes ampfx adds (not the model's ops; not counted as converted)
 
-RULES_DOC: dict[str, str] = {
-    "table": "the default op tables (ampfx.ops) for this dtype",
-    "argument": "a list edit given as a Policy argument",
-    "env:<VAR>": "a list edit from that environment variable",
-    "unlisted": "the op is in no list: it stays float32",
-    "non-float": "no float32/16/bf16 data flows through the node",
-    "fp32_modules": "inside a module named in fp32_modules / AMPFX_FP32_MODULES",
-    "module_filter_fn": "inside a module the policy's module_filter_fn rejected",
-    "probe": "the low-precision kernel failed a tiny test run on this device",
-    "paint:deny": "follows a deny op through infer/clear ops (TF-AMP deny propagation)",
-    "paint:between-allow": "on a path between low-precision ops (TF-AMP)",
-    "paint:follow-allow": "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)",
-    "paint:clear": "a clear op next to a low-precision op (TF-AMP clear propagation)",
-    "paint:save-cast": "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
-                       "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
-    "paint:default": "an infer/clear op with no low-precision neighbours: stays float32",
-    "select": "indexing keeps its input's dtype; consumers cast the (smaller) selection",
-    "dgl:device": "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32",
-    "dgl:overflow": "a DGL sum/mean aggregation whose example inputs would overflow float16: bfloat16 or float32",
-    "bias-fp32": "a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
-    "shape:small-reduction": "a reduction over at most reduction_threshold elements: follows its inputs",
-    "shape:large-reduction": "a reduction over more than reduction_threshold elements",
-    "shape:size-unknown": "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32",
-    "calibration:overflow": "calibration saw this node's output or gradient exceed the low dtype's range",
-    "pad": "a node ampfx added to slice a padded GEMM's output back",
-    "inplace": "an in-place op keeps the dtype of the tensor it mutates",
-    "range:constant": "a float constant argument the low dtype cannot hold (e.g. a float32 mask minimum)",
-    "region": "a module that could not be traced runs eagerly; its children were converted one by one",
-    "structure": "graph inputs, parameters and outputs",
-}
+SHORT_NAMES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+"""The short spellings of the float dtypes ampfx converts between (cast node names, plots)."""
 
 
-def dtype_name(d: Any) -> str:
+def dtype_name(d: Any, *, short: bool = False, none: str = "-") -> str:
+    """How ampfx writes a dtype: ``"bfloat16"`` for ``torch.bfloat16`` (``"bf16"``
+    with ``short``, for the dtypes in :data:`SHORT_NAMES`), ``none`` for ``None``,
+    and anything else (``"dynamic"``) as it is.
+
+    >>> dtype_name(torch.bfloat16), dtype_name(torch.float16, short=True), dtype_name(None), dtype_name("dynamic")
+    ('bfloat16', 'fp16', '-', 'dynamic')
+    """
     if d is None:
-        return "-"
+        return none
+    if short and d in SHORT_NAMES:
+        return SHORT_NAMES[d]
     return str(d).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class _About:
+    """What a :class:`Rule` member carries besides its value (see there)."""
+
+    doc: str
+    word: str | None = None
+    inserted: bool = False
+    counted: bool = True
+
+
+def _about(doc: str, *, word: str | None = None, inserted: bool = False, counted: bool | None = None) -> _About:
+    return _About(doc, word, inserted, (not inserted) if counted is None else counted)
+
+
+class Rule(str, enum.Enum):
+    """What decided a node's dtype: ``Decision.rule``.
+
+    A member is its value, a string (``Rule.TABLE == "table"``), and prints,
+    formats, reprs and serialises to JSON as that string, so records read the
+    same as plain strings. Each member carries:
+
+    - ``doc``: one line saying what the rule means (the report page shows it);
+    - ``word``: the short word the summary's ``float32:`` line uses for it;
+    - ``inserted``: the node is one ampfx added to the graph (drawn dotted);
+    - ``counted``: the node counts as one of the model's compute nodes in the
+      summary (not for nodes ampfx added, nor for an untraceable region, whose
+      children are counted instead).
+
+    A list edit from the environment is ``env:<VAR>`` with the variable's name:
+    ``Rule("env:AMPFX_DENYLIST_ADD")`` (or ``Rule.env("AMPFX_DENYLIST_ADD")``) is
+    a member made on demand, with :attr:`ENV`'s documentation.
+
+    >>> Rule("table") is Rule.TABLE, Rule.TABLE == "table", f"{Rule.PAINT_DENY}", Rule.PAINT_DENY.word
+    (True, True, 'paint:deny', 'follows deny')
+    >>> r = Rule.env("AMPFX_DENYLIST_ADD")
+    >>> r, r == "env:AMPFX_DENYLIST_ADD", r.env_var, r.doc == Rule.ENV.doc
+    ('env:AMPFX_DENYLIST_ADD', True, 'AMPFX_DENYLIST_ADD', True)
+    """
+
+    def __new__(cls, value: str, about: _About) -> "Rule":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member._info = about
+        return member
+
+    TABLE = "table", _about("the default op tables (ampfx.ops) for this dtype", word="deny list")
+    ARGUMENT = "argument", _about("a list edit given as a Policy argument")
+    ENV = "env:<VAR>", _about("a list edit from that environment variable")
+    UNLISTED = "unlisted", _about("the op is in no list: it stays float32")
+    NON_FLOAT = "non-float", _about("no float32/16/bf16 data flows through the node")
+    FP32_MODULES = "fp32_modules", _about("inside a module named in fp32_modules / AMPFX_FP32_MODULES",
+                                          word="fp32 module")
+    MODULE_FILTER_FN = "module_filter_fn", _about("inside a module the policy's module_filter_fn rejected")
+    PROBE = "probe", _about("the low-precision kernel failed a tiny test run on this device",
+                            word="no low kernel here")
+    PAINT_DENY = "paint:deny", _about("follows a deny op through infer/clear ops (TF-AMP deny propagation)",
+                                      word="follows deny")
+    PAINT_BETWEEN_ALLOW = "paint:between-allow", _about("on a path between low-precision ops (TF-AMP)")
+    PAINT_FOLLOW_ALLOW = "paint:follow-allow", _about(
+        "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)")
+    PAINT_CLEAR = "paint:clear", _about("a clear op next to a low-precision op (TF-AMP clear propagation)")
+    PAINT_SAVE_CAST = "paint:save-cast", _about(
+        "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
+        "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
+        word="saves a cast")
+    PAINT_DEFAULT = "paint:default", _about("an infer/clear op with no low-precision neighbours: stays float32",
+                                            word="no low neighbour")
+    SELECT = "select", _about("indexing keeps its input's dtype; consumers cast the (smaller) selection")
+    DGL_DEVICE = "dgl:device", _about(
+        "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32")
+    DGL_OVERFLOW = "dgl:overflow", _about(
+        "a DGL sum/mean aggregation whose example inputs would overflow float16: bfloat16 or float32")
+    BIAS_FP32 = "bias-fp32", _about("a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
+                                    inserted=True)
+    SHAPE_SMALL_REDUCTION = "shape:small-reduction", _about(
+        "a reduction over at most reduction_threshold elements: follows its inputs")
+    SHAPE_LARGE_REDUCTION = "shape:large-reduction", _about("a reduction over more than reduction_threshold elements")
+    SHAPE_SIZE_UNKNOWN = "shape:size-unknown", _about(
+        "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32")
+    CALIBRATION_OVERFLOW = "calibration:overflow", _about(
+        "calibration saw this node's output or gradient exceed the low dtype's range")
+    PAD = "pad", _about("a node ampfx added to slice a padded GEMM's output back", inserted=True)
+    INPLACE = "inplace", _about("an in-place op keeps the dtype of the tensor it mutates", word="in-place")
+    RANGE_CONSTANT = "range:constant", _about(
+        "a float constant argument the low dtype cannot hold (e.g. a float32 mask minimum)")
+    REGION = "region", _about("a module that could not be traced runs eagerly; its children were converted one by one",
+                              counted=False)
+    STRUCTURE = "structure", _about("graph inputs, parameters and outputs")
+
+    # str, not "Rule.TABLE", wherever a rule is printed: records read as they did when rules were strings
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self._value_)
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Rule | None":
+        """``env:<VAR>`` for any variable: a member made (once) on demand."""
+        if not (isinstance(value, str) and value.startswith("env:") and len(value) > len("env:")):
+            return None
+        member = str.__new__(cls, value)
+        member._name_ = "ENV"
+        member._value_ = value
+        member._info = _About(cls.ENV.doc)
+        return cls._value2member_map_.setdefault(value, member)
+
+    @classmethod
+    def env(cls, var: str) -> "Rule":
+        """The rule of a list edit read from the environment variable ``var``."""
+        return cls(f"env:{var}")
+
+    @property
+    def doc(self) -> str:
+        """What the rule means, in one line."""
+        return self._info.doc
+
+    @property
+    def word(self) -> str:
+        """The summary's short word for the rule (its value unless it has one)."""
+        return self._info.word or self._value_
+
+    @property
+    def inserted(self) -> bool:
+        """Is a node with this rule one ampfx added to the graph (a bias add, a pad slice)?"""
+        return self._info.inserted
+
+    @property
+    def counted(self) -> bool:
+        """Does a node with this rule count among the model's compute nodes in the summary?"""
+        return self._info.counted
+
+    @property
+    def env_var(self) -> str | None:
+        """The environment variable of an ``env:<VAR>`` rule; ``None`` for other rules."""
+        return self._value_[len("env:"):] if self._name_ == "ENV" and self is not Rule.ENV else None
 
 
 @dataclass(frozen=True)
@@ -75,8 +194,8 @@ class Decision:
     ``shapes`` / ``in_shapes`` are its output and tensor-input shapes, as
     ``dtype[sizes]`` before conversion (symbolic sizes by name), when
     ``example_inputs`` were given.
-    ``rule`` names the rule that decided (see ``RULES_DOC``); ``reason`` says it
-    in words. ``out`` is the dtype of the value the node produces after
+    ``rule`` is the :class:`Rule` that decided (a rule's value is accepted and
+    made a member); ``reason`` says it in words. ``out`` is the dtype of the value the node produces after
     conversion (``"dynamic"`` when only known at run time).
     """
 
@@ -86,13 +205,16 @@ class Decision:
     module: str
     category: Category
     dtype: torch.dtype | None
-    rule: str
+    rule: Rule
     reason: str
     kind: str = "call_function"
     shapes: tuple[str, ...] = ()
     in_shapes: tuple[str, ...] = ()
     out: torch.dtype | str | None = None
     inplace: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rule", Rule(self.rule))
 
     def as_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -126,12 +248,14 @@ class CastInfo:
 
 @dataclass(frozen=True)
 class Region:
-    """How one part of the model was captured: ``path`` ('' = root), ``method``, ``steps``."""
+    """How one part of the model was captured: ``path`` ('' = root), ``method``, the ``steps``
+    tried, the ``leaves`` kept opaque (path, why) and ``why`` the capture was accepted."""
 
     path: str
     method: str
     steps: tuple[str, ...] = ()
     leaves: tuple[tuple[str, str], ...] = ()
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,7 +279,7 @@ class Report:
     def compute(self) -> list[Decision]:
         """Records of nodes that compute on float data (what "nodes" counts in the summary)."""
         return [r for r in self.records
-                if r.kind in COMPUTE and r.category is not Category.PASS and r.rule not in INSERTED]
+                if r.kind in COMPUTE and r.category is not Category.PASS and r.rule.counted]
 
     def fp32(self) -> list[Decision]:
         return [r for r in self.compute if r.dtype == torch.float32]
@@ -178,12 +302,12 @@ class Report:
         head = (f"ampfx: converted {len(self.low())}/{len(self.compute)} nodes to {low_name} using "
                 f"{len(self.casts)} casts ({weights} of weights")
         head += f", {self.leaf_param_casts} parameter copies inside leaves)" if self.leaf_param_casts else ")"
-        groups = Counter((r.op, _rule_word(r.rule)) for r in self.fp32() if r.rule != "unlisted")
+        groups = Counter((r.op, r.rule.word) for r in self.fp32() if r.rule is not Rule.UNLISTED)
         parts = [f"{op} {n} ({why})" for (op, why), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))]
         lines = [head]
         if parts:
             lines.append(f"  float32: {', '.join(parts)}")
-        unlisted = Counter(r.op for r in self.fp32() if r.rule == "unlisted")
+        unlisted = Counter(r.op for r in self.fp32() if r.rule is Rule.UNLISTED)
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
         lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
@@ -273,12 +397,6 @@ class Report:
             code_after={k: v for p in parts for k, v in p.code_after.items()},
             **kw,
         )
-
-
-def _rule_word(rule: str) -> str:
-    return {"table": "deny list", "paint:deny": "follows deny", "paint:default": "no low neighbour",
-            "probe": "no low kernel here", "fp32_modules": "fp32 module", "inplace": "in-place",
-            "paint:save-cast": "saves a cast"}.get(rule, rule)
 
 
 def _write_lines(path: Path, rows: Iterable[dict]) -> None:

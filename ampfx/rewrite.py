@@ -160,7 +160,8 @@ def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str,
     records = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, Decision))
     casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
     path = prefix.rstrip(".")
-    region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()))
+    region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
+                    why=capture.why)
     return Report(dtype=policy.dtype, records=records, casts=casts, regions=(region,),
                   leaf_param_casts=leaf_param_casts(gm), shapes=shape_note, code_before={path: before},
                   code_after={path: gm.code}, notes=tuple(notes))

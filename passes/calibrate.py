@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ..ops import Category
 from .. import meta
 from ..inputs import ExampleInputs
-from ..report import Decision
+from ..report import Decision, Rule, dtype_name
 from ..state import kept_buffers
 from .context import PassContext
 
@@ -113,7 +113,7 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Keep float32 the nodes calibration saw overflow the low dtype (see module docstring)."""
     low = ctx.policy.dtype
     limit = torch.finfo(low).max / ctx.policy.calibration_margin
-    name = str(low).replace("torch.", "")
+    name = dtype_name(low)
     for node in gm.graph.nodes:
         s: Stats | None = meta.calib(node)
         d = meta.record(node)
@@ -127,7 +127,7 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
         worst = max(("output", s.max_out), ("gradient", s.max_grad), key=lambda kv: kv[1])
         if worst[1] > limit:
             d = dataclasses.replace(
-                d, category=Category.DENY, dtype=torch.float32, rule="calibration:overflow",
+                d, category=Category.DENY, dtype=torch.float32, rule=Rule.CALIBRATION_OVERFLOW,
                 reason=f"max |{worst[0]}| {worst[1]:.3g} in calibration exceeds {name}'s {torch.finfo(low).max:.0f} "
                        f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
         elif flag:
@@ -151,5 +151,5 @@ def loss_scale_advice(gm: fx.GraphModule, low: torch.dtype) -> str | None:
     scale = 2.0 ** math.floor(math.log2(torch.finfo(low).max / max_grad))
     need = "use torch.amp.GradScaler" if lost > 0 else "no gradient underflowed; GradScaler optional"
     return (f"loss scaling: largest gradient {max_grad:.3g}; up to {lost:.1%} of a node's gradient values flush to "
-            f"zero in {str(low)[6:]} without scaling; largest safe static loss scale 2**{int(math.log2(scale))} "
+            f"zero in {dtype_name(low)} without scaling; largest safe static loss scale 2**{int(math.log2(scale))} "
             f"= {scale:g}; {need}")

@@ -44,12 +44,10 @@ import torch.fx as fx
 from .. import integrations, ops, runtime
 from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
 from ..ops import Category
-from ..report import COMPUTE, CastInfo, Decision
+from ..report import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .classify import attr_of, original_dtype
-
-_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class _Casts:
@@ -88,7 +86,7 @@ class _Casts:
         if cast is None:
             with self.gm.graph.inserting_before(consumer):
                 cast = self.gm.graph.create_node("call_function", runtime.cast, (value, dtype), {},
-                                                 name=f"{value.name}_{_SHORT[dtype]}")
+                                                 name=f"{value.name}_{dtype_name(dtype, short=True)}")
             cast.meta[RECORD] = CastInfo(node=cast.name, value=value.name, source=src, to=dtype, consumers=(),
                                        weight=value.op == "get_attr", reason=why)
             self.cache[key] = cast
@@ -98,15 +96,11 @@ class _Casts:
         return cast
 
 
-VIEWS = ("view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
-         "expand_as", "narrow", "select", "getitem", "chunk", "split", "tensor_split", "unbind", "view_as",
-         "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach")
-
-
 def _is_view(node: fx.Node) -> bool:
-    """May ``node`` share storage with its first argument?"""
+    """May ``node`` share storage with its first argument (``OpRule.view``)?"""
     d = record(node)
-    return isinstance(d, Decision) and d.op in VIEWS and bool(node.args) and isinstance(node.args[0], fx.Node)
+    return (isinstance(d, Decision) and ops.is_view(d.op) and bool(node.args)
+            and isinstance(node.args[0], fx.Node))
 
 
 def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
@@ -118,14 +112,14 @@ def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
         if d.kind == "output":
             if not ctx.policy.keep_output_dtype or original_dtype(node) != torch.float32:
                 return False
-        elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule == "select":
+        elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule is Rule.SELECT:
             return False
     return bool(node.users)
 
 
 def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
-    """The float32 bias of a low-precision ``linear`` consumed in float32 only
-    (then taken out of the call), else ``None``."""
+    """The float32 bias of a low-precision op with ``OpRule.split_bias``
+    (``linear``) consumed in float32 only (then taken out of the call), else ``None``."""
     args = list(node.args)
     bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
     if not isinstance(bias, fx.Node) or decision(bias).out != torch.float32 or not _wants_fp32(node, ctx):
@@ -138,7 +132,7 @@ def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
 
 
 def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
-    """``linear(x, w)`` -> ``cast(linear(x, w), float32) + bias``."""
+    """``linear(x, w)`` -> ``cast(linear(x, w), float32) + bias`` (the ``add`` is ampfx's own node)."""
     graph = casts.gm.graph
     with graph.inserting_after(node):
         y32 = graph.create_node("call_function", runtime.cast, (node, torch.float32), {}, name=f"{node.name}_fp32")
@@ -148,7 +142,7 @@ def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
     y32.meta[RECORD] = CastInfo(node=y32.name, value=node.name, source=d.dtype, to=torch.float32,
                               consumers=(out.name,), reason="consumers of this linear want float32")
     out.meta[RECORD] = Decision(node=out.name, op="add", target="_operator.add", module=d.module,
-                              category=Category.INFER, dtype=torch.float32, rule="bias-fp32", kind="call_function",
+                              category=Category.INFER, dtype=torch.float32, rule=Rule.BIAS_FP32, kind="call_function",
                               reason=f"bias of {node.name} added after its float32 cast (the bias is never cast)",
                               out=torch.float32)
     node.meta[RECORD] = dataclasses.replace(d, reason=d.reason + "; bias added in float32 after the cast")
@@ -236,7 +230,7 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
         if keep_output_dtype:
             fx.map_arg(node.args, lambda n: need(n, original_dtype(n)))
         return pairs
-    if d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want is None or d.rule == "select":
+    if d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want is None or d.rule is Rule.SELECT:
         return pairs
     rule = ops.RULES.get(d.op)
     start = 1 if _accumulates(node, rule, want, out_of) else 0
@@ -256,7 +250,7 @@ def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None,
     if dtype is None:
         return arg
     why = (f"{node.name} pins this slot to float32" if dtype != want
-           else f"{node.name} computes in {str(dtype)[6:]}")
+           else f"{node.name} computes in {dtype_name(dtype)}")
     return fx.map_arg(arg, lambda n: casts.get(n, dtype, node, why))
 
 
@@ -281,11 +275,12 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             if node.args and isinstance(node.args[0], fx.Node):
                 casts.mutated(node.args[0])  # casts made before this mutation are not reused after it
             continue
-        if d.category is Category.PASS or d.dtype is None or d.rule == "select":
+        if d.category is Category.PASS or d.dtype is None or d.rule is Rule.SELECT:
             continue
         rule = ops.RULES.get(d.op)
         want = d.dtype
-        split = _bias_to_split(node, ctx) if d.op == "linear" and node.op == "call_function" and want == low else None
+        split = (_bias_to_split(node, ctx) if rule is not None and rule.split_bias and node.op == "call_function"
+                 and want == low else None)
         args = list(node.args)
         kwargs = dict(node.kwargs)
         if _accumulates(node, rule, want, _out, casts.fixed):
@@ -311,7 +306,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             with graph.inserting_before(node):
                 ref = graph.get_attr(str(node.target))
                 ref.meta[RECORD] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
-                                          category=Category.PASS, dtype=None, rule="structure",
+                                          category=Category.PASS, dtype=None, rule=Rule.STRUCTURE,
                                           reason="the leaf module, run with low-precision parameter copies",
                                           kind="get_attr")
                 new = graph.create_node("call_function", run_low, (ref, want, *node.args),

@@ -29,7 +29,7 @@ from .. import decide, integrations, ops, probes
 from ..meta import RECORD, node_module_path, out_infos
 from ..ops import Category
 from ..policy import Policy
-from ..report import Decision
+from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 
@@ -43,7 +43,7 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
             return True
         packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
         name = getattr(packet if packet is not None else node.target, "__name__", "")
-        return name in ("setitem", "iadd", "isub", "imul", "itruediv") or (
+        return ops.is_inplace_operator(node.target) or (
             name.endswith("_") and not name.endswith("__") and node.target not in (torch._assert,))
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
@@ -85,7 +85,7 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
         return True
     if d.kind in ("placeholder", "get_attr"):
         return d.out is not None
-    if d.rule == "non-float":
+    if d.rule == Rule.NON_FLOAT:
         return False
     rule = ops.RULES.get(d.op)
     return not (d.category is Category.PASS and rule is not None and rule.result == "nonfloat")
@@ -163,7 +163,7 @@ def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any]) -> Deci
         else:
             floats = [i.dtype for i in infos if i.dtype in CASTABLE]
             out = floats[0] if floats else None
-    return Decision(op=node.op, category=Category.PASS, dtype=None, rule="structure", reason=what, out=out,
+    return Decision(op=node.op, category=Category.PASS, dtype=None, rule=Rule.STRUCTURE, reason=what, out=out,
                     **where)
 
 
@@ -194,11 +194,11 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     infos = out_infos(node)
     out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
     if ctx.policy.category_of(name) is None and rule is not None and rule.category is Category.PASS:
-        return decide.Verdict(Category.PASS, None, "table", rule.reason)
+        return decide.Verdict(Category.PASS, None, Rule.TABLE, rule.reason)
     if not float_inputs and (not out_float or (infos is None and rule is not None)):
-        return decide.Verdict(Category.PASS, None, "non-float", "no float32/16/bf16 tensor in or out: left as written")
+        return decide.Verdict(Category.PASS, None, Rule.NON_FLOAT, "no float32/16/bf16 tensor in or out: left as written")
     if node.op == "call_module" and str(node.target) in ctx.regions:
-        return decide.Verdict(Category.FP32, torch.float32, "region",
+        return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")
     hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix)
@@ -221,10 +221,10 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
         variant = _probe_variant(rule.probe, node, gm)
         err = probes.check(rule.probe, low, ctx.device, variant)
         if err is not None:
-            verdict = decide.Verdict(Category.FP32, torch.float32, "probe",
-                                     f"{name}{probes.describe(variant)} has no working {str(low)[6:]} kernel on "
+            verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
+                                     f"{name}{probes.describe(variant)} has no working {dtype_name(low)} kernel on "
                                      f"{ctx.device} ({err}): float32")
     if (big := _out_of_range(node, low)) is not None:
-        verdict = decide.Verdict(Category.FP32, torch.float32, "range:constant",
-                                 f"{name} uses the constant {big:.4g}, outside {str(low)[6:]}'s range: float32")
+        verdict = decide.Verdict(Category.FP32, torch.float32, Rule.RANGE_CONSTANT,
+                                 f"{name} uses the constant {big:.4g}, outside {dtype_name(low)}'s range: float32")
     return verdict

@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from .. import ops, runtime
 from ..meta import OUT_INFOS, RECORD, decision, out_infos, record
-from ..report import CastInfo, Decision
+from ..report import CastInfo, Decision, Rule
 from .context import PassContext
 from .classify import attr_of
 
@@ -182,7 +182,7 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
             if OUT_INFOS in node.meta:
                 narrow.meta[OUT_INFOS] = out_infos(node)  # the original sizes again
             narrow.meta[RECORD] = Decision(node=narrow.name, op="narrow", target="torch.narrow", module=d.module,
-                                         category=d.category, dtype=low, rule="pad",
+                                         category=d.category, dtype=low, rule=Rule.PAD,
                                          reason=f"slices {node.name}'s padded output back to N={n}",
                                          kind="call_function", out=low)
         node.meta[RECORD] = dataclasses.replace(d, reason=f"{d.reason}; {note}")

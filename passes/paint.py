@@ -39,14 +39,17 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, decision, out_infos
 from ..ops import Category
-from ..report import Decision
+from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .casts import VIEWS, needed_casts
+from .casts import needed_casts
 from .classify import carries_float, original_dtype
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
+SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
+Neighbours = Callable[[fx.Node], list[fx.Node]]
+Color = dict[fx.Node, tuple[torch.dtype, Rule, str]]  # node -> (dtype, rule, reason) painted so far
 
 
 def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
@@ -67,7 +70,6 @@ def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]
 def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision."""
     low = ctx.policy.dtype
-    low_name = str(low).replace("torch.", "")
     nodes = list(gm.graph.nodes)
     cat = {n: decision(n).category for n in nodes}
     paintable = {n for n in nodes if cat[n] in PAINTABLE}
@@ -78,34 +80,11 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     def outs(n: fx.Node) -> list[fx.Node]:
         return [u for u in n.users if u in paintable]
 
-    color: dict[fx.Node, tuple[torch.dtype, str, str]] = {}
+    # 1. allow; an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
-    for n in allow:  # an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
-        color[n] = (decision(n).dtype or low, decision(n).rule, decision(n).reason)
-
-    # 2. deny propagation into U = infer/deny nodes and the clear nodes leading to them
-    seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
-    feeders = _walk(seeds, ins, lambda p: cat[p] is Category.CLEAR)
-    u_set = set(seeds) | set(feeders)
-    deny = [n for n in nodes if cat[n] is Category.DENY]
-    for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
-        color[n] = (torch.float32, "paint:deny",
-                    f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
-    denied = {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
-
-    # 3. between-allow
-    def passable(n: fx.Node) -> bool:
-        return cat[n] in (Category.INFER, Category.CLEAR) and n not in denied
-
-    forward = _walk(allow, outs, passable)
-    for n, origin in _walk(allow, ins, lambda p: p in forward).items():
-        if n not in color:
-            # both ends in another low dtype an integration chose (DGL under float16 on CPU): that dtype
-            ends = {color[forward[n]][0], color[origin][0]}
-            dtype = ends.pop() if len(ends) == 1 else low
-            color[n] = (dtype, "paint:between-allow",
-                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {str(dtype)[6:]}")
-
+    color: Color = {n: (decision(n).dtype or low, decision(n).rule, decision(n).reason) for n in allow}
+    denied = _deny_propagation(nodes, cat, ins, outs, color)
+    _between_allow(allow, cat, ins, outs, color, denied, low)
     # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
     #    low (then it runs in its inputs' dtype, as under autocast; range-risky ops are on the float16
@@ -116,37 +95,79 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     while True:
         painted = len(color)
         _follow_allow(nodes, cat, color, denied, decided, low)
-        # 5. clear propagation, both directions
-        lows = [n for n, c in color.items() if c[0] == low]
-        both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
-        for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
-            color[n] = (low, "paint:clear", f"clear op next to low-precision {origin.name}: {low_name}")
+        _clear_propagation(cat, ins, outs, color, low)
         if len(color) == painted:
             break
     _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
-
-    for n in nodes:
-        d: Decision = decision(n)
-        earlier = f" ({d.reason})" if d.rule.startswith("shape:") else ""  # keep the size facts
-        if n in color:
-            dtype, rule, reason = color[n]
-            d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
-        elif cat[n] in (Category.INFER, Category.CLEAR):
-            near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
-            why = (f"not between low-precision ops, and not all its float inputs are {low_name} "
-                   f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
-            d = dataclasses.replace(d, dtype=torch.float32, rule="paint:default",
-                                    reason=f"{cat[n].value} op {why}: float32" + earlier)
-        n.meta[RECORD] = d
+    _record_paint(nodes, cat, ins, outs, color, low)
     _values(gm, low)
     if _float32_regions(gm, ctx):
         _values(gm, low)
 
 
+def _deny_propagation(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours,
+                      color: Color) -> set[fx.Node]:
+    """Step 2: paint float32 the infer/clear nodes a deny node reaches through
+    U = infer/deny nodes and the clear nodes leading to them. Returns the
+    denied nodes: the deny nodes and every node painted float32 so far."""
+    seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
+    feeders = _walk(seeds, ins, lambda p: cat[p] is Category.CLEAR)
+    u_set = set(seeds) | set(feeders)
+    deny = [n for n in nodes if cat[n] is Category.DENY]
+    for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
+        color[n] = (torch.float32, Rule.PAINT_DENY,
+                    f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
+    return {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
+
+
+def _between_allow(allow: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours, color: Color,
+                   denied: set, low: torch.dtype) -> None:
+    """Step 3: infer/clear nodes on a path from one low node to another, not
+    through denied nodes, go low."""
+    def passable(n: fx.Node) -> bool:
+        return cat[n] in (Category.INFER, Category.CLEAR) and n not in denied
+
+    forward = _walk(allow, outs, passable)
+    for n, origin in _walk(allow, ins, lambda p: p in forward).items():
+        if n not in color:
+            # both ends in another low dtype an integration chose (DGL under float16 on CPU): that dtype
+            ends = {color[forward[n]][0], color[origin][0]}
+            dtype = ends.pop() if len(ends) == 1 else low
+            color[n] = (dtype, Rule.PAINT_BETWEEN_ALLOW,
+                        f"between low-precision ops ({forward[n].name} ... {origin.name}): {dtype_name(dtype)}")
+
+
+def _clear_propagation(cat: dict, ins: Neighbours, outs: Neighbours, color: Color, low: torch.dtype) -> None:
+    """Step 5: unpainted clear nodes next to low nodes go low, both directions."""
+    lows = [n for n, c in color.items() if c[0] == low]
+    both = lambda n: [*ins(n), *outs(n)]  # noqa: E731
+    for n, origin in _walk(lows, both, lambda c: cat[c] is Category.CLEAR and c not in color).items():
+        color[n] = (low, Rule.PAINT_CLEAR, f"clear op next to low-precision {origin.name}: {dtype_name(low)}")
+
+
+def _record_paint(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours, color: Color,
+                  low: torch.dtype) -> None:
+    """Write the paint into the records; unpainted infer/clear nodes stay float32
+    (``paint:default``). A size rule's reason is kept at the end of the new one."""
+    for n in nodes:
+        d: Decision = decision(n)
+        earlier = f" ({d.reason})" if d.rule in SIZE_RULES else ""  # keep the size facts
+        if n in color:
+            dtype, rule, reason = color[n]
+            d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)
+        elif cat[n] in (Category.INFER, Category.CLEAR):
+            near = [p.name for p in (*ins(n), *outs(n)) if color.get(p, (None,))[0] == low]
+            why = (f"not between low-precision ops, and not all its float inputs are {dtype_name(low)} "
+                   f"(low neighbours: {', '.join(near)})" if near else "with no low-precision neighbour path")
+            d = dataclasses.replace(d, dtype=torch.float32, rule=Rule.PAINT_DEFAULT,
+                                    reason=f"{cat[n].value} op {why}: float32" + earlier)
+        n.meta[RECORD] = d
+
+
 def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
                   low: torch.dtype) -> None:
     """Step 4, one pass in graph order (see the module docstring)."""
-    low_name = str(low).replace("torch.", "")
+    low_name = dtype_name(low)
     for n in nodes:
         if n in color or n in denied or cat[n] not in (Category.INFER, Category.CLEAR):
             continue
@@ -156,12 +177,12 @@ def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, dec
         if not lows or any(p in denied for p in feeds):
             continue
         if cat[n] is Category.CLEAR:
-            color[n] = (low, "paint:follow-allow", f"clear op fed by low-precision {lows[0].name}: {low_name}")
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW, f"clear op fed by low-precision {lows[0].name}: {low_name}")
         elif low == torch.bfloat16:
-            color[n] = (low, "paint:follow-allow",
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW,
                         f"fed by low-precision {lows[0].name} and no deny op; bfloat16 has float32's range")
         elif len(lows) == len(feeds):
-            color[n] = (low, "paint:follow-allow",
+            color[n] = (low, Rule.PAINT_FOLLOW_ALLOW,
                         f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
 
 
@@ -197,7 +218,7 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
         if any(not any(u is not n and wants_fp32(u, p) for u in p.users) for p in low_feeds):
             continue
         users = ", ".join(u.name for u in n.users)
-        color[n] = (torch.float32, "paint:save-cast",
+        color[n] = (torch.float32, Rule.PAINT_SAVE_CAST,
                     f"every user ({users}) computes in float32 and its inputs are cast to float32 anyway: "
                     "float32 saves a cast")
 
@@ -222,12 +243,45 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
     nodes = list(gm.graph.nodes)
     dec = {n: decision(n) for n in nodes}
+    current = lambda n: dec[n].out  # noqa: E731
+    needs = {n: needed_casts(n, dec[n].dtype, current, keep) for n in nodes}  # node -> its (value, dtype) casts
+    users_of: dict[tuple, set[fx.Node]] = {}  # (value, dtype) -> the nodes that need that cast
+    for n, pairs in needs.items():
+        for pair in pairs:
+            users_of.setdefault(pair, set()).add(n)
 
+    moved = False
+    for region in _low_regions(nodes, dec, low):
+        members = set(region)
+        consumers = {u for n in region for u in n.users if u not in members}
+        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
+                                  and dec[u].out in CASTABLE) for u in consumers):
+            continue  # a consumer whose own dtype would follow the region's: leave it
+        touched = members | consumers
+        cost = {option: _region_cost(region, touched, option, dec, users_of, keep, ctx)
+                for option in (low, torch.float32)}
+        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
+        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+            continue
+        _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
+        for n in touched:
+            for pair in needs[n]:
+                users_of[pair].discard(n)
+            needs[n] = per_node[n]
+            for pair in needs[n]:
+                users_of.setdefault(pair, set()).add(n)
+        moved = True
+    return moved
+
+
+def _low_regions(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.dtype) -> list[list[fx.Node]]:
+    """The connected regions (in graph order) of infer/clear ops whose value is
+    ``low``, not in place; a selection joins only when what it selects from does."""
     def candidate(n: fx.Node) -> bool:
         d = dec[n]
         if d.out != low or d.category not in (Category.INFER, Category.CLEAR) or d.inplace:
             return False
-        return d.rule != "select" or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
+        return d.rule is not Rule.SELECT or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
 
     parent = {n: n for n in nodes if candidate(n)}
 
@@ -244,56 +298,41 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     regions: dict[fx.Node, list[fx.Node]] = {}
     for n in parent:
         regions.setdefault(root(n), []).append(n)
+    return list(regions.values())
 
-    current = lambda n: dec[n].out  # noqa: E731
-    needs = {n: needed_casts(n, dec[n].dtype, current, keep) for n in nodes}  # node -> its (value, dtype) casts
-    users_of: dict[tuple, set[fx.Node]] = {}  # (value, dtype) -> the nodes that need that cast
-    for n, pairs in needs.items():
-        for pair in pairs:
-            users_of.setdefault(pair, set()).add(n)
 
-    moved = False
-    for region in regions.values():
-        members = set(region)
-        consumers = {u for n in region for u in n.users if u not in members}
-        if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule != "select"
-                                  and dec[u].out in CASTABLE) for u in consumers):
-            continue  # a consumer whose own dtype would follow the region's: leave it
-        touched = members | consumers
-        cost = {}
-        for option in (low, torch.float32):
-            out_of = (lambda n, o=option: o if n in members else dec[n].out)
-            per_node = {n: needed_casts(n, option if n in members and dec[n].rule != "select" else dec[n].dtype,
-                                        out_of, keep) for n in touched}
-            new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
-            moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
-            for n in region:  # the region's ops read their inputs and write their outputs
-                if dec[n].op in VIEWS:
-                    continue
-                casted = dict(per_node[n])
-                moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
-                    _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
-                    if out_of(p) in CASTABLE)
-            cost[option] = (len(new), moved_bytes, per_node)
-        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
-        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dtype, dec: dict[fx.Node, Decision],
+                 users_of: dict[tuple, set[fx.Node]], keep: bool,
+                 ctx: PassContext) -> tuple[int, int, dict[fx.Node, set]]:
+    """``(casts, bytes moved, each touched node's casts)`` if ``region``'s values
+    were ``option``: the casts no node outside ``touched`` shares, the bytes
+    they and the region's ops (views aside) read and write."""
+    members = set(region)
+    out_of = (lambda n: option if n in members else dec[n].out)
+    per_node = {n: needed_casts(n, option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype,
+                                out_of, keep) for n in touched}
+    new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
+    moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
+    for n in region:  # the region's ops read their inputs and write their outputs
+        if ops.is_view(dec[n].op):
             continue
-        names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
-        for n in region:
-            if dec[n].rule != "select":
-                dec[n] = dataclasses.replace(
-                    dec[n], dtype=torch.float32, rule="paint:save-cast",
-                    reason=f"its region of infer/clear ops ({names}) computes in float32: {n_low} casts -> "
-                           f"{n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,} (was {dec[n].rule})")
-            dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
-        for n in touched:
-            for pair in needs[n]:
-                users_of[pair].discard(n)
-            needs[n] = per_node[n]
-            for pair in needs[n]:
-                users_of.setdefault(pair, set()).add(n)
-        moved = True
-    return moved
+        casted = dict(per_node[n])
+        moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
+            _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
+            if out_of(p) in CASTABLE)
+    return len(new), moved_bytes, per_node
+
+
+def _move_to_float32(region: list[fx.Node], dec: dict[fx.Node, Decision], counts: str) -> None:
+    """Record that ``region`` computes (selections aside) and produces float32."""
+    names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
+    for n in region:
+        if dec[n].rule is not Rule.SELECT:
+            dec[n] = dataclasses.replace(
+                dec[n], dtype=torch.float32, rule=Rule.PAINT_SAVE_CAST,
+                reason=f"its region of infer/clear ops ({names}) computes in float32: {counts} "
+                       f"(was {dec[n].rule})")
+        dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
 
 
 def _numel(n: fx.Node, ctx: PassContext) -> int:
@@ -336,25 +375,31 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
         if not floats:
             return None
     kind = rule.result if rule is not None else None
-    if d.rule == "non-float" or kind == "nonfloat":
+    if d.rule is Rule.NON_FLOAT or kind == "nonfloat":
         return None
     if kind == "fp32":
         return torch.float32
     first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if kind == "cast":
-        name = str(n.target)
-        fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": None}
-        if name in fixed:
-            return fixed[name]
+        spelling = str(n.target)
+        fixed = dict(rule.cast_to)  # x.half(): a fixed dtype
+        if spelling in fixed:
+            return fixed[spelling]
         for a in (*n.args[1:], *n.kwargs.values()):
             if isinstance(a, torch.dtype):
                 return a if a in CASTABLE else None
-            if isinstance(a, fx.Node):
-                return out.get(a, DYNAMIC) if name in ("type_as",) or out.get(a) in CASTABLE else DYNAMIC
+            if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
+                return out.get(a, DYNAMIC) if spelling in rule.cast_like or out.get(a) in CASTABLE else DYNAMIC
         return first  # .to(device), .cpu(): same dtype
     if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
         return meta_dtype  # factories: dtype fixed by constant arguments
     return DYNAMIC
+
+
+def _selects(d: Decision) -> bool:
+    """Does the op take a part of its first argument and keep its dtype (``OpRule.select``: ``x[i]``)?"""
+    rule = ops.RULES.get(d.op)
+    return rule is not None and rule.select
 
 
 def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
@@ -370,18 +415,18 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
             target = out.get(n.args[0])
             dtype = target if isinstance(target, torch.dtype) else None
             if d.category is not Category.PASS:
-                d = dataclasses.replace(d, dtype=dtype, rule="inplace",
-                                        reason=f"in-place op keeps the dtype of {n.args[0].name} "
-                                               f"({'run-time' if target == DYNAMIC else str(target)[6:]})")
+                held = "run-time" if target == DYNAMIC else dtype_name(target, none="")
+                d = dataclasses.replace(d, dtype=dtype, rule=Rule.INPLACE,
+                                        reason=f"in-place op keeps the dtype of {n.args[0].name} ({held})")
             out[n] = target
-        elif d.op == "getitem" and n.args and isinstance(n.args[0], fx.Node):
+        elif _selects(d) and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])
             if out[n] is None:  # an item of a non-tensor container (DGL's nodes.data['h']): its own dtype
                 infos = out_infos(n)
                 floats = [i.dtype for i in infos or () if i.dtype in CASTABLE]
                 out[n] = floats[0] if floats else (DYNAMIC if infos is None else None)
             src = out[n]
-            d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule="select",
+            d = dataclasses.replace(d, dtype=src if isinstance(src, torch.dtype) else None, rule=Rule.SELECT,
                                     reason="selects from its input; keeps the input's dtype (consumers cast the "
                                            "selection, which is smaller)")
         elif d.category is Category.PASS:

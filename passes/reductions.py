@@ -1,16 +1,16 @@
 """Pass: decide reductions by how many elements they reduce.
 
 A sum of many values risks float16's range (max 65504) and loses low bits;
-a sum of a few does not. For ``sum, mean, var, std, norm, prod, cumsum,
-logsumexp`` still decided by the op table (a list edit or a module rule
-wins over this pass), with ``N`` the number of elements reduced into each
-output:
+a sum of a few does not. For the ops whose table entry is a ``reduction``
+(``sum, mean, var, std, norm, prod, cumsum, logsumexp``) still decided by the
+op table (a list edit or a module rule wins over this pass), with ``N`` the
+number of elements reduced into each output:
 
 - ``N <= policy.reduction_threshold``: INFER, it follows its inputs;
 - ``N > threshold``: DENY, float32 accumulation and output (the op's own
-  ``dtype=`` argument where it has one). Under bfloat16, ``sum`` and ``mean``
-  stay INFER (bfloat16 has float32's range and the kernel accumulates in
-  float32), and the record says so;
+  ``dtype=`` argument where it has one). Under bfloat16, ops whose entry has
+  ``fp32_accumulation`` (``sum`` and ``mean``) stay INFER (bfloat16 has
+  float32's range and the kernel accumulates in float32), and the record says so;
 - ``N`` unknown (no ``example_inputs``, or a symbolic size whose range
   straddles the threshold): DENY with the reason "size unknown".
 
@@ -30,13 +30,11 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .. import ops
 from ..meta import RECORD, out_infos, record
 from ..ops import Category
-from ..report import Decision
+from ..report import Decision, Rule
 from .context import PassContext
-
-REDUCTIONS = ("sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp")
-RANGE_SAFE_IN_BF16 = ("sum", "mean")  # the kernel accumulates in float32; bfloat16 has float32's range
 
 
 def _fmt(n: Any) -> str:
@@ -66,7 +64,8 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     low = ctx.policy.dtype
     for node in gm.graph.nodes:
         d = record(node)
-        if not isinstance(d, Decision) or d.op not in REDUCTIONS or d.rule != "table":
+        rule = ops.RULES.get(d.op) if isinstance(d, Decision) else None
+        if rule is None or not rule.reduction or d.rule is not Rule.TABLE:
             continue
         if d.category not in (Category.INFER, Category.DENY):
             continue
@@ -74,23 +73,24 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
         what = f"{d.op} over {_fmt(n)} elements"
         if n is None:
             why = "no example_inputs" if not ctx.has_shapes else "shape not known"
-            d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule="shape:size-unknown",
+            d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule=Rule.SHAPE_SIZE_UNKNOWN,
                                     reason=f"{d.op}: size unknown ({why}): float32 accumulation and output")
         else:
             lower, upper = ctx.symbols.bounds(n)
             if upper <= threshold:
-                d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule="shape:small-reduction",
+                d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule=Rule.SHAPE_SMALL_REDUCTION,
                                         reason=f"{what} <= threshold {threshold:,}: follows its inputs")
-            elif lower > threshold and low == torch.bfloat16 and d.op in RANGE_SAFE_IN_BF16:
-                d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule="shape:large-reduction",
+            elif lower > threshold and low == torch.bfloat16 and rule.fp32_accumulation:
+                d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule=Rule.SHAPE_LARGE_REDUCTION,
                                         reason=f"{what} > threshold {threshold:,}, but bfloat16 has float32's range "
                                                "and the kernel accumulates in float32: follows its inputs")
             elif lower > threshold:
-                d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule="shape:large-reduction",
+                d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32,
+                                        rule=Rule.SHAPE_LARGE_REDUCTION,
                                         reason=f"{what} > threshold {threshold:,}: float32 accumulation"
                                                + (" (float16 max 65504)" if low == torch.float16 else ""))
             else:
-                d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule="shape:size-unknown",
+                d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule=Rule.SHAPE_SIZE_UNKNOWN,
                                         reason=f"{what} (between {_fmt(lower)} and {_fmt(upper)}): size unknown "
                                                f"against threshold {threshold:,}: float32 accumulation")
         node.meta[RECORD] = d

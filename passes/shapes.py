@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
+from ..report import dtype_name
 from ..state import copy_tree, kept_buffers, modes
 
 
@@ -40,7 +41,7 @@ class TensorInfo:
     dtype: torch.dtype
 
     def __str__(self) -> str:
-        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(str(s) for s in self.shape)}]"
+        return f"{dtype_name(self.dtype)}[{', '.join(str(s) for s in self.shape)}]"
 
     def numel(self) -> int | sympy.Expr:
         return sympy.Mul(*self.shape) if any(isinstance(s, sympy.Expr) for s in self.shape) else _prod(self.shape)

@@ -67,6 +67,7 @@ from torch.func import functional_call
 
 from .. import probes
 from ..ops import Category
+from ..report import Rule, dtype_name
 
 LIBRARY = "DGL"
 FP16_MAX = 65504.0
@@ -204,10 +205,6 @@ class Choice:
     reason: str
 
 
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> str | None:
     if aggregation != "lstm":
         return None
@@ -215,7 +212,7 @@ def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> 
 
 
 def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str, *,
-           stats: LeafStats | None = None, source: str = "table", reason: str | None = None,
+           stats: LeafStats | None = None, source: str = Rule.TABLE, reason: str | None = None,
            cuda_bf16: bool | None = None, coo_only: bool = False) -> Choice:
     """The dtype a DGL leaf the lists put on the allowlist runs in, on ``device``.
 
@@ -241,7 +238,7 @@ def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str
     aggregation = rule.aggregation_of(module) if rule is not None else None
     cpu_bf16 = rule.cpu_bf16 if rule is not None else True
     if want == torch.float16 and device == "cpu":
-        rule_name = "dgl:device"
+        rule_name = Rule.DGL_DEVICE
         if cpu_bf16 and _probe_variant(aggregation, torch.bfloat16, device) is None:
             want = torch.bfloat16
             why.append("no float16 DGL kernels on CPU ('Feature data can only be bfloat16/float32/float64 on "
@@ -252,22 +249,22 @@ def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str
             return Choice(torch.float32, rule_name, "; ".join(
                 [*why, "no float16 DGL kernels on CPU and no bfloat16 kernel for this module there: float32"]))
     if want == torch.bfloat16 and device == "cpu" and not cpu_bf16:
-        return Choice(torch.float32, "dgl:device", "; ".join([*why, "no bfloat16 DGL kernel on CPU: float32"]))
+        return Choice(torch.float32, Rule.DGL_DEVICE, "; ".join([*why, "no bfloat16 DGL kernel on CPU: float32"]))
     if want == torch.bfloat16 and device == "cpu" and coo_only:
-        return Choice(torch.float32, "dgl:device", "; ".join(
+        return Choice(torch.float32, Rule.DGL_DEVICE, "; ".join(
             [*why, "the graph is restricted to the COO format and DGL has no bfloat16 COO SpMM on CPU "
                    "(allow CSR/CSC with g.formats(['coo', 'csr', 'csc'])): float32"]))
     err = _probe_variant(aggregation, want, device)
     if err is not None:
-        return Choice(torch.float32, "probe", "; ".join(
-            [*why, f"aggregator lstm: nn.LSTM has no working {_short(want)} kernel on {device} ({err}): float32"]))
+        return Choice(torch.float32, Rule.PROBE, "; ".join(
+            [*why, f"aggregator lstm: nn.LSTM has no working {dtype_name(want)} kernel on {device} ({err}): float32"]))
     if want == torch.float16 and stats is not None and aggregation in ("sum", "mean") and stats.bound > FP16_MAX:
         if cuda_bf16 is None:
             cuda_bf16 = device == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         fallback = torch.bfloat16 if cuda_bf16 else torch.float32
         where = "bfloat16 has float32's range" if cuda_bf16 else "no bfloat16 on this device"
-        return Choice(fallback, "dgl:overflow", "; ".join(
-            [*why, f"float16 overflow guard: {stats.describe()} > 65504: {_short(fallback)} ({where})"]))
+        return Choice(fallback, Rule.DGL_OVERFLOW, "; ".join(
+            [*why, f"float16 overflow guard: {stats.describe()} > 65504: {dtype_name(fallback)} ({where})"]))
     if stats is not None and aggregation in ("sum", "mean") and want == torch.float16:
         why.append(f"float16 overflow guard: {stats.describe()} <= 65504")
     if rule is not None and rule.edge_softmax or rule is None and _calls_edge_softmax(type(module)):
@@ -300,7 +297,7 @@ def refine(decision: Any, module: Any, facts: Any) -> Any:
             return dataclasses.replace(decision, category=Category.FP32, dtype=torch.float32, rule=choice.rule,
                                        reason=choice.reason)
         return dataclasses.replace(decision, dtype=choice.dtype, rule=choice.rule, reason=choice.reason)
-    if decision.rule == "unlisted":
+    if decision.rule == Rule.UNLISTED:
         qual = f"{type(module).__module__}.{type(module).__qualname__}"
         return dataclasses.replace(decision, reason=(
             f"dgl.nn module {type(module).__name__} is not in ampfx's DGL table (ampfx.integrations.dgl): float32; "
@@ -341,7 +338,7 @@ class EagerLeaf(torch.nn.Module):
         return super().train(mode)
 
     def extra_repr(self) -> str:
-        return f"{type(self.leaf).__name__} run in {_short(self.low_dtype)} by ampfx.integrations.dgl.call_dgl_low"
+        return f"{type(self.leaf).__name__} run in {dtype_name(self.low_dtype)} by ampfx.integrations.dgl.call_dgl_low"
 
 
 def eager_leaf(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..measure import count_casts
 from ..api import convert
+from ..report import dtype_name
 
 
 class DemoClassifier(nn.Module):
@@ -121,7 +122,7 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
         advance = lambda _: bar.advance(task)  # noqa: E731
         results["float32"] = (_train(fp32, fp32, ids, labels, steps, progress=advance),
                               _accuracy(fp32, test_ids, test_labels))
-        results[f"ampfx {str(low)[6:]}"] = (_train(mixed, amp, ids, labels, steps, scaler, progress=advance,
+        results[f"ampfx {dtype_name(low)}"] = (_train(mixed, amp, ids, labels, steps, scaler, progress=advance,
                                                    scale_log=scale_log),
                                             _accuracy(amp, test_ids, test_labels))
     echo(f"\n{'run':<16}{'final loss':>12}{'test acc':>10}")

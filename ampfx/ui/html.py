@@ -52,12 +52,10 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from ..report import RULES_DOC, Decision, Report, dtype_name
+from ..report import SHORT_NAMES, Decision, Report, Rule, dtype_name
 
 COLLAPSE_ABOVE = 200
 """Records above which every module group starts collapsed."""
-ADDED = ("bias-fp32", "pad")
-"""Rules of nodes ampfx adds to the graph (drawn with a dotted border)."""
 
 
 # --------------------------------------------------------------------- edges
@@ -153,6 +151,31 @@ def graph(report: Report) -> dict[str, Any]:
     """
     records = report.records
     low = dtype_name(report.dtype)
+    groups, node_group, starts = _groups(records, _group_paths(records))
+    chains = [_chain(groups, g) for g in range(len(groups))]
+    for i, r in enumerate(records):
+        slot = {low: 0, "float32": 1}.get(dtype_name(r.dtype), 2)  # dtype None is "-"
+        for g in chains[node_group[i]]:
+            groups[g]["n"][slot] += 1
+    es = edges(report)
+    cast_groups, member_edges = _links(es, chains, node_group)
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(node_group):
+        members[g].append(i)
+    for g in range(1, len(groups)):
+        members[groups[g]["parent"]].append(~g)
+    for g, grp in enumerate(groups):
+        grp["casts"] = len(cast_groups[g])
+        grp["rows"] = _rows(members[g], member_edges[g], lambda k: k if k >= 0 else starts[~k])
+    nodes = [{**r.as_json(), "g": node_group[i]} for i, r in enumerate(records)]
+    return {"low": low, "nodes": nodes, "groups": groups, "edges": es,
+            "casts": [c.as_json() for c in report.casts],
+            "collapsed": len(records) > COLLAPSE_ABOVE, "rules": {r.value: r.doc for r in Rule},
+            "added": [r.value for r in Rule if r.inserted]}  # nodes ampfx added: drawn with a dotted border
+
+
+def _group_paths(records: tuple[Decision, ...]) -> set[str]:
+    """The module paths that are groups: at least two records, not all in one child module."""
     count: dict[str, int] = defaultdict(int)
     for r in records:
         p = r.module
@@ -162,42 +185,51 @@ def graph(report: Report) -> dict[str, Any]:
     biggest_child: dict[str, int] = defaultdict(int)
     for p, n in count.items():
         biggest_child[_parent_path(p)] = max(biggest_child[_parent_path(p)], n)
-    is_group = {p for p, n in count.items() if n >= 2 and biggest_child[p] < n}
+    return {p for p, n in count.items() if n >= 2 and biggest_child[p] < n}
 
-    def group_path(p: str) -> str:
-        while p and p not in is_group:
-            p = _parent_path(p)
-        return p
 
+def _group_of(path: str, is_group: set[str]) -> str:
+    """The innermost group holding module ``path`` (``""``: the root)."""
+    while path and path not in is_group:
+        path = _parent_path(path)
+    return path
+
+
+def _groups(records: tuple[Decision, ...], is_group: set[str]) -> tuple[list[dict[str, Any]], list[int], list[int]]:
+    """``(groups, group of each record, first record of each group)``; groups in
+    order of first appearance, parents before children, counts still zero."""
     first: dict[str, int] = {"": 0}
     for i, r in enumerate(records):
-        p = group_path(r.module)
+        p = _group_of(r.module, is_group)
         while p not in first:
             first[p] = i
-            p = group_path(_parent_path(p))
+            p = _group_of(_parent_path(p), is_group)
     paths = sorted(first, key=lambda p: (first[p], p.count(".")))  # parents before children
     index = {p: k for k, p in enumerate(paths)}
     groups: list[dict[str, Any]] = []
     for p in paths:
-        parent = group_path(_parent_path(p)) if p else None
+        parent = _group_of(_parent_path(p), is_group) if p else None
         label = p[len(parent) + 1:] if parent else p
         groups.append({"path": p, "label": label or "<root>", "parent": index[parent] if p else -1,
                        "n": [0, 0, 0], "casts": 0, "rows": []})
-    node_group = [index[group_path(r.module)] for r in records]
+    node_group = [index[_group_of(r.module, is_group)] for r in records]
+    return groups, node_group, [first[p] for p in paths]
 
-    def up(g: int) -> list[int]:
-        chain = []
-        while g >= 0:
-            chain.append(g)
-            g = groups[g]["parent"]
-        return chain
 
-    chains = [up(g) for g in range(len(groups))]
-    for i, r in enumerate(records):
-        slot = {low: 0, "float32": 1}.get(dtype_name(r.dtype), 2)  # dtype None is "-"
-        for g in chains[node_group[i]]:
-            groups[g]["n"][slot] += 1
-    es = edges(report)
+def _chain(groups: list[dict[str, Any]], g: int) -> list[int]:
+    """Group ``g`` and its ancestors, innermost first, up to the root (group 0)."""
+    chain = []
+    while g >= 0:
+        chain.append(g)
+        g = groups[g]["parent"]
+    return chain
+
+
+def _links(es: list[tuple[int, int, int]], chains: list[list[int]],
+           node_group: list[int]) -> tuple[dict[int, set[int]], dict[int, set[tuple[int, int]]]]:
+    """``(casts read inside each group, edges between the members of each group)``.
+    An edge joins, inside the innermost group holding both ends, the members
+    (records, or child groups as ``~g``) that hold them."""
     cast_groups: dict[int, set[int]] = defaultdict(set)
     member_edges: dict[int, set[tuple[int, int]]] = defaultdict(set)
     for a, b, c in es:
@@ -211,18 +243,7 @@ def graph(report: Report) -> dict[str, Any]:
         kb = b if node_group[b] == lca else ~cb[cb.index(lca) - 1]
         if ka != kb:
             member_edges[lca].add((ka, kb))
-    members: dict[int, list[int]] = defaultdict(list)
-    for i, g in enumerate(node_group):
-        members[g].append(i)
-    for g in range(1, len(groups)):
-        members[groups[g]["parent"]].append(~g)
-    for g, grp in enumerate(groups):
-        grp["casts"] = len(cast_groups[g])
-        grp["rows"] = _rows(members[g], member_edges[g], lambda k: k if k >= 0 else first[paths[~k]])
-    nodes = [{**r.as_json(), "g": node_group[i]} for i, r in enumerate(records)]
-    return {"low": low, "nodes": nodes, "groups": groups, "edges": es,
-            "casts": [c.as_json() for c in report.casts],
-            "collapsed": len(records) > COLLAPSE_ABOVE, "rules": RULES_DOC, "added": list(ADDED)}
+    return cast_groups, member_edges
 
 
 def _rows(members: list[int], links: set[tuple[int, int]], first) -> list[list[int]]:
@@ -356,7 +377,7 @@ _JS = r"""
     const N = D.nodes, G = D.groups, E = D.edges, C = D.casts;
     const NS = "http://www.w3.org/2000/svg";
     const NW = 170, NH = 38, CW = 210, CH = 54, GAP = 14, ROWGAP = 28, PAD = 10, HEAD = 22;
-    const SHORT = {bfloat16: "bf16", float16: "fp16", float32: "fp32"};
+    const SHORT = %SHORT%;
     const open = G.map((g, i) => i === 0 || !D.collapsed);
     const size = new Map(), pos = new Map();
     let selected = -1;
@@ -599,3 +620,4 @@ _JS = r"""
   }
 })();
 """
+_JS = _JS.replace("%SHORT%", json.dumps({dtype_name(d): dtype_name(d, short=True) for d in SHORT_NAMES}))

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..policy import parse_dtype
+from ..report import dtype_name
 
 #: Histogram bins are integer log2 exponents: bin ``e`` counts values in ``[2**e, 2**(e+1))``.
 #: The range covers every float32 value (smallest subnormal 2**-149, max < 2**128);
@@ -44,7 +45,6 @@ EXPONENTS = np.arange(-160, 128)
 KINDS = ("activations", "gradients")          # what range_plot draws
 ALL_KINDS = KINDS + ("weight_gradients",)     # collected
 _DTYPES = (torch.float16, torch.bfloat16)
-_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 # ----------------------------------------------------------------------------- ranges
@@ -60,7 +60,7 @@ def dtype_range(dtype: Any = torch.float16) -> dict:
     """
     dtype = parse_dtype(dtype)
     fi = torch.finfo(dtype)
-    return {"dtype": dtype, "name": _SHORT.get(dtype, str(dtype)), "subnormal": fi.smallest_normal * fi.eps,
+    return {"dtype": dtype, "name": dtype_name(dtype, short=True), "subnormal": fi.smallest_normal * fi.eps,
             "normal": fi.smallest_normal, "max": fi.max}
 
 

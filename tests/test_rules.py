@@ -1,0 +1,99 @@
+"""The vocabulary of decision rules (``ampfx.report.Rule``) and the per-op facts the passes read."""
+import ast
+import json
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampfx import ops
+from ampfx.ops import Category
+from ampfx.report import Decision, Rule, dtype_name
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_a_rule_reads_as_its_string_everywhere():
+    """A member equals, hashes, prints, formats, reprs and serialises as its value."""
+    r = Rule.PAINT_DENY
+    assert r == "paint:deny" and hash(r) == hash("paint:deny") and {"paint:deny": 1}[r] == 1
+    assert (str(r), f"{r}", f"{r:12}|", repr(r)) == ("paint:deny", "paint:deny", "paint:deny  |", "'paint:deny'")
+    assert json.dumps({"rule": r}) == '{"rule": "paint:deny"}'
+    assert pickle.loads(pickle.dumps(r)) is r
+
+
+def test_env_rules_are_members_made_on_demand():
+    """``env:<VAR>`` names its variable, carries ENV's documentation and pickles."""
+    r = Rule("env:AMPFX_DENYLIST_ADD")
+    assert r is Rule.env("AMPFX_DENYLIST_ADD") and isinstance(r, Rule)
+    assert (r == "env:AMPFX_DENYLIST_ADD", str(r), r.env_var, r.doc) == (
+        True, "env:AMPFX_DENYLIST_ADD", "AMPFX_DENYLIST_ADD", Rule.ENV.doc)
+    assert r.word == "env:AMPFX_DENYLIST_ADD" and r.counted and not r.inserted
+    assert pickle.loads(pickle.dumps(r)) is r
+    assert Rule.TABLE.env_var is None and Rule.ENV.env_var is None
+    with pytest.raises(ValueError):
+        Rule("env:")
+
+
+def test_a_decision_holds_a_rule_member():
+    """A rule given as its string becomes the member; an unknown rule is an error."""
+    base = dict(node="n", op="add", target="t", module="", category=Category.INFER, dtype=None, reason="r")
+    assert Decision(rule="paint:clear", **base).rule is Rule.PAINT_CLEAR
+    assert Decision(rule="env:AMPFX_INFERLIST_ADD", **base).as_json()["rule"] == "env:AMPFX_INFERLIST_ADD"
+    with pytest.raises(ValueError):
+        Decision(rule="paint:typo", **base)
+
+
+def test_inserted_and_counted():
+    """Nodes ampfx adds are inserted and not counted; an untraceable region is not counted either."""
+    assert [r.value for r in Rule if r.inserted] == ["bias-fp32", "pad"]
+    assert [r.value for r in Rule if not r.counted] == ["bias-fp32", "pad", "region"]
+
+
+def test_report_md_lists_every_rule_and_every_short_word():
+    """docs/report.md's rules table has one row per Rule member, and the summary's
+    short words are the ones ``Rule.word`` gives."""
+    text = (DOCS / "report.md").read_text()
+    section = text.split("## Rules", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
+    assert sorted(rows) == sorted(r.value for r in Rule) and len(rows) == len(set(rows))
+    words = " ".join(section.split())
+    for r in Rule:
+        if r.word != r.value:
+            assert f"`{r.word}` (`{r.value}`)" in words, r
+
+
+def test_dtype_names():
+    """One spelling of dtypes: long by default, short on request, '-' for none."""
+    assert [dtype_name(d) for d in (torch.float32, torch.float16, torch.bfloat16, None, "dynamic")] == [
+        "float32", "float16", "bfloat16", "-", "dynamic"]
+    assert [dtype_name(d, short=True) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)] == [
+        "fp32", "fp16", "bf16", "float64"]
+
+
+def test_per_op_facts_the_passes_read():
+    """The op table says which ops are views, selections, size-decided reductions,
+    float32-accumulating, bias-splitting; the passes name none of them."""
+    def having(field):
+        return sorted(n for n, r in ops.RULES.items() if getattr(r, field))
+
+    assert having("view") == sorted([
+        "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
+        "expand_as", "narrow", "select", "getitem", "chunk", "split", "tensor_split", "unbind", "view_as",
+        "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach"])
+    assert having("select") == ["getitem"]
+    assert having("reduction") == sorted(["sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp"])
+    assert having("fp32_accumulation") == ["mean", "sum"]
+    assert having("split_bias") == ["linear"]
+    assert dict(ops.RULES["to"].cast_to)["half"] is torch.float16 and ops.RULES["to"].cast_like == ("type_as",)
+    passes = Path(__file__).resolve().parent.parent / "passes"
+    for name in ("paint.py", "casts.py", "reductions.py", "pad.py", "calibrate.py"):
+        compared = set()
+        for node in ast.walk(ast.parse((passes / name).read_text())):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    compared |= {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        assert not compared & set(ops.RULES), (name, compared & set(ops.RULES))
