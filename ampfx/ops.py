@@ -54,6 +54,14 @@ LISTS = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 """The four lists a policy can edit, in the order the env variables name them."""
 
 
+class Result(str, enum.Enum):
+    """What a ``PASS`` op returns (``OpRule.result``)."""
+
+    NONFLOAT = "nonfloat"  #: no float data (sizes, comparisons, indices)
+    CAST = "cast"  #: an explicit conversion written in the model
+    FP32 = "fp32"  #: float32 whatever its inputs (a gather from a float32 table)
+
+
 @dataclass(frozen=True)
 class OpRule:
     """One op's entry: its list and the reason, plus what the rewrite must know.
@@ -64,9 +72,8 @@ class OpRule:
     op's dtype (batch-norm statistics, affine parameters). ``index_args`` are
     integer or boolean slots that are never cast. ``accum_dtype`` is the name of
     the op's own accumulation-dtype argument, used instead of a cast.
-    ``result`` says what a ``PASS`` op returns: ``"nonfloat"``, ``"cast"``
-    (an explicit conversion), ``"same"`` (the dtype of its first argument),
-    ``"fp32"`` or ``None`` (unknown until run). ``gemm`` is the operand layout
+    ``result`` says what a ``PASS`` op returns (:class:`Result`; ``None``:
+    unknown until run). ``gemm`` is the operand layout
     the padding pass needs: ``"linear"`` (x[..., K], weight[N, K], bias[N]),
     ``"matmul"`` (a[..., M, K], b[..., K, N]) or ``"addmm"`` (c, a, b).
     ``promotes``: the kernel takes mixed float dtypes and computes in the
@@ -103,7 +110,7 @@ class OpRule:
     fp32_args: tuple[int | str, ...] = ()
     index_args: tuple[int | str, ...] = ()
     accum_dtype: str | None = None
-    result: str | None = None
+    result: Result | None = None
     probe: str | None = None
     gemm: str | None = None
     promotes: bool = False
@@ -380,10 +387,10 @@ for _name, _fns, _methods in [
                 *([torch.fx._symbolic_trace._assert_is_none]
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
-    _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result="nonfloat")
+    _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT)
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",
     methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
-    aten=["_to_copy", "to"], result="cast",
+    aten=["_to_copy", "to"], result=Result.CAST,
     cast_to=(("float", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16), ("double", None)),
     cast_like=("type_as",))
 _op("factory", P, "creates a tensor; its dtype is set by its arguments",
@@ -395,7 +402,7 @@ _op("embedding", P,
     "gathers rows of a float32 table: the table stays float32 and consumers that want low precision cast "
     "the gathered rows (cheaper than casting the whole table every step)",
     fns=[F.embedding, F.embedding_bag], modules=_mods("Embedding", "EmbeddingBag"), aten=["embedding"],
-    result="fp32")
+    result=Result.FP32)
 
 del A, I, C, D, P
 

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .. import decide, integrations, ops, probes
 from ..meta import RECORD, node_module_path, out_infos
-from ..ops import Category
+from ..ops import Category, Result
 from ..policy import Policy
 from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
@@ -88,7 +88,7 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     if d.rule == Rule.NON_FLOAT:
         return False
     rule = ops.RULES.get(d.op)
-    return not (d.category is Category.PASS and rule is not None and rule.result == "nonfloat")
+    return not (d.category is Category.PASS and rule is not None and rule.result is Result.NONFLOAT)
 
 
 def original_dtype(n: fx.Node) -> torch.dtype:

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..meta import RECORD, decision, out_infos
-from ..ops import Category
+from ..ops import Category, Result
 from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
@@ -375,12 +375,12 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
         if not floats:
             return None
     kind = rule.result if rule is not None else None
-    if d.rule is Rule.NON_FLOAT or kind == "nonfloat":
+    if d.rule is Rule.NON_FLOAT or kind is Result.NONFLOAT:
         return None
-    if kind == "fp32":
+    if kind is Result.FP32:
         return torch.float32
     first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    if kind == "cast":
+    if kind is Result.CAST:
         spelling = str(n.target)
         fixed = dict(rule.cast_to)  # x.half(): a fixed dtype
         if spelling in fixed:

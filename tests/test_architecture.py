@@ -113,22 +113,28 @@ def function_bodies() -> list[tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-def op_name_comparisons() -> list[str]:
-    """Places in passes/ that compare something with a string literal that is not an fx node kind."""
+def string_comparisons(source: str, filename: str = "<source>") -> list[str]:
+    """Comparisons (==, !=, in, not in) of anything with a string literal that is not an fx
+    node kind; comparisons of padding modes, dict keys and devices are allowed."""
     hits = []
-    for path in sorted(PACKAGES["ampfx.passes"].glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Compare):
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for op, right in zip(node.ops, node.comparators):
+            if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
                 continue
-            for op, right in zip(node.ops, node.comparators):
-                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
-                    continue
-                consts = [right] if isinstance(right, ast.Constant) else list(getattr(right, "elts", []))
-                words = [c.value for c in consts if isinstance(c, ast.Constant) and isinstance(c.value, str)]
-                left = ast.unparse(node.left)
-                if any(w not in FX_KINDS for w in words) and not re.search(r"\b(mode|kind|key|k|device)\b", left):
-                    hits.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            consts = [right] if isinstance(right, ast.Constant) else list(getattr(right, "elts", []))
+            words = [c.value for c in consts if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+            left = ast.unparse(node.left)
+            if any(w not in FX_KINDS for w in words) and not re.fullmatch(r"mode|k|key|[\w.]*device(\.type)?", left):
+                hits.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
     return hits
+
+
+def op_name_comparisons() -> list[str]:
+    """:func:`string_comparisons` over every pass."""
+    return [hit for path in sorted(PACKAGES["ampfx.passes"].glob("*.py"))
+            for hit in string_comparisons(path.read_text(), path.name)]
 
 
 def test_no_import_cycle_inside_ampfx():
@@ -145,6 +151,14 @@ def test_no_function_body_over_60_lines():
 def test_passes_compare_no_op_names():
     """Passes test properties of the op tables, never an op's name."""
     assert op_name_comparisons() == []
+
+
+def test_the_op_name_check_sees_names_and_rules_written_as_strings():
+    """The check above finds the comparisons it forbids, and lets fx node kinds and modes pass."""
+    source = ("d.op == 'linear'\nname in ('setitem', 'iadd')\nd.rule != 'select'\n"
+              "node.op == 'call_function'\nmode == 'never'\nd.kind in ('placeholder', 'get_attr')\n")
+    assert [h.split(": ", 1)[1] for h in string_comparisons(source)] == [
+        "d.op == 'linear'", "name in ('setitem', 'iadd')", "d.rule != 'select'"]
 
 
 def test_every_pass_has_a_unit_test_file():

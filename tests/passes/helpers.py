@@ -32,7 +32,7 @@ def context(gm: fx.GraphModule, example_inputs: Any = None, *, dtype: torch.dtyp
     symbols = None
     if example_inputs is not None:
         _, _, symbols = shapes.propagate(gm, example_inputs, dynamic_dims)
-    return PassContext(policy, device=device, symbols=symbols, example_inputs=example_inputs)
+    return PassContext(policy, device=device, symbols=symbols)
 
 
 def run(root: Callable | torch.nn.Module | fx.GraphModule, example_inputs: Any = None, *,
