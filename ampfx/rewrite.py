@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
 
-from . import integrations
 from .capture import export
 from .capture.base import Capture
 from .capture.tracer import trace_other_mode
@@ -33,6 +32,7 @@ from .passes import PIPELINE, calibrate, shapes
 from .passes.context import PassContext
 from .policy import Policy
 from .report import CastInfo, Decision, Region, Report
+from .state import kept_buffers
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
 
@@ -62,15 +62,17 @@ class Analysis:
 
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-                  prefix: str, regions: frozenset[str]) -> tuple[AmpGraphModule, Report]:
+                  prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any]) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
-    Raises :class:`NotReproduced` when the graph does not run on ``inputs``."""
+    ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
+    observed of their leaves (:mod:`ampfx.observe`). Raises :class:`NotReproduced` when the
+    graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
     before = gm.code
     analysis = analyse(gm, inputs, request, root_inputs=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
-                      leaf_facts=integrations.observe(work, inputs, request.policy.dtype))
+                      leaf_facts=leaf_facts)
     run_passes(gm, ctx)
     notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes,
              *_other_mode(gm, work, capture, inputs, request, ctx)]
@@ -132,7 +134,8 @@ def _other_mode(gm: AmpGraphModule, work: nn.Module, capture: Capture, inputs: E
         if capture.method == "export":  # exported once per mode already
             other = (capture.mode_graphs or {}).get(other_mode)
         else:
-            other = trace_other_mode(work, request.policy, capture)
+            with kept_buffers(work):  # tracing runs the Python, which may update buffers in place
+                other = trace_other_mode(work, request.policy, capture)
     except Exception as e:  # noqa: BLE001 - this mode's graph only; the other mode raises, saying what to do
         gm.set_mode_graph(other_mode, export.ModeUnavailable(other_mode, str(e), "torch.fx"))
         return [f"the model reads self.training but could not be traced in {missing} mode ({e}); the converted "

@@ -27,7 +27,7 @@ from .capture.tracer import TRACE_THROUGH, AmpTracer
 from .inputs import ExampleInputs
 from .report import Region, Report
 from .rewrite import NotReproduced, Request, convert_graph, device_of
-from .state import kept_buffers, modes
+from .observe import Observation, observe
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class _Job:
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
     """Convert ``root`` (a private copy of the model) and every module below it that needs it."""
-    calls = _Calls(root, request.inputs)
+    calls = _Observed(root, request.inputs, request.policy.dtype)
     top = _Part()
     stack = [_Job(root, request.inputs, "", top)]
     result = root
@@ -69,7 +69,7 @@ def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
     return result, _merge(top, request.policy.dtype)
 
 
-def _captured(job: _Job, calls: _Calls, request: Request) -> tuple[nn.Module | None, list[_Job]]:
+def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module | None, list[_Job]]:
     """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
     work, prefix = job.module, job.prefix
     capture = ladder.capture(work, request.policy, job.inputs, request.tracer)
@@ -80,7 +80,8 @@ def _captured(job: _Job, calls: _Calls, request: Request) -> tuple[nn.Module | N
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
     try:
-        gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called))
+        gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
+                                            calls.leaf_facts(work, prefix, job.inputs))
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
         if not list(work.children()):
             raise e.__cause__ or e
@@ -96,7 +97,7 @@ def _captured(job: _Job, calls: _Calls, request: Request) -> tuple[nn.Module | N
     return gm, jobs
 
 
-def _eager(job: _Job, calls: _Calls, request: Request) -> tuple[None, list[_Job]]:
+def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_Job]]:
     """``job.module`` keeps its Python; a job for each child it calls (see the module docstring)."""
     prefix, part = job.prefix, job.part
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
@@ -130,46 +131,39 @@ def _eager(job: _Job, calls: _Calls, request: Request) -> tuple[None, list[_Job]
     return None, jobs
 
 
-class _Calls:
-    """What each submodule of the model receives first on the example inputs.
+class _Observed:
+    """What the one real run of the model shows (:func:`ampfx.observe.observe`), run the first
+    time a job asks: what each submodule receives first, and what other libraries' leaves see.
+    The first ask always comes from the root's job (a module that keeps its Python, or the
+    root's graph conversion), before any module of the tree has been replaced."""
 
-    Recorded by one run of the model (eval mode, no gradients, buffers and
-    random state restored), the first time a job asks: that is always the
-    root's job, before any module of the tree has been replaced.
-    """
-
-    def __init__(self, root: nn.Module, inputs: ExampleInputs | None) -> None:
+    def __init__(self, root: nn.Module, inputs: ExampleInputs | None, dtype: torch.dtype) -> None:
         self.root, self.inputs = root, inputs
-        self.seen: dict[str, ExampleInputs] | None = None
+        self.watch = integrations.watched(root, dtype) if inputs is not None else {}
+        self.seen: Observation | None = None
+        self.error: Exception | None = None
+
+    def _run(self) -> Observation:
+        if self.seen is None and self.error is None:
+            try:
+                self.seen = observe(self.root, self.inputs, calls=True, watch=self.watch)
+            except Exception as e:  # noqa: BLE001 - raised where the calls are needed, see get()
+                self.error = e
+        return self.seen or Observation()
 
     def get(self, path: str) -> ExampleInputs | None:
+        """What the module at ``path`` received first (``None``: not called, or no example inputs)."""
         if self.inputs is None:
             return None
-        if self.seen is None:
-            self.seen = record_calls(self.root, self.inputs)
-        return self.seen.get(path)
+        seen = self._run()
+        if self.error is not None:
+            raise self.error
+        return seen.calls.get(path)
 
-
-def record_calls(root: nn.Module, inputs: ExampleInputs) -> dict[str, ExampleInputs]:
-    """Run ``root`` once on ``inputs`` and record what each submodule receives first
-    (snapshots: the forward may change what it passed, caches)."""
-    seen: dict[str, tuple[tuple, dict]] = {}
-    hooks = []
-    for path, sub in root.named_modules():
-        if not path:
-            continue
-
-        def hook(mod: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
-            if path not in seen:
-                seen[path] = ExampleInputs(args, kwargs).snapshot()
-        hooks.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with modes(root, training=False), torch.no_grad(), kept_buffers(root), torch.random.fork_rng(devices=[]):
-            inputs.call(root)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {p: ExampleInputs.from_call(root.get_submodule(p), c.args, c.kwargs) for p, c in seen.items()}
+    def leaf_facts(self, work: nn.Module, prefix: str, inputs: ExampleInputs | None) -> dict[str, object]:
+        """What other libraries make of their leaves inside ``work`` (at ``prefix``)."""
+        seen = self._run().seen if self.watch else {}
+        return integrations.leaf_facts(work, inputs, seen, prefix)
 
 
 def _merge(part: _Part, dtype: torch.dtype) -> Report:

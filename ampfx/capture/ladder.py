@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs
 from ..policy import Policy
+from ..state import kept_buffers
 from . import export
 from .base import Capture, Uncaptured
 from .tracer import RootUntraceable, trace
@@ -61,7 +62,8 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
     needed leaves) is kept only if torch.export fails; a graph that computes something
     else is never returned."""
     try:
-        got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
+        with kept_buffers(module):  # tracing runs the Python: `self.count += 1` on a real buffer changes it
+            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
         return None, list(e.steps)
     if not check:

@@ -26,10 +26,9 @@ True
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -38,7 +37,7 @@ from .. import decide, ops
 from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..report import Region, Report, dtype_name
-from ..state import kept_buffers, modes
+from ..observe import observe as run_observed
 from . import dgl
 
 LIBRARIES: dict[str, Any] = {
@@ -79,52 +78,44 @@ def refine(decision: Any, module: Any, facts: LeafFacts) -> Any:
     return decision if lib is None else lib.refine(decision, module, facts)
 
 
-def observe(model: nn.Module, example_inputs: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Module path (relative to ``model``) -> what its library observed of each library leaf on
-    ``example_inputs``; ``{}`` without example inputs or library leaves.
+def watched(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Callable[..., Any]]:
+    """Module path -> the function that observes one call of that library leaf, for the leaves whose
+    library reads values seen on the example inputs under ``dtype`` (``None``: any); see
+    :func:`ampfx.observe.observe`."""
+    return {path: lib.observe_call for path, m in model.named_modules()
+            if path and (lib := library_of(m)) is not None and lib.needs_run(dtype)}
 
-    Runs ``model`` once on the example inputs (eval mode, no grad; buffers,
-    training flags and the RNG restored) with a forward pre-hook on each
-    library leaf, unless no library needs values under ``dtype`` (``None``:
-    run). A run that fails leaves only the facts that need no run.
+
+def leaf_facts(model: nn.Module, inputs: Any, seen: Mapping[str, list[Any]], prefix: str = "") -> dict[str, Any]:
+    """Module path (relative to ``model``) -> what its library makes of each library leaf: the
+    observations of its calls in ``seen`` (keyed by path in the user's model, ``prefix`` + path)
+    and the example ``inputs``; ``{}`` without inputs."""
+    if inputs is None:
+        return {}
+    inputs = ExampleInputs.of(inputs)
+    given = (inputs.args, dict(inputs.kwargs))
+    return {path: lib.observation(seen.get(prefix + path, []), given) for path, m in model.named_modules()
+            if path and (lib := library_of(m)) is not None}
+
+
+def observe(model: nn.Module, example_inputs: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """:func:`leaf_facts` of ``model`` after one run on ``example_inputs`` that watches its library
+    leaves (no run when no library needs values under ``dtype``; a run that fails leaves only the
+    facts that need none).
 
     >>> observe(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
     {}
     """
     if example_inputs is None:
         return {}
-    example_inputs = ExampleInputs.of(example_inputs)
-    leaves = {path: (m, lib) for path, m in model.named_modules() if path and (lib := library_of(m)) is not None}
-    calls: dict[str, list[Any]] = {path: [] for path in leaves}
-    if any(lib.needs_run(dtype) for _, lib in leaves.values()):
+    watch = watched(model, dtype)
+    seen = {}
+    if watch:
         try:
-            _run_observed(model, example_inputs, leaves, calls)
+            seen = run_observed(model, ExampleInputs.of(example_inputs), watch=watch).seen
         except Exception:  # noqa: BLE001 - no numbers: the rules that need them then say nothing
-            calls = {path: [] for path in leaves}
-    given = (example_inputs.args, dict(example_inputs.kwargs))
-    return {path: lib.observation(calls[path], given) for path, (_, lib) in leaves.items()}
-
-
-def _run_observed(model: nn.Module, example_inputs: Any, leaves: dict[str, tuple[nn.Module, Any]],
-                  calls: dict[str, list[Any]]) -> None:
-    hooks = []
-    for path, (module, lib) in leaves.items():
-        def hook(mod: nn.Module, args: Any, kwargs: Any, seen: list = calls[path], lib: Any = lib) -> None:
-            seen.append(lib.observe_call(mod, args, kwargs))
-        hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    tensors = [*model.parameters(), *model.buffers(),
-               *example_inputs.tensors()]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=cuda))
-            stack.enter_context(kept_buffers(model))
-            stack.enter_context(modes(model, training=False))
-            stack.enter_context(torch.no_grad())
-            example_inputs.call(model)
-    finally:
-        for h in hooks:
-            h.remove()
+            seen = {}
+    return leaf_facts(model, example_inputs, seen)
 
 
 def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, inputs: Any, prefix: str = "",

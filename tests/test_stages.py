@@ -1,0 +1,123 @@
+"""The stages of convert on their own: example inputs, the capture ladder's verdicts, the one
+observation run, and the module-tree loop."""
+import torch
+import torch.nn as nn
+
+import ampfx
+from ampfx.capture import ladder
+from ampfx.capture.base import Capture, Uncaptured
+from ampfx.inputs import ExampleInputs
+from ampfx.observe import observe
+
+RUNS: list[str] = []
+
+
+class Block(nn.Module):
+    """Untraceable (a Python branch on a value), with two children that trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        if not isinstance(x, torch.fx.Proxy):  # real runs only, not tracing
+            RUNS.append("block")
+        self.count += 1
+        h = self.a(x)
+        return self.b(h) if h.sum() > -1e9 else h
+
+
+class ShapeBranch(nn.Module):
+    """torch.fx cannot branch on a traced size; torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) * 2 if x.shape[-1] == 4 else x
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = Block(), nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        if not isinstance(x, torch.fx.Proxy):
+            RUNS.append("root")
+        h = self.block(x)
+        return self.head(h) if h.mean() < 1e9 else h
+
+
+def test_example_inputs_take_every_convention():
+    """A tuple or list is positional, a dict is keywords, one value is the only positional."""
+    x = torch.ones(2)
+    assert ExampleInputs.of((x, 3)).args == (x, 3) and ExampleInputs.of([x]).args == (x,)
+    assert ExampleInputs.of({"x": x}).kwargs == {"x": x} and ExampleInputs.of({"x": x}).args == ()
+    assert ExampleInputs.of(x).args == (x,) and ExampleInputs.of(None) is None
+
+    def forward(x, mask=None, scale=1.0):
+        return x
+
+    ex = ExampleInputs.of({"scale": 2.0, "x": x})
+    assert list(ex.ordered(forward)[1]) == ["x", "scale"]
+    assert ex.tensor_names(forward) == {"x"}
+    assert ExampleInputs.of((x,)).bind(forward).arguments == {"x": x, "mask": None, "scale": 1.0}
+    lin = nn.Linear(2, 2)
+    assert ExampleInputs.from_call(lin, (x,), {}).args == (x,)
+    assert ExampleInputs.from_call(lin, (), {"input": x}).kwargs == {"input": x}
+
+
+def test_a_snapshot_is_not_reached_by_later_changes():
+    """snapshot() deep-copies: an in-place change to the original leaves the copy as it was."""
+    x = torch.zeros(2)
+    copy = ExampleInputs.of((x, [x])).snapshot()
+    x += 1
+    assert copy.args[0].sum() == 0 and copy.args[1][0].sum() == 0
+
+
+def test_the_ladder_says_why_it_accepted_a_capture():
+    """fx that reproduces the model is accepted with that reason; tracer='fx' without checking says so;
+    a forward fx cannot trace is exported (auto), or uncaptured (fx)."""
+    policy = ampfx.Policy()
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = ExampleInputs.of((torch.randn(2, 4),))
+    got = ladder.capture(net, policy, x, "auto")
+    assert isinstance(got, Capture) and got.method == "fx" and "reproduces" in got.why
+    assert "not checked" in ladder.capture(net, policy, x, "fx").why
+    exported = ladder.capture(ShapeBranch(), policy, x, "auto")
+    assert isinstance(exported, Capture) and exported.method == "export" and exported.why
+    assert any(s.startswith("auto: torch.fx could not trace") for s in exported.steps)
+    refused = ladder.capture(ShapeBranch(), policy, x, "fx")
+    assert isinstance(refused, Uncaptured) and refused.steps and not any("export" in s for s in refused.steps)
+
+
+def test_observe_runs_the_model_once_and_leaves_it_as_found():
+    """One run records the first call of every submodule; buffers and the random state are put back."""
+    root, x = Root(), ExampleInputs.of((torch.randn(3, 4),))
+    RUNS.clear()
+    before = torch.random.get_rng_state()
+    seen = observe(root, x, calls=True)
+    assert RUNS == ["root", "block"]
+    assert {"block", "block.a", "block.b", "head", "head.0", "head.2"} <= set(seen.calls)
+    assert seen.calls["head.2"].args[0].shape == (3, 8)
+    assert int(root.block.count) == 0 and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_tree_converted_region_by_region_runs_each_module_once_for_real():
+    """Nested modules that keep their Python (root and block) are converted from one observation run:
+    each forward runs once for real (recording the children's inputs), not once per level."""
+    model = Root()
+    RUNS.clear()
+    amp = ampfx.convert(model, torch.bfloat16, example_inputs=(torch.randn(3, 4),), tracer="fx")
+    assert RUNS == ["root", "block"]
+    regions = {r.path: r for r in amp.ampfx_report.regions}
+    assert regions[""].method.startswith("eager") and regions["block"].method.startswith("eager")
+    assert regions["head"].method == "fx" and regions["head"].why
+    assert [r.path for r in amp.ampfx_report.regions] == ["block.a", "block.b", "block", "head", ""]
+    assert isinstance(amp.block.a, torch.fx.GraphModule) and isinstance(amp.head, torch.fx.GraphModule)
+    assert int(model.block.count) == 0  # the observation run put the counter back
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(amp(x), model(x), atol=0.05, rtol=0.05)
