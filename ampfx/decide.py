@@ -52,7 +52,7 @@ class Verdict:
 
     category: Category
     dtype: torch.dtype | None
-    rule: str
+    rule: Rule
     reason: str
 
     def decision(self, **where: Any) -> Decision:

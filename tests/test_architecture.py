@@ -142,6 +142,34 @@ def test_no_import_cycle_inside_ampfx():
     assert import_cycles() == []
 
 
+FORBIDDEN = {  # importer prefix -> imported prefixes it must not import (docs/architecture.md)
+    "ampfx.passes": ("ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
+    "ampfx.integrations": ("ampfx.passes", "ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
+    "ampfx.ops": ("ampfx.integrations",),
+    "ampfx.capture": ("ampfx.passes", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
+}
+
+
+def layer_violations() -> list[str]:
+    """Module-level imports that cross the layers of docs/architecture.md, and any import of the UI
+    from outside it (``python -m ampfx`` aside)."""
+    known = modules()
+    bad = []
+    for name, path in known.items():
+        edges = _imports(name, path, known)[0]
+        for importer, banned in FORBIDDEN.items():
+            if name == importer or name.startswith(importer + "."):
+                bad += [f"{name} imports {e}" for e in edges if e.startswith(banned)]
+        if not name.startswith(("ampfx.ui", "ampfx.__main__")):
+            bad += [f"{name} imports {e}" for e in edges if e.startswith("ampfx.ui")]
+    return sorted(bad)
+
+
+def test_layers_import_only_what_they_may():
+    """Passes import no capture or stage module, integrations no pass, ops no integration, nothing the UI."""
+    assert layer_violations() == []
+
+
 def test_no_function_body_over_60_lines():
     """Every function body (docstring aside) is at most 60 lines."""
     long = [(n, f) for n, f in function_bodies() if n > MAX_BODY]
