@@ -1,7 +1,7 @@
 """The op tables: which list every op is on, and why.
 
 This module is data. No pass names an op; passes ask :func:`lookup` for the
-:class:`OpRule` of a node and read its fields.
+:class:`OpEntry` of a node and read its fields.
 
 One op has one canonical name however it is reached: ``nn.Linear``,
 ``F.linear`` and ``aten.linear`` are all ``linear``; ``nn.Softmax``,
@@ -11,11 +11,11 @@ Keys are the torch callables themselves, ``Tensor`` method names (the strings
 op-packet names (so graphs captured at the ATen level map to the same names
 and the same policy).
 
->>> from ampfx.ops import lookup_name, RULES
+>>> from ampfx.ops import lookup_name, ENTRIES
 >>> import torch.nn.functional as F, torch.nn as nn
 >>> lookup_name(F.softmax), lookup_name(nn.Softmax), lookup_name("softmax")
 ('softmax', 'softmax', 'softmax')
->>> RULES["softmax"].category
+>>> ENTRIES["softmax"].category
 <Category.DENY: 'deny'>
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ LISTS = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 
 
 class Result(str, enum.Enum):
-    """What a ``PASS`` op returns (``OpRule.result``)."""
+    """What a ``PASS`` op returns (``OpEntry.result``)."""
 
     NONFLOAT = "nonfloat"  #: no float data (sizes, comparisons, indices)
     CAST = "cast"  #: an explicit conversion written in the model
@@ -63,7 +63,7 @@ class Result(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class OpRule:
+class OpEntry:
     """One op's entry: its list and the reason, plus what the rewrite must know.
 
     ``fp16`` / ``bf16`` replace ``(category, reason)`` under that dtype, where
@@ -128,7 +128,7 @@ class OpRule:
         return variant if variant is not None else (self.category, self.reason)
 
 
-RULES: dict[str, OpRule] = {}
+ENTRIES: dict[str, OpEntry] = {}
 _ALIASES: dict[Any, str] = {}  # callable | module type | method name | "aten::name" -> canonical name
 
 
@@ -143,8 +143,8 @@ def _op(
     aten: Iterable[str] = (),
     **fields: Any,
 ) -> None:
-    assert name not in RULES, f"duplicate op table entry {name!r}"
-    RULES[name] = OpRule(name, category, reason, **fields)
+    assert name not in ENTRIES, f"duplicate op table entry {name!r}"
+    ENTRIES[name] = OpEntry(name, category, reason, **fields)
     keys = [*fns, *methods, *modules, *(f"aten::{a}" for a in aten)]
     for key in keys:
         assert _ALIASES.get(key, name) == name, f"{key!r} is both {_ALIASES[key]!r} and {name!r}"
@@ -214,7 +214,7 @@ _views = ["view", "reshape", "permute", "transpose", "t", "flatten", "unflatten"
           "select", "flip", "roll", "movedim", "swapaxes", "view_as", "reshape_as", "clone", "detach",
           "tril", "triu", "index_select", "gather", "take_along_dim", "repeat_interleave", "diagonal",
           "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "topk", "sort", "unfold"]
-# those whose result may share its first argument's storage (OpRule.view)
+# those whose result may share its first argument's storage (OpEntry.view)
 _aliasing = {"view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
              "expand_as", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "view_as", "reshape_as",
              "movedim", "swapaxes", "diagonal", "contiguous", "detach"}
@@ -467,7 +467,7 @@ def register_library(entries: Iterable[tuple[str, Category, str, Iterable[str]]]
     Their tables live with their integration (data only: importing it imports no library), which
     registers them when ampfx is imported (:mod:`ampfx.integrations`); this module imports none.
 
-    >>> "dgl.GATConv" in RULES and lookup_name("dgl.GATConv")
+    >>> "dgl.GATConv" in ENTRIES and lookup_name("dgl.GATConv")
     'dgl.GATConv'
     """
     for name, category, reason, qualnames in entries:
@@ -537,7 +537,7 @@ def qualified_name(obj: Any) -> str:
 
 def known_names() -> list[str]:
     """Every name accepted where an op is typed: canonical names and method names."""
-    return sorted({k for k in _ALIASES if isinstance(k, str) and not k.startswith("aten::")} | set(RULES))
+    return sorted({k for k in _ALIASES if isinstance(k, str) and not k.startswith("aten::")} | set(ENTRIES))
 
 
 def aliases_of(name: str) -> list[Any]:
@@ -555,13 +555,13 @@ Methods and ATen ops say so by their trailing ``_`` (``add_``); modules by ``inp
 
 
 def is_view(name: str) -> bool:
-    """May op ``name``'s result share storage with its first argument (``OpRule.view``)?
+    """May op ``name``'s result share storage with its first argument (``OpEntry.view``)?
 
     >>> is_view("transpose"), is_view("getitem"), is_view("add"), is_view("Tensor.custom")
     (True, True, False, False)
     """
-    rule = RULES.get(name)
-    return rule is not None and rule.view
+    entry = ENTRIES.get(name)
+    return entry is not None and entry.view
 
 
 def is_inplace_operator(target: Any) -> bool:

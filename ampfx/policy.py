@@ -213,8 +213,8 @@ class Policy:
         removes an op from a list it is not on.
         """
         members: dict[Category, dict[str, tuple[Rule, str]]] = {c: {} for c in LISTS}
-        for name, rule in ops.RULES.items():
-            cat, reason = rule.for_dtype(self.dtype)
+        for name, entry in ops.ENTRIES.items():
+            cat, reason = entry.for_dtype(self.dtype)
             if cat in members:
                 members[cat][name] = (Rule.TABLE, reason)
         for from_env_vars in (False, True):  # arguments first, the environment on top

@@ -182,7 +182,7 @@ PROBES: dict[str, Callable[[torch.dtype, str, Variant], torch.Tensor]] = {
     "rnn_cell": _rnn(nn.RNNCell, True),
 }
 """Probe kind -> ``run(dtype, device, variant)`` returning a tensor to backpropagate
-from. Op table entries name their kind (``OpRule.probe``). Elementwise ops have
+from. Op table entries name their kind (``OpEntry.probe``). Elementwise ops have
 no probe: every float dtype has them on CPU and CUDA."""
 
 

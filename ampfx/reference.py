@@ -37,7 +37,7 @@ def markdown() -> str:
     titles = {Category.ALLOW: "Allow list", Category.INFER: "Infer list", Category.CLEAR: "Clear list",
               Category.DENY: "Deny list", Category.PASS: "Left as written (pass)"}
     for cat in order:
-        rows = [r for r in ops.RULES.values() if r.category is cat]
+        rows = [r for r in ops.ENTRIES.values() if r.category is cat]
         lines += [f"## {titles[cat]}", "", "| op | fp16 | bf16 | reason | forms |", "|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: r.name):
             fp16, why16 = r.for_dtype(torch.float16)

@@ -97,7 +97,7 @@ class _Casts:
 
 
 def _is_view(node: fx.Node) -> bool:
-    """May ``node`` share storage with its first argument (``OpRule.view``)?"""
+    """May ``node`` share storage with its first argument (``OpEntry.view``)?"""
     d = record(node)
     return (isinstance(d, Decision) and ops.is_view(d.op) and bool(node.args)
             and isinstance(node.args[0], fx.Node))
@@ -118,13 +118,13 @@ def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
 
 
 def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
-    """The float32 bias of a low-precision op with ``OpRule.split_bias``
+    """The float32 bias of a low-precision op with ``OpEntry.split_bias``
     (``linear``) consumed in float32 only (then taken out of the call), else ``None``."""
     args = list(node.args)
     bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
     if not isinstance(bias, fx.Node) or decision(bias).out != torch.float32 or not _wants_fp32(node, ctx):
         return None
-    if all(node in _promoted_inputs(u, ops.RULES.get(decision(u).op), decision(u).dtype) for u in node.users):
+    if all(node in _promoted_inputs(u, ops.ENTRIES.get(decision(u).op), decision(u).dtype) for u in node.users):
         return None  # float32 consumers read the low output as it is (type promotion): no float32 copy to ride on
     node.args = tuple(args[:2])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
@@ -156,7 +156,7 @@ def _takes(target: Any, name: str) -> bool:
     return schema is None or any(a.name == name for a in schema.arguments)
 
 
-def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
+def _promoted_inputs(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
                      out_of: Callable[[fx.Node], Any] = None, fixed: Any = ()) -> set[fx.Node]:
     """Low inputs of a float32 op that type promotion upcasts with no cast:
     the op ``promotes`` and another positional input is a float32 tensor with
@@ -167,7 +167,7 @@ def _promoted_inputs(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
     E.g. Swin under float16: ``attn + mask``, attention scores in float16 and a
     float32 mask, adds in float32 without casting the scores first.
     """
-    if rule is None or not rule.promotes or want != torch.float32:
+    if entry is None or not entry.promotes or want != torch.float32:
         return set()
     out_of = out_of or _out
     tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(record(a), Decision)]
@@ -191,21 +191,21 @@ def _ndim(n: fx.Node) -> int | None:
     return len(infos[0].shape)
 
 
-def _slot_dtype(slot: int | str, rule: ops.OpRule | None, want: torch.dtype) -> torch.dtype | None:
+def _slot_dtype(slot: int | str, entry: ops.OpEntry | None, want: torch.dtype) -> torch.dtype | None:
     """The dtype an argument slot is cast to: ``want``, float32 for pinned slots, ``None`` for index slots."""
-    if rule is not None and slot in rule.index_args:
+    if entry is not None and slot in entry.index_args:
         return None
-    return torch.float32 if rule is not None and slot in rule.fp32_args else want
+    return torch.float32 if entry is not None and slot in entry.fp32_args else want
 
 
-def _accumulates(node: fx.Node, rule: ops.OpRule | None, want: torch.dtype, out_of: Callable[[fx.Node], Any],
+def _accumulates(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, out_of: Callable[[fx.Node], Any],
                  fixed: Any = ()) -> bool:
     """Does a float32 op take its low first input as is, accumulating through its own ``dtype=`` argument
     (``softmax(x, dim, dtype=torch.float32)``)?"""
     args = node.args
-    return bool(rule is not None and rule.accum_dtype and want == torch.float32 and args
-                and _takes(node.target, rule.accum_dtype) and isinstance(args[0], fx.Node)
-                and node.kwargs.get(rule.accum_dtype) is None and len(args) < 4
+    return bool(entry is not None and entry.accum_dtype and want == torch.float32 and args
+                and _takes(node.target, entry.accum_dtype) and isinstance(args[0], fx.Node)
+                and node.kwargs.get(entry.accum_dtype) is None and len(args) < 4
                 and out_of(args[0]) in (torch.float16, torch.bfloat16)
                 and (args[0], torch.float32) not in fixed)  # a split bias must be added first
 
@@ -232,21 +232,21 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
         return pairs
     if d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want is None or d.rule is Rule.SELECT:
         return pairs
-    rule = ops.RULES.get(d.op)
-    start = 1 if _accumulates(node, rule, want, out_of) else 0
-    promoted = _promoted_inputs(node, rule, want, out_of)
+    entry = ops.ENTRIES.get(d.op)
+    start = 1 if _accumulates(node, entry, want, out_of) else 0
+    promoted = _promoted_inputs(node, entry, want, out_of)
     for i, arg in enumerate(node.args[start:], start):
         if arg not in promoted:
-            fx.map_arg(arg, lambda n, dt=_slot_dtype(i, rule, want): need(n, dt))
+            fx.map_arg(arg, lambda n, dt=_slot_dtype(i, entry, want): need(n, dt))
     for k, arg in node.kwargs.items():
-        if k != (rule.accum_dtype if rule else None):
-            fx.map_arg(arg, lambda n, dt=_slot_dtype(k, rule, want): need(n, dt))
+        if k != (entry.accum_dtype if entry else None):
+            fx.map_arg(arg, lambda n, dt=_slot_dtype(k, entry, want): need(n, dt))
     return pairs
 
 
-def _map_slot(arg: Any, slot: int | str, node: fx.Node, rule: ops.OpRule | None, want: torch.dtype,
+def _map_slot(arg: Any, slot: int | str, node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
               casts: _Casts) -> Any:
-    dtype = _slot_dtype(slot, rule, want)
+    dtype = _slot_dtype(slot, entry, want)
     if dtype is None:
         return arg
     why = (f"{node.name} pins this slot to float32" if dtype != want
@@ -277,25 +277,25 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if d.category is Category.PASS or d.dtype is None or d.rule is Rule.SELECT:
             continue
-        rule = ops.RULES.get(d.op)
+        entry = ops.ENTRIES.get(d.op)
         want = d.dtype
-        split = (_bias_to_split(node, ctx) if rule is not None and rule.split_bias and node.op == "call_function"
+        split = (_bias_to_split(node, ctx) if entry is not None and entry.split_bias and node.op == "call_function"
                  and want == low else None)
         args = list(node.args)
         kwargs = dict(node.kwargs)
-        if _accumulates(node, rule, want, _out, casts.fixed):
-            kwargs[rule.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
+        if _accumulates(node, entry, want, _out, casts.fixed):
+            kwargs[entry.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
             start = 1
         else:
             start = 0
-        promoted = _promoted_inputs(node, rule, want, _out, casts.fixed)
+        promoted = _promoted_inputs(node, entry, want, _out, casts.fixed)
         for i in range(start, len(args)):
             if args[i] in promoted:
                 continue  # the kernel upcasts it (exactly) beside a float32 tensor
-            args[i] = _map_slot(args[i], i, node, rule, want, casts)
+            args[i] = _map_slot(args[i], i, node, entry, want, casts)
         for k in list(kwargs):
-            if k != (rule.accum_dtype if rule else None):
-                kwargs[k] = _map_slot(kwargs[k], k, node, rule, want, casts)
+            if k != (entry.accum_dtype if entry else None):
+                kwargs[k] = _map_slot(kwargs[k], k, node, entry, want, casts)
         node.args, node.kwargs = tuple(args), kwargs
         if split is not None:
             _add_bias_after(node, split, casts)

@@ -87,8 +87,8 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
         return d.out is not None
     if d.rule == Rule.NON_FLOAT:
         return False
-    rule = ops.RULES.get(d.op)
-    return not (d.category is Category.PASS and rule is not None and rule.result is Result.NONFLOAT)
+    entry = ops.ENTRIES.get(d.op)
+    return not (d.category is Category.PASS and entry is not None and entry.result is Result.NONFLOAT)
 
 
 def original_dtype(n: fx.Node) -> torch.dtype:
@@ -189,13 +189,13 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     """The precedence chain for one op, first match wins: a PASS table entry; no float data; a
     region (a module that runs eagerly); ``fp32_modules`` / ``module_filter_fn``; the lists
     (unlisted, or listed and then checked for a working kernel and representable constants)."""
-    rule = ops.RULES.get(name)
+    entry = ops.ENTRIES.get(name)
     float_inputs = [n for n in node.all_input_nodes if carries_float(n, decided)]
     infos = out_infos(node)
     out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
-    if ctx.policy.category_of(name) is None and rule is not None and rule.category is Category.PASS:
-        return decide.Verdict(Category.PASS, None, Rule.TABLE, rule.reason)
-    if not float_inputs and (not out_float or (infos is None and rule is not None)):
+    if ctx.policy.category_of(name) is None and entry is not None and entry.category is Category.PASS:
+        return decide.Verdict(Category.PASS, None, Rule.TABLE, entry.reason)
+    if not float_inputs and (not out_float or (infos is None and entry is not None)):
         return decide.Verdict(Category.PASS, None, Rule.NON_FLOAT, "no float32/16/bf16 tensor in or out: left as written")
     if node.op == "call_module" and str(node.target) in ctx.regions:
         return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
@@ -216,10 +216,10 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
     """A listed low-precision candidate stays float32 where the device has no working kernel for
     it (rule ``probe``) or it takes a constant the low dtype cannot hold (``range:constant``)."""
     low = ctx.policy.dtype
-    rule = ops.RULES.get(name)
-    if ctx.policy.probe and rule is not None and rule.probe:
-        variant = _probe_variant(rule.probe, node, gm)
-        err = probes.check(rule.probe, low, ctx.device, variant)
+    entry = ops.ENTRIES.get(name)
+    if ctx.policy.probe and entry is not None and entry.probe:
+        variant = _probe_variant(entry.probe, node, gm)
+        err = probes.check(entry.probe, low, ctx.device, variant)
         if err is not None:
             verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
                                      f"{name}{probes.describe(variant)} has no working {dtype_name(low)} kernel on "

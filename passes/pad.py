@@ -148,11 +148,11 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
     made: dict = {}
     for node in list(gm.graph.nodes):
         d = record(node)
-        rule = ops.RULES.get(getattr(d, "op", ""))
-        if not (isinstance(d, Decision) and rule is not None and rule.gemm
+        entry = ops.ENTRIES.get(getattr(d, "op", ""))
+        if not (isinstance(d, Decision) and entry is not None and entry.gemm
                 and node.op in ("call_function", "call_method") and d.dtype == low and not node.kwargs):
             continue
-        layout = LAYOUTS[rule.gemm]
+        layout = LAYOUTS[entry.gemm]
         plan, text = _plan(node, layout, gm, m)
         if plan is None:
             node.meta[RECORD] = dataclasses.replace(d, reason=f"{d.reason}; {text}")

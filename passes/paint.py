@@ -8,7 +8,7 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 3. between-allow: INFER/CLEAR nodes on a path from one low node to another
    (not through float32 nodes) go low;
 4. follow-allow, in graph order: a CLEAR node fed by a low node and no deny
-   node goes low; so does an INFER node under bfloat16 (TF-AMP's bf16 rule),
+   node goes low; so does an INFER node under bfloat16 (TF-AMP's bf16 entry),
    and under float16 when *all* its float inputs are low (it then runs in its
    inputs' dtype, as autocast would; range-risky ops are on the fp16 deny list);
 5. clear propagation: CLEAR nodes next to low nodes go low, both directions.
@@ -16,8 +16,8 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 Steps 4 and 5 repeat until nothing changes. Step 6 moves an infer/clear op
 painted low to float32 where that removes a cast and adds none; step 7 moves a
 whole connected region of them where that needs fewer casts and moves no more
-bytes. A slot the op's rule pins to
-float32 (a norm's weight and bias, ``OpRule.fp32_args``) is not counted as a
+bytes. A slot the op's entry pins to
+float32 (a norm's weight and bias, ``OpEntry.fp32_args``) is not counted as a
 float input in step 4.
 
 Unpainted INFER/CLEAR nodes stay float32. Then, in graph order, every node
@@ -49,7 +49,7 @@ PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
 Neighbours = Callable[[fx.Node], list[fx.Node]]
-Color = dict[fx.Node, tuple[torch.dtype, Rule, str]]  # node -> (dtype, rule, reason) painted so far
+Color = dict[fx.Node, tuple[torch.dtype, Rule, str]]  # node -> (dtype, entry, reason) painted so far
 
 
 def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
@@ -202,8 +202,8 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
     def wants_fp32(u: fx.Node, value: fx.Node) -> bool:  # takes value as a float32 copy (not through dtype=)
         if u.op == "output":  # outputs return in their original dtype
             return keep_output_dtype and original_dtype(value) == torch.float32
-        rule = ops.RULES.get(decided[u].op)
-        if rule is not None and rule.accum_dtype:
+        entry = ops.ENTRIES.get(decided[u].op)
+        if entry is not None and entry.accum_dtype:
             return False
         return u in denied or color.get(u, (None,))[0] == torch.float32
 
@@ -351,13 +351,13 @@ def _itemsize(dtype: object) -> int:
 
 
 def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
-    """Input nodes in the slots the op's rule pins to float32 (``OpRule.fp32_args``):
+    """Input nodes in the slots the op's rule pins to float32 (``OpEntry.fp32_args``):
     a layer norm's weight and bias are float32 whatever dtype its data runs in."""
-    rule = ops.RULES.get(decision(n).op)
-    if rule is None or not rule.fp32_args:
+    entry = ops.ENTRIES.get(decision(n).op)
+    if entry is None or not entry.fp32_args:
         return set()
     pinned: set[fx.Node] = set()
-    for slot in rule.fp32_args:
+    for slot in entry.fp32_args:
         arg = n.args[slot] if isinstance(slot, int) and slot < len(n.args) else (
             n.kwargs.get(slot) if isinstance(slot, str) else None)
         fx.map_arg(arg, pinned.add)
@@ -366,7 +366,7 @@ def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
 
 def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     """The dtype a PASS node (explicit cast, factory, table gather) produces."""
-    rule = ops.RULES.get(d.op)
+    entry = ops.ENTRIES.get(d.op)
     infos = out_infos(n)
     meta_dtype = None
     if infos is not None:
@@ -374,7 +374,7 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
         meta_dtype = floats[0] if floats else None
         if not floats:
             return None
-    kind = rule.result if rule is not None else None
+    kind = entry.result if entry is not None else None
     if d.rule is Rule.NON_FLOAT or kind is Result.NONFLOAT:
         return None
     if kind is Result.FP32:
@@ -382,14 +382,14 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if kind is Result.CAST:
         spelling = str(n.target)
-        fixed = dict(rule.cast_to)  # x.half(): a fixed dtype
+        fixed = dict(entry.cast_to)  # x.half(): a fixed dtype
         if spelling in fixed:
             return fixed[spelling]
         for a in (*n.args[1:], *n.kwargs.values()):
             if isinstance(a, torch.dtype):
                 return a if a in CASTABLE else None
             if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
-                return out.get(a, DYNAMIC) if spelling in rule.cast_like or out.get(a) in CASTABLE else DYNAMIC
+                return out.get(a, DYNAMIC) if spelling in entry.cast_like or out.get(a) in CASTABLE else DYNAMIC
         return first  # .to(device), .cpu(): same dtype
     if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
         return meta_dtype  # factories: dtype fixed by constant arguments
@@ -397,9 +397,9 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
 
 
 def _selects(d: Decision) -> bool:
-    """Does the op take a part of its first argument and keep its dtype (``OpRule.select``: ``x[i]``)?"""
-    rule = ops.RULES.get(d.op)
-    return rule is not None and rule.select
+    """Does the op take a part of its first argument and keep its dtype (``OpEntry.select``: ``x[i]``)?"""
+    entry = ops.ENTRIES.get(d.op)
+    return entry is not None and entry.select
 
 
 def _values(gm: fx.GraphModule, low: torch.dtype) -> None:

@@ -64,8 +64,8 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     low = ctx.policy.dtype
     for node in gm.graph.nodes:
         d = record(node)
-        rule = ops.RULES.get(d.op) if isinstance(d, Decision) else None
-        if rule is None or not rule.reduction or d.rule is not Rule.TABLE:
+        entry = ops.ENTRIES.get(d.op) if isinstance(d, Decision) else None
+        if entry is None or not entry.reduction or d.rule is not Rule.TABLE:
             continue
         if d.category not in (Category.INFER, Category.DENY):
             continue
@@ -80,7 +80,7 @@ def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             if upper <= threshold:
                 d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule=Rule.SHAPE_SMALL_REDUCTION,
                                         reason=f"{what} <= threshold {threshold:,}: follows its inputs")
-            elif lower > threshold and low == torch.bfloat16 and rule.fp32_accumulation:
+            elif lower > threshold and low == torch.bfloat16 and entry.fp32_accumulation:
                 d = dataclasses.replace(d, category=Category.INFER, dtype=None, rule=Rule.SHAPE_LARGE_REDUCTION,
                                         reason=f"{what} > threshold {threshold:,}, but bfloat16 has float32's range "
                                                "and the kernel accumulates in float32: follows its inputs")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -210,7 +211,10 @@ def test_the_core_imports_no_user_interface_or_integration_library():
 
 def test_the_wheel_installs_passes_as_ampfx_passes(tmp_path):
     """A built wheel holds ampfx/passes/*.py (from the top-level passes/ folder) and no top-level passes package."""
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+    source = tmp_path / "src"  # a copy: building in place would leave build/ and *.egg-info in the checkout
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "dist", "*.egg-info",
+                                                                "__pycache__", ".pytest_cache"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("ampfx-*.whl")

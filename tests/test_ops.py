@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ampfx import Category
-from ampfx.ops import RULES, aliases_of, lookup_name
+from ampfx.ops import ENTRIES, aliases_of, lookup_name
 
 REQUIRED = """linear matmul mm bmm baddbmm addmm einsum conv1d conv2d conv3d conv_transpose1d conv_transpose2d
 conv_transpose3d scaled_dot_product_attention multi_head_attention lstm gru embedding relu gelu silu tanh sigmoid
@@ -20,7 +20,7 @@ l1_loss smooth_l1_loss binary_cross_entropy_with_logits kl_div where masked_fill
 @pytest.mark.parametrize("name", REQUIRED)
 def test_required_op_has_an_entry_with_a_reason(name):
     """Every op the core issue names is in a table and says why it is where it is."""
-    rule = RULES[name]
+    rule = ENTRIES[name]
     assert len(rule.reason) > 20, rule
 
 
@@ -61,8 +61,8 @@ def test_unknown_keys_are_none():
 ])
 def test_range_sensitive_ops_differ_by_dtype(name, fp16, bf16):
     """float16 overflows at 65504; bfloat16 has float32's range, so reductions may stay low."""
-    assert RULES[name].for_dtype(torch.float16)[0] is fp16
-    assert RULES[name].for_dtype(torch.bfloat16)[0] is bf16
+    assert ENTRIES[name].for_dtype(torch.float16)[0] is fp16
+    assert ENTRIES[name].for_dtype(torch.bfloat16)[0] is bf16
 
 
 def test_aliases_are_listed_for_docs():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ampfx
 from ampfx import Category, probes
-from ampfx.ops import RULES
+from ampfx.ops import ENTRIES
 from ampfx.probes import Variant
 from conftest import DTYPES
 
@@ -141,7 +141,7 @@ def test_every_probe_runs_in_float32(kind, variant, fresh_probes):
 
 def test_every_gemm_and_convolution_is_probed():
     """Allow-list ops are the ones a device is most likely to lack a low kernel for (old CPUs, old GPUs)."""
-    unprobed = [r.name for r in RULES.values() if r.category is Category.ALLOW and "." not in r.name
+    unprobed = [r.name for r in ENTRIES.values() if r.category is Category.ALLOW and "." not in r.name
                 and r.probe not in probes.PROBES]
     assert not unprobed
 

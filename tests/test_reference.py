@@ -2,7 +2,7 @@
 from pathlib import Path
 
 from ampfx import reference
-from ampfx.ops import RULES
+from ampfx.ops import ENTRIES
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "op-tables.md"
 
@@ -14,5 +14,5 @@ def test_generated_reference_is_current():
 
 def test_every_op_and_its_reason_appear():
     page = reference.markdown()
-    for name, rule in RULES.items():
+    for name, rule in ENTRIES.items():
         assert f"| `{name}` |" in page and rule.reason.replace("|", "/") in page

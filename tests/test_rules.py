@@ -77,7 +77,7 @@ def test_per_op_facts_the_passes_read():
     """The op table says which ops are views, selections, size-decided reductions,
     float32-accumulating, bias-splitting; the passes name none of them."""
     def having(field):
-        return sorted(n for n, r in ops.RULES.items() if getattr(r, field))
+        return sorted(n for n, r in ops.ENTRIES.items() if getattr(r, field))
 
     assert having("view") == sorted([
         "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
@@ -87,7 +87,7 @@ def test_per_op_facts_the_passes_read():
     assert having("reduction") == sorted(["sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp"])
     assert having("fp32_accumulation") == ["mean", "sum"]
     assert having("split_bias") == ["linear"]
-    assert dict(ops.RULES["to"].cast_to)["half"] is torch.float16 and ops.RULES["to"].cast_like == ("type_as",)
+    assert dict(ops.ENTRIES["to"].cast_to)["half"] is torch.float16 and ops.ENTRIES["to"].cast_like == ("type_as",)
     passes = Path(__file__).resolve().parent.parent / "passes"
     for name in ("paint.py", "casts.py", "reductions.py", "pad.py", "calibrate.py"):
         compared = set()
@@ -96,4 +96,4 @@ def test_per_op_facts_the_passes_read():
                 for side in (node.left, *node.comparators):
                     items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
                     compared |= {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-        assert not compared & set(ops.RULES), (name, compared & set(ops.RULES))
+        assert not compared & set(ops.ENTRIES), (name, compared & set(ops.ENTRIES))

@@ -6,7 +6,7 @@ qualified name of their class (or of a base class), e.g.
 an opaque leaf (see :mod:`ampfx.capture.tracer`); this module says what happens to
 the leaf.
 
-**The table** (:data:`TABLE`, one :class:`ModuleRule` per module type, each
+**The table** (:data:`TABLE`, one :class:`ModuleEntry` per module type, each
 with its reason) is registered in the op lists under a canonical name such as
 ``dgl.GATConv``, so the usual overrides address it::
 
@@ -78,7 +78,7 @@ RUNS_ON_FAKE_TENSORS = False
 
 
 @dataclass(frozen=True)
-class ModuleRule:
+class ModuleEntry:
     """One ``dgl.nn`` module type: its list, why, and what the rules on top need.
 
     ``aggregation`` is how the module combines neighbour messages (``"sum"``,
@@ -120,48 +120,48 @@ _ATTENTION = "attention convolution: GEMMs and SpMM/SDDMM in low precision, edge
 _READOUT = ("graph readout that sums every node of a graph (SegmentSum): DGL has no bfloat16 CPU kernel for it, "
             "and a sum over a whole graph overflows float16's range")
 
-TABLE: tuple[ModuleRule, ...] = (
-    ModuleRule("dgl.GraphConv", (_CONV + "graphconv.GraphConv",), Category.ALLOW,
+TABLE: tuple[ModuleEntry, ...] = (
+    ModuleEntry("dgl.GraphConv", (_CONV + "graphconv.GraphConv",), Category.ALLOW,
                _SPMM + " (GraphConv casts its degree norms to the feature dtype)", aggregation="sum"),
-    ModuleRule("dgl.SAGEConv", (_CONV + "sageconv.SAGEConv",), Category.ALLOW,
+    ModuleEntry("dgl.SAGEConv", (_CONV + "sageconv.SAGEConv",), Category.ALLOW,
                _SPMM + " (mean / gcn / pool aggregators; lstm runs an nn.LSTM, low only where ampfx's LSTM "
                        "probe passes)", aggregator_attr="_aggre_type"),
-    ModuleRule("dgl.GINConv", (_CONV + "ginconv.GINConv",), Category.ALLOW,
+    ModuleEntry("dgl.GINConv", (_CONV + "ginconv.GINConv",), Category.ALLOW,
                _SPMM + " (sum / mean / max aggregators; apply_func runs with low-precision weights)",
                aggregator_attr="_aggregator_type"),
-    ModuleRule("dgl.GATConv", (_CONV + "gatconv.GATConv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.GATConv", (_CONV + "gatconv.GATConv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.GATv2Conv", (_CONV + "gatv2conv.GATv2Conv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.GATv2Conv", (_CONV + "gatv2conv.GATv2Conv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.DotGatConv", (_CONV + "dotgatconv.DotGatConv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.DotGatConv", (_CONV + "dotgatconv.DotGatConv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.AGNNConv", (_CONV + "agnnconv.AGNNConv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.AGNNConv", (_CONV + "agnnconv.AGNNConv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.EGATConv", (_CONV + "egatconv.EGATConv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.EGATConv", (_CONV + "egatconv.EGATConv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.EdgeGATConv", (_CONV + "edgegatconv.EdgeGATConv",), Category.ALLOW, _ATTENTION,
+    ModuleEntry("dgl.EdgeGATConv", (_CONV + "edgegatconv.EdgeGATConv",), Category.ALLOW, _ATTENTION,
                aggregation="attention", edge_softmax=True),
-    ModuleRule("dgl.SumPooling", ("dgl.nn.pytorch.glob.SumPooling",), Category.DENY, _READOUT,
+    ModuleEntry("dgl.SumPooling", ("dgl.nn.pytorch.glob.SumPooling",), Category.DENY, _READOUT,
                aggregation="sum", cpu_bf16=False),
-    ModuleRule("dgl.AvgPooling", ("dgl.nn.pytorch.glob.AvgPooling",), Category.DENY,
+    ModuleEntry("dgl.AvgPooling", ("dgl.nn.pytorch.glob.AvgPooling",), Category.DENY,
                _READOUT + " (the mean is a sum, then a division)", aggregation="mean", cpu_bf16=False),
-    ModuleRule("dgl.sum_nodes", (), Category.DENY, _READOUT, aggregation="sum", cpu_bf16=False,
+    ModuleEntry("dgl.sum_nodes", (), Category.DENY, _READOUT, aggregation="sum", cpu_bf16=False,
                functions=("dgl.readout.sum_nodes",)),
-    ModuleRule("dgl.mean_nodes", (), Category.DENY, _READOUT + " (the mean is a sum, then a division)",
+    ModuleEntry("dgl.mean_nodes", (), Category.DENY, _READOUT + " (the mean is a sum, then a division)",
                aggregation="mean", cpu_bf16=False, functions=("dgl.readout.mean_nodes",)),
 )
 """The per-module policy table: canonical name, qualified type names, list, reason."""
 
-_BY_TYPE_NAME: dict[str, ModuleRule] = {t: r for r in TABLE for t in r.qualnames}
-_BY_NAME: dict[str, ModuleRule] = {r.name: r for r in TABLE}
+_BY_TYPE_NAME: dict[str, ModuleEntry] = {t: r for r in TABLE for t in r.qualnames}
+_BY_NAME: dict[str, ModuleEntry] = {r.name: r for r in TABLE}
 
 
-def rule_for_type_name(qualname: str) -> ModuleRule | None:
+def rule_for_type_name(qualname: str) -> ModuleEntry | None:
     """The table entry for a qualified class or function name, or ``None``."""
     return _BY_TYPE_NAME.get(qualname)
 
 
-def rule_for(module: Any) -> ModuleRule | None:
+def rule_for(module: Any) -> ModuleEntry | None:
     """The table entry for ``module``'s class or its nearest base class in the table."""
     for klass in type(module).__mro__:
         hit = _BY_TYPE_NAME.get(f"{klass.__module__}.{klass.__qualname__}")
@@ -211,7 +211,7 @@ def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> 
     return probes.check("lstm", dtype, device)
 
 
-def decide(rule: ModuleRule | None, module: Any, dtype: torch.dtype, device: str, *,
+def decide(rule: ModuleEntry | None, module: Any, dtype: torch.dtype, device: str, *,
            stats: LeafStats | None = None, source: str = Rule.TABLE, reason: str | None = None,
            cuda_bf16: bool | None = None, coo_only: bool = False) -> Choice:
     """The dtype a DGL leaf the lists put on the allowlist runs in, on ``device``.

@@ -171,7 +171,7 @@ def test_a_cast_made_before_an_in_place_change_is_not_reused_after_it():
 
 def test_slots_pinned_to_float32_are_not_cast():
     """A layer norm between GEMMs runs low on low data, but its weight and bias
-    (``OpRule.fp32_args``) are passed as the float32 parameters."""
+    (``OpEntry.fp32_args``) are passed as the float32 parameters."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
