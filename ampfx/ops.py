@@ -406,8 +406,19 @@ _op("embedding", P,
 
 del A, I, C, D, P
 
+# --------------------------------------------------------------------------- module types traced through
+TRACE_THROUGH: tuple[type, ...] = tuple(
+    getattr(nn, n) for n in (
+        "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+        "ConvTranspose3d", "Softmax", "LogSoftmax", "Softmin", "Identity", "Flatten", "Unflatten",
+        "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder",
+        "Transformer") if hasattr(nn, n))
+"""``torch.nn`` types the tracer traces into: their ``forward`` has no ``training``-dependent Python,
+their parameters become ``get_attr`` nodes the cast pass casts once, and attention internals are
+visible to the policy. Every other ``torch.nn`` module stays a leaf (its mode stays switchable)."""
+
 # --------------------------------------------------------------------------- ATen-only spellings
-# Graphs captured by torch.export (ampfx.export) call ATen ops. Most share their packet name with the
+# Graphs captured by torch.export (ampfx.capture.export) call ATen ops. Most share their packet name with the
 # torch function (``aten.linear`` is ``F.linear``) and are keyed above; these are the ones whose name
 # differs, or that the torch-level API has no function for. Same op, same rule, same env overrides.
 _ATEN_ONLY: dict[str, tuple[str, ...]] = {

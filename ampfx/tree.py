@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import integrations
+from . import integrations, ops
 from .capture import export, ladder
 from .capture.base import Uncaptured
-from .capture.tracer import TRACE_THROUGH, AmpTracer
+from .capture.tracer import AmpTracer
 from .inputs import ExampleInputs
 from .report import Region, Report
 from .rewrite import NotReproduced, Request, convert_graph, device_of
@@ -120,7 +120,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                 setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
                 part.children.append(_Part(report=leaf[1]))
             elif (not list(child.children()) and AmpTracer(request.policy).is_leaf_module(child, sub)
-                  and type(child) not in TRACE_THROUGH):
+                  and type(child) not in ops.TRACE_THROUGH):
                 part.regions.append(Region(full, "left as is: a single torch.nn leaf module called from eager code"))
             else:
                 child_part = _Part()

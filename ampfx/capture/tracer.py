@@ -33,18 +33,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ops, runtime
+from .. import integrations, ops, runtime
 from ..policy import Policy
 from ..state import modes
 from .base import Capture, short
-
-TRACE_THROUGH: tuple[type, ...] = tuple(
-    getattr(nn, n) for n in (
-        "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-        "ConvTranspose3d", "Softmax", "LogSoftmax", "Softmin", "Identity", "Flatten", "Unflatten",
-        "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder",
-        "Transformer") if hasattr(nn, n))
-"""``torch.nn`` types traced through: their ``forward`` has no ``training``-dependent Python."""
 
 MAX_LEAF_RETRIES = 64
 
@@ -56,10 +48,6 @@ class RootUntraceable(RuntimeError):
         super().__init__(f"{type(error).__name__}: {error}")
         self.error = error
         self.steps = steps
-
-
-def is_dgl_module(m: nn.Module) -> bool:
-    return type(m).__module__.split(".")[0] == "dgl"
 
 
 class AmpTracer(fx.Tracer):
@@ -107,9 +95,9 @@ class AmpTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_paths or is_dgl_module(m) or self.policy.is_user_leaf(type(m)):
+        if qualname in self.leaf_paths or integrations.library_of(m) is not None or self.policy.is_user_leaf(type(m)):
             return True
-        if type(m) in TRACE_THROUGH:
+        if type(m) in ops.TRACE_THROUGH:
             return False
         return super().is_leaf_module(m, qualname)
 
