@@ -43,7 +43,7 @@ def test_table_entries_name_real_dgl_classes_and_are_on_the_lists():
             mod, _, name = qual.rpartition(".")
             assert getattr(importlib.import_module(mod), name).__qualname__ == name, qual
         assert policy.category_of(rule.name)[:2] == (rule.category, "table"), rule.name
-    assert integ.rule_for(dglnn.GATConv(4, 4, 1)).name == "dgl.GATConv"
+    assert integ.entry_for(dglnn.GATConv(4, 4, 1)).name == "dgl.GATConv"
 
 
 def test_core_import_and_convert_never_import_dgl():
@@ -290,7 +290,7 @@ def test_overflow_guard_numbers_come_from_the_real_graph_and_features():
     stats = integ.stats_of((g, x), {})
     assert (stats.max_in_degree, stats.max_abs_node) == (5001, 30.0)
     conv = dglnn.GraphConv(4, 4)
-    rule = integ.rule_for(conv)
+    rule = integ.entry_for(conv)
     no_bf16 = integ.decide(rule, conv, torch.float16, "cuda", stats=stats, cuda_bf16=False)
     assert (no_bf16.dtype, no_bf16.rule) == (torch.float32, "dgl:overflow")
     assert "max in-degree 5,001 x max |feature| 30 = 1.5e+05 > 65504" in no_bf16.reason
@@ -298,7 +298,7 @@ def test_overflow_guard_numbers_come_from_the_real_graph_and_features():
     small = integ.stats_of((graph(), torch.ones(40, 4)), {})
     keep = integ.decide(rule, conv, torch.float16, "cuda", stats=small, cuda_bf16=False)
     assert keep.dtype == torch.float16 and "<= 65504" in keep.reason
-    gat = integ.rule_for(dglnn.GATConv(4, 4, 1))  # attention weights sum to 1: no degree blow-up
+    gat = integ.entry_for(dglnn.GATConv(4, 4, 1))  # attention weights sum to 1: no degree blow-up
     assert integ.decide(gat, None, torch.float16, "cuda", stats=stats, cuda_bf16=False).dtype == torch.float16
 
 
@@ -378,7 +378,7 @@ def test_every_allowed_module_runs_in_bf16_close_to_fp32_and_trains_the_masters(
     sum(o.sum() for o in out).backward()
     grads = [p.grad for p in model.parameters()]
     assert grads and all(gr is not None and gr.dtype == torch.float32 for gr in grads)
-    if integ.rule_for(model.conv).edge_softmax:  # float32 edge_softmax inside the call, DGL's own after it
+    if integ.entry_for(model.conv).edge_softmax:  # float32 edge_softmax inside the call, DGL's own after it
         home = _sys.modules[type(model.conv).__module__]
         inside = []
         hook = amp.get_submodule("conv").register_forward_pre_hook(

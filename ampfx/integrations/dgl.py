@@ -48,7 +48,7 @@ node and edge data differ in dtype, which is why ``torch.autocast`` crashes on
 
 >>> [r.name for r in TABLE][:4]
 ['dgl.GraphConv', 'dgl.SAGEConv', 'dgl.GINConv', 'dgl.GATConv']
->>> rule_for_type_name("dgl.nn.pytorch.conv.gatconv.GATConv").edge_softmax
+>>> entry_for_type_name("dgl.nn.pytorch.conv.gatconv.GATConv").edge_softmax
 True
 """
 from __future__ import annotations
@@ -156,12 +156,12 @@ _BY_TYPE_NAME: dict[str, ModuleEntry] = {t: r for r in TABLE for t in r.qualname
 _BY_NAME: dict[str, ModuleEntry] = {r.name: r for r in TABLE}
 
 
-def rule_for_type_name(qualname: str) -> ModuleEntry | None:
+def entry_for_type_name(qualname: str) -> ModuleEntry | None:
     """The table entry for a qualified class or function name, or ``None``."""
     return _BY_TYPE_NAME.get(qualname)
 
 
-def rule_for(module: Any) -> ModuleEntry | None:
+def entry_for(module: Any) -> ModuleEntry | None:
     """The table entry for ``module``'s class or its nearest base class in the table."""
     for klass in type(module).__mro__:
         hit = _BY_TYPE_NAME.get(f"{klass.__module__}.{klass.__qualname__}")
@@ -223,7 +223,7 @@ def decide(rule: ModuleEntry | None, module: Any, dtype: torch.dtype, device: st
     example graph is restricted to the COO format (no bfloat16 COO SpMM on CPU).
 
     >>> import torch
-    >>> gcn = rule_for_type_name("dgl.nn.pytorch.conv.graphconv.GraphConv")
+    >>> gcn = entry_for_type_name("dgl.nn.pytorch.conv.graphconv.GraphConv")
     >>> decide(gcn, None, torch.float16, "cpu").dtype
     torch.bfloat16
     >>> c = decide(gcn, None, torch.float16, "cuda", stats=LeafStats(5000, 30.0), cuda_bf16=False)
@@ -291,7 +291,7 @@ def refine(decision: Any, module: Any, facts: Any) -> Any:
     """
     if decision.category is Category.ALLOW:
         observed = facts.observed if facts.observed is not None else Observed()
-        choice = decide(rule_for(module), module, facts.dtype, facts.device, stats=observed.stats,
+        choice = decide(entry_for(module), module, facts.dtype, facts.device, stats=observed.stats,
                         source=decision.rule, reason=decision.reason, coo_only=observed.coo_only)
         if choice.dtype == torch.float32:
             return dataclasses.replace(decision, category=Category.FP32, dtype=torch.float32, rule=choice.rule,
