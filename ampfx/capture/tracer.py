@@ -3,14 +3,15 @@
 :class:`AmpTracer` differs from ``torch.fx.Tracer`` in which modules it keeps
 opaque (leaves):
 
-- traced *through*: ``nn.Linear``, convolutions, ``nn.Softmax`` and the
-  ``nn.Transformer*`` layers, so their parameters appear as ``get_attr``
-  nodes that the cast pass can cast once, and attention internals are
-  visible to the policy;
+- traced *through*: the ``torch.nn`` types of :data:`ampfx.ops.TRACE_THROUGH`
+  (``nn.Linear``, convolutions, ``nn.Softmax``, the ``nn.Transformer*``
+  layers), so their parameters appear as ``get_attr`` nodes that the cast
+  pass can cast once, and attention internals are visible to the policy;
 - leaves: every other ``torch.nn`` module (as in ``torch.fx``: modules whose
-  behaviour depends on ``training`` stay switchable), DGL modules (by their
-  ``__module__``, without importing dgl), module types named on a policy
-  list or in ``leaf_modules``, and modules named by path. User functions
+  behaviour depends on ``training`` stay switchable), modules of an
+  integrated library (DGL's, found by their class's package without
+  importing it: :func:`ampfx.integrations.library_of`), module types named
+  on a policy list or in ``leaf_modules``, and modules named by path. User functions
   named on a policy list stay one ``call_function`` node.
 
 :func:`trace` tries, in order: the whole model with every argument symbolic;
@@ -18,8 +19,8 @@ the whole model with optional arguments fixed at their defaults (the
 converted module asserts they keep them); then, each time tracing fails
 inside a submodule, that innermost submodule becomes a leaf and tracing
 starts again. Every step is recorded with its error. If the root's own
-``forward`` cannot be traced, :class:`RootUntraceable` tells the caller to
-convert the children one by one.
+``forward`` cannot be traced, :class:`RootUntraceable` tells the capture
+ladder (:mod:`ampfx.capture.ladder`) to try the next rung.
 """
 from __future__ import annotations
 
