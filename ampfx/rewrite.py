@@ -69,7 +69,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
     before = gm.code
-    analysis = analyse(gm, inputs, request, root_inputs=prefix == "")
+    analysis = analyse(gm, inputs, request, root=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       leaf_facts=leaf_facts)
@@ -82,16 +82,17 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
 
 
-def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root_inputs: bool) -> Analysis:
-    """Shapes from ``inputs``, then calibration (the root graph only: batches are the model's inputs)."""
+def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool) -> Analysis:
+    """Shapes from ``inputs``, then calibration. ``dynamic_dims`` and calibration batches describe
+    the model's own inputs: they apply to the root graph only (a region's inputs have other dimensions)."""
     if inputs is None:
         return Analysis()
     try:
-        _, note, symbols = shapes.propagate(gm, inputs, request.dynamic_dims)
+        _, note, symbols = shapes.propagate(gm, inputs, request.dynamic_dims if root else None)
     except ValueError as e:
         raise NotReproduced(str(e)) from e
     notes: list[str] = []
-    if request.calibrate is not None and root_inputs:
+    if request.calibrate is not None and root:
         batches, loss_fn = request.calibrate
         seen = calibrate.record(gm, batches, loss_fn, request.policy.dtype)
         notes.append(f"calibration: {seen} batches, forward and backward")
@@ -145,7 +146,7 @@ def _other_mode(gm: AmpGraphModule, work: nn.Module, capture: Capture, inputs: E
         alt = graph_module(work, other)
         alt.training = other_mode  # its own flag only: the module tree is shared
         if inputs is not None:
-            shapes.propagate(alt, inputs, request.dynamic_dims)
+            shapes.propagate(alt, inputs, request.dynamic_dims if ctx.prefix == "" else None)
         run_passes(alt, dataclasses.replace(ctx))
         gm.set_mode_graph(other_mode, alt)
         notes.append(f"the model's Python reads self.training: a second graph for {missing} mode was converted "

@@ -121,3 +121,33 @@ def test_a_tree_converted_region_by_region_runs_each_module_once_for_real():
     assert int(model.block.count) == 0  # the observation run put the counter back
     x = torch.randn(5, 4)
     torch.testing.assert_close(amp(x), model(x), atol=0.05, rtol=0.05)
+
+
+class SumChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + h.sum()  # a full reduction: batch * 12 elements
+
+
+class ValueBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = SumChild()
+
+    def forward(self, x):
+        return self.child(x * 2 if x.sum() > -1e9 else x)  # a branch on a value: the root keeps its Python
+
+
+def test_dynamic_dims_name_the_models_inputs_not_a_regions():
+    """dynamic_dims describe the dimensions of the model's own inputs: a region converted on its own
+    (its parent keeps its Python) gets static sizes, so its small sum is decided by its size."""
+    for tracer in ("fx", "auto"):
+        amp = ampfx.convert(ValueBranch(), torch.bfloat16, example_inputs=(torch.randn(8, 12),),
+                            dynamic_dims={0: "batch"}, tracer=tracer, probe=False)
+        (total,) = [r for r in amp.ampfx_report.records if r.op == "sum"]
+        assert total.dtype == torch.bfloat16 and total.rule != "shape:size-unknown", tracer
+        assert not any("batch" in s for r in amp.ampfx_report.records for s in r.shapes)
