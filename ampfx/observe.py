@@ -35,20 +35,22 @@ class Observation:
     seen: dict[str, list[Any]] = field(default_factory=dict)
 
 
-def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool = False,
+def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool | Callable[[str], bool] = False,
             watch: dict[str, Callable[[nn.Module, tuple, dict], Any]] | None = None) -> Observation:
-    """Run ``model`` once on ``inputs`` (see the module docstring). With ``calls``, record the
-    first call of every submodule; ``watch`` maps module paths to a function of each call's
-    ``(module, args, kwargs)`` whose results are kept in ``Observation.seen``."""
+    """Run ``model`` once on ``inputs`` (see the module docstring). ``calls`` (``True``, or a test
+    of the module path) chooses the submodules whose first call is recorded; ``watch`` maps module
+    paths to a function of each call's ``(module, args, kwargs)`` whose results are kept in
+    ``Observation.seen``."""
+    record = calls if callable(calls) else (lambda path: calls)
     first: dict[str, ExampleInputs] = {}
     seen: dict[str, list[Any]] = {path: [] for path in watch or {}}
     hooks = []
     for path, sub in model.named_modules():
-        if not path or not (calls or path in seen):
+        if not path or not (record(path) or path in seen):
             continue
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
-            if calls and path not in first:  # a snapshot: the forward may change what it passed (caches)
+            if path not in first and record(path):  # a snapshot: the forward may change what it passed (caches)
                 first[path] = ExampleInputs(args, kwargs).snapshot()
             if path in seen:
                 try:

@@ -78,6 +78,7 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     if capture.constants:
         export.install_constants(work, capture.constants)
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
+    calls.expect([prefix + path for path in inner])
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
     try:
         gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
@@ -100,6 +101,7 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
 def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_Job]]:
     """``job.module`` keeps its Python; a job for each child it calls (see the module docstring)."""
     prefix, part = job.prefix, job.part
+    calls.expect([prefix.rstrip(".")])
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
              list(job.eager[-1:]))
     part.regions.append(Region(prefix.rstrip("."), "eager (children converted separately)", job.eager))
@@ -115,7 +117,8 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                 visit(child, f"{sub}.")
             elif not called:
                 part.regions.append(Region(full, "left as is: not called on the example inputs"))
-            elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy, inputs, prefix,
+            elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy,
+                                                          calls.facts_of(child, full, inputs), prefix,
                                                           device_of(child, inputs))) is not None:
                 setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
                 part.children.append(_Part(report=leaf[1]))
@@ -133,20 +136,37 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
 
 class _Observed:
     """What the one real run of the model shows (:func:`ampfx.observe.observe`), run the first
-    time a job asks: what each submodule receives first, and what other libraries' leaves see.
-    The first ask always comes from the root's job (a module that keeps its Python, or the
-    root's graph conversion), before any module of the tree has been replaced."""
+    time a job asks: what submodules receive first, and what other libraries' leaves see.
+
+    The first ask always comes from the root's job, before any module of the tree has been
+    replaced: for every module when the root keeps its Python (``expect([""])``), for the
+    modules inside the root's leaves that keep theirs (``expect(paths)``), or only for other
+    libraries' leaves (:meth:`leaf_facts`). Later asks are for modules inside that scope.
+    """
 
     def __init__(self, root: nn.Module, inputs: ExampleInputs | None, dtype: torch.dtype) -> None:
         self.root, self.inputs = root, inputs
         self.watch = integrations.watched(root, dtype) if inputs is not None else {}
         self.seen: Observation | None = None
+        self.scope: tuple[str, ...] = ()
         self.error: Exception | None = None
 
+    def expect(self, paths: list[str]) -> None:
+        """The modules at ``paths`` and below will ask what they received. A path outside what an
+        earlier run recorded (the root's graph did not run on its inputs after its leaves were
+        observed) means one more run, still before any module was replaced."""
+        new = [p for p in paths if not self._covers(p)]
+        if new:
+            self.scope = (*self.scope, *new)
+            self.seen = self.error = None
+
+    def _covers(self, path: str) -> bool:
+        return any(not s or path == s or path.startswith(s + ".") for s in self.scope)
+
     def _run(self) -> Observation:
-        if self.seen is None and self.error is None:
+        if self.seen is None and self.error is None and self.inputs is not None:
             try:
-                self.seen = observe(self.root, self.inputs, calls=True, watch=self.watch)
+                self.seen = observe(self.root, self.inputs, watch=self.watch, calls=self._covers)
             except Exception as e:  # noqa: BLE001 - raised where the calls are needed, see get()
                 self.error = e
         return self.seen or Observation()
@@ -164,6 +184,11 @@ class _Observed:
         """What other libraries make of their leaves inside ``work`` (at ``prefix``)."""
         seen = self._run().seen if self.watch else {}
         return integrations.leaf_facts(work, inputs, seen, prefix)
+
+    def facts_of(self, module: nn.Module, path: str, inputs: ExampleInputs | None) -> object:
+        """What its library makes of the leaf ``module`` at ``path``, called with ``inputs``."""
+        seen = self._run().seen if self.watch else {}
+        return integrations.facts_of(module, seen.get(path, []), inputs) if inputs is not None else None
 
 
 def _merge(part: _Part, dtype: torch.dtype) -> Report:

@@ -151,3 +151,17 @@ def test_dynamic_dims_name_the_models_inputs_not_a_regions():
         (total,) = [r for r in amp.ampfx_report.records if r.op == "sum"]
         assert total.dtype == torch.bfloat16 and total.rule != "shape:size-unknown", tracer
         assert not any("batch" in s for r in amp.ampfx_report.records for s in r.shapes)
+
+
+def test_the_observation_records_what_its_askers_expect():
+    """The one run snapshots the inputs of the modules a job said it will ask about (and those below
+    them), not every module; a later ask outside that scope runs once more (still before any change)."""
+    from ampfx.tree import _Observed
+
+    RUNS.clear()
+    seen = _Observed(Root(), ExampleInputs.of((torch.randn(3, 4),)), torch.bfloat16)
+    seen.expect(["block"])
+    assert seen.get("block.a") is not None and seen.get("block") is not None
+    assert seen.get("head.0") is None and RUNS == ["root", "block"]
+    seen.expect([""])
+    assert seen.get("head.0").args[0].shape == (3, 4) and RUNS == ["root", "block"] * 2

@@ -571,22 +571,30 @@ def test_eager_leaves_follow_the_same_module_rules_as_traced_leaves():
 
 
 def test_observe_reports_each_leaf_and_leaves_the_model_as_it_was():
-    """integrations.observe runs the model once with hooks on its DGL leaves and returns, per module path,
+    """The observation run watches DGL leaves (integrations.watched) and leaf_facts gives, per module path,
     what DGL's rules need (in-degree and feature sizes, COO-only graphs); training flags and RNG untouched;
-    no run for a dtype whose rules need no values (bf16)."""
+    nothing to watch for a dtype whose rules need no values (bf16)."""
     from ampfx import integrations
+    from ampfx.inputs import ExampleInputs
+    from ampfx.observe import observe
+
+    def facts(wrapper, inputs, dtype):
+        watch = integrations.watched(wrapper, dtype)
+        seen = observe(wrapper, ExampleInputs.of(inputs), watch=watch).seen if watch else {}
+        return integrations.leaf_facts(wrapper, inputs, seen)
 
     g = high_degree_graph(n_src=300, n_dst=2)
     x = torch.full((g.num_nodes(), 8), 3.0)
     wrapper = _Call(dglnn.GraphConv(8, 8, norm="none")).train()
     state = torch.random.get_rng_state()
-    facts = integrations.observe(wrapper, (g, x), torch.float16)
-    assert list(facts) == ["conv"] and facts["conv"].stats.max_in_degree == 301
-    assert facts["conv"].stats.max_abs_node == 3.0 and not facts["conv"].coo_only
+    got = facts(wrapper, (g, x), torch.float16)
+    assert list(got) == ["conv"] and got["conv"].stats.max_in_degree == 301
+    assert got["conv"].stats.max_abs_node == 3.0 and not got["conv"].coo_only
     assert torch.equal(torch.random.get_rng_state(), state) and wrapper.training
-    assert integrations.observe(wrapper, (g, x), torch.bfloat16)["conv"].stats is None
-    assert integrations.observe(wrapper, (g.formats("coo"), x), torch.bfloat16)["conv"].coo_only
-    assert integrations.observe(wrapper, None) == {}
+    assert integrations.watched(wrapper, torch.bfloat16) == {}
+    assert facts(wrapper, (g, x), torch.bfloat16)["conv"].stats is None
+    assert facts(wrapper, (g.formats("coo"), x), torch.bfloat16)["conv"].coo_only
+    assert integrations.leaf_facts(wrapper, None, {}) == {}
 
 
 def _reload(module):

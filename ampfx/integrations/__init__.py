@@ -14,8 +14,9 @@ it imports no library) provides:
   lists decided (device rules, variants, overflow guards), given
   :class:`LeafFacts`;
 - ``needs_run(dtype)``, ``observe_call(module, args, kwargs)`` and
-  ``observation(calls, example_inputs)``: what :func:`observe` records of a
-  leaf on the example inputs (``facts.observed``);
+  ``observation(calls, example_inputs)``: what the one observation run of the
+  model (:mod:`ampfx.observe`, with :func:`watched`'s hooks) makes of a leaf on
+  the example inputs (``facts.observed``, through :func:`leaf_facts`);
 - ``runner(module)`` / ``RUNNERS``: the function the rewritten graph calls to
   run a leaf in low precision, ``eager_leaf(module, dtype)``: the module that
   replaces a leaf called from eager code, ``RUNS_ON_FAKE_TENSORS``.
@@ -37,7 +38,6 @@ from .. import decide, ops
 from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..report import Region, Report, dtype_name
-from ..observe import observe as run_observed
 from . import dgl
 
 LIBRARIES: dict[str, Any] = {
@@ -53,7 +53,7 @@ for _lib in LIBRARIES.values():
 class LeafFacts:
     """What an integration is told about one leaf: its module path in the user's model, the
     device it runs on, the policy's low dtype, and ``observed``: what the library recorded of
-    it on the example inputs (:func:`observe`; ``None`` without example inputs)."""
+    it on the example inputs (:func:`leaf_facts`; ``None`` without example inputs)."""
 
     path: str
     device: str
@@ -92,40 +92,28 @@ def leaf_facts(model: nn.Module, inputs: Any, seen: Mapping[str, list[Any]], pre
     and the example ``inputs``; ``{}`` without inputs."""
     if inputs is None:
         return {}
-    inputs = ExampleInputs.of(inputs)
-    given = (inputs.args, dict(inputs.kwargs))
-    return {path: lib.observation(seen.get(prefix + path, []), given) for path, m in model.named_modules()
-            if path and (lib := library_of(m)) is not None}
+    return {path: facts_of(m, seen.get(prefix + path, []), inputs) for path, m in model.named_modules()
+            if path and library_of(m) is not None}
 
 
-def observe(model: nn.Module, example_inputs: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """:func:`leaf_facts` of ``model`` after one run on ``example_inputs`` that watches its library
-    leaves (no run when no library needs values under ``dtype``; a run that fails leaves only the
-    facts that need none).
-
-    >>> observe(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
-    {}
-    """
-    if example_inputs is None:
-        return {}
-    watch = watched(model, dtype)
-    seen = {}
-    if watch:
-        try:
-            seen = run_observed(model, ExampleInputs.of(example_inputs), watch=watch).seen
-        except Exception:  # noqa: BLE001 - no numbers: the rules that need them then say nothing
-            seen = {}
-    return leaf_facts(model, example_inputs, seen)
+def facts_of(module: nn.Module, seen: list[Any], inputs: Any) -> Any:
+    """What ``module``'s library makes of it: the observations of its calls (``seen``, from
+    :func:`watched`'s functions) and example ``inputs`` (those of the model, or the module's own);
+    ``None`` for a module of no library."""
+    lib, inputs = library_of(module), ExampleInputs.of(inputs)
+    if lib is None:
+        return None
+    return lib.observation(seen, (inputs.args, dict(inputs.kwargs)) if inputs is not None else None)
 
 
-def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, inputs: Any, prefix: str = "",
+def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, observed: Any, prefix: str = "",
                        device: str = "cpu") -> tuple[nn.Module, Report] | None:
     """For a library module called from eager code (its parent could not be traced): ``(replacement,
     Report)`` running it as the library's table says, or ``None`` for modules of no library.
 
     ``path`` is the module's path under ``root``, which sits at ``prefix`` in the user's model;
-    ``inputs`` are what the module received on the example inputs (a tuple, or a dict by parameter
-    name; ``None`` without example inputs). The decision is the traced leaf's: the module rules and
+    ``observed`` is what its library made of its calls on the example inputs (:func:`facts_of`;
+    ``None`` without example inputs). The decision is the traced leaf's: the module rules and
     the lists (:func:`ampfx.decide.decide_leaf`, parents included), then the library's
     :func:`refine`. A low result is the library's ``eager_leaf``, a float32 one the module unchanged.
     """
@@ -138,8 +126,7 @@ def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, inputs: Any, 
     record = verdict.decision(node=full.replace(".", "_") or "leaf", op=decide.leaf_name(policy, module),
                               target=full, module=full, kind="call_module", out=torch.float32)
     if record.rule not in decide.FINAL_RULES:
-        record = lib.refine(record, module, LeafFacts(full, device, policy.dtype, _observe_inputs(
-            lib, module, inputs, policy.dtype)))
+        record = lib.refine(record, module, LeafFacts(full, device, policy.dtype, observed))
     dtype = record.dtype if record.dtype is not None else torch.float32
     where = "called from eager code (its parent could not be traced)"
     if dtype != torch.float32:
@@ -150,20 +137,6 @@ def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, inputs: Any, 
     record = dataclasses.replace(record, dtype=dtype, reason=f"{record.reason}; {where}: {how}")
     return replacement, Report(dtype=policy.dtype, records=(record,), regions=(
         Region(full, f"a {lib.LIBRARY} module called from eager code: {dtype_name(dtype)} leaf"),))
-
-
-def _observe_inputs(lib: Any, module: nn.Module, inputs: Any, dtype: torch.dtype) -> Any:
-    """``facts.observed`` for a leaf from the inputs it was seen to receive (no run needed)."""
-    if inputs is None:
-        return None
-    inputs = ExampleInputs.of(inputs)
-    calls = []
-    if lib.needs_run(dtype):
-        try:
-            calls.append(lib.observe_call(module, inputs.args, dict(inputs.kwargs)))
-        except Exception:  # noqa: BLE001 - no numbers: the rules that need them then say nothing
-            pass
-    return lib.observation(calls, (inputs.args, dict(inputs.kwargs)))
 
 
 def runs_on_fake_tensors(module: Any) -> bool:

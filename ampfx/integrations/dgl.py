@@ -16,7 +16,7 @@ with its reason) is registered in the op lists under a canonical name such as
 
 **Rules applied on top** (:func:`decide`, through :func:`refine`, which the
 passes call with the facts of one leaf: low dtype, device, and what
-:func:`ampfx.integrations.observe` saw on the example inputs as an
+:func:`ampfx.integrations.leaf_facts` made of the example inputs as an
 :class:`Observed`), each recorded in the decision log:
 
 - DGL has no float16 kernels on CPU: a float16 policy runs DGL leaves in
