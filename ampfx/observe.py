@@ -15,7 +15,6 @@ flags and the random state (CPU and CUDA) are put back afterwards.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .inputs import ExampleInputs
-from .state import kept_buffers, modes
+from .state import kept_buffers, kept_rng, modes
 
 
 @dataclass(frozen=True)
@@ -58,14 +57,9 @@ def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool | Callable[[
                 except Exception:  # noqa: BLE001 - nothing seen of this call; the run goes on
                     seen[path].append(None)
         hooks.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
-    tensors = [*model.parameters(), *model.buffers(), *inputs.tensors()]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=cuda))
-            stack.enter_context(kept_buffers(model))
-            stack.enter_context(modes(model, training=False))
-            stack.enter_context(torch.no_grad())
+        with kept_rng(*model.parameters(), *inputs.tensors()), kept_buffers(model), \
+                modes(model, training=False), torch.no_grad():
             inputs.call(model)
     finally:
         for h in hooks:

@@ -39,6 +39,17 @@ def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def kept_rng(*tensors: torch.Tensor) -> Iterator[None]:
+    """The random state of the CPU and of every CUDA device in use (initialised, or holding one of
+    ``tensors``) put back on exit, so a run made during conversion draws nothing from the caller's."""
+    cuda = {t.device.index or 0 for t in tensors if t.device.type == "cuda"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda |= set(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=sorted(cuda)):
+        yield
+
+
+@contextlib.contextmanager
 def modes(module: nn.Module, training: bool) -> Iterator[None]:
     """Every module of the tree in ``training`` mode; each one's own flag back on exit."""
     flags = {m: m.training for m in module.modules()}

@@ -19,18 +19,22 @@ and rewrites; decides nothing new.
   fewer per step, forward and backward) and is added in float32;
 - graph outputs return in the dtype they had before conversion.
 
-Before::
+Before (a bfloat16 ``linear`` whose one consumer, a softmax, computes in float32)::
 
     linear = torch._C._nn.linear(x, fc_weight, fc_bias)
     softmax = torch.nn.functional.softmax(linear, dim=-1)
 
-After::
+After (the bias is split off and added in float32 after the output's cast)::
 
-    x_bf16 = ampfx.runtime.cast(x, torch.bfloat16)
-    fc_weight_bf16 = ampfx.runtime.cast(fc_weight, torch.bfloat16)
-    fc_bias_bf16 = ampfx.runtime.cast(fc_bias, torch.bfloat16)
-    linear = torch._C._nn.linear(x_bf16, fc_weight_bf16, fc_bias_bf16)
-    softmax = torch.nn.functional.softmax(linear, dim=-1, dtype=torch.float32)
+    x_bf16 = ampfx_runtime_cast(x, torch.bfloat16)
+    fc_weight_bf16 = ampfx_runtime_cast(fc_weight, torch.bfloat16)
+    linear = torch._C._nn.linear(x_bf16, fc_weight_bf16)
+    linear_fp32 = ampfx_runtime_cast(linear, torch.float32)
+    linear_bias = linear_fp32 + fc_bias
+    softmax = torch.nn.functional.softmax(linear_bias, dim=-1, dtype=None)
+
+A softmax of a low value that is not split off this way reads it with
+``dtype=torch.float32`` instead of a cast.
 """
 from __future__ import annotations
 

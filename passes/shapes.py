@@ -29,7 +29,7 @@ from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..report import dtype_name
-from ..state import copy_tree, kept_buffers, modes
+from ..state import copy_tree, kept_buffers, kept_rng, modes
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
 def _run_real(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols,
               note: str) -> tuple[str, str, Symbols]:
     """Run the graph on the example inputs (eval mode, no grad) and record every node's output."""
-    with modes(gm, training=False), torch.no_grad():
+    with modes(gm, training=False), torch.no_grad(), kept_rng(*gm.parameters()):
         interp = fx.Interpreter(gm)
         env_run = interp.run_node
 

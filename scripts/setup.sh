@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 source scripts/quietly.sh
+# passes/ moved out of ampfx/: a checkout from before keeps ampfx/passes/__pycache__, which Python would
+# import as an empty namespace package in place of the real ampfx.passes
+if [ -d ampfx/passes ] && [ -z "$(git ls-files ampfx/passes 2>/dev/null)" ]; then rm -rf ampfx/passes; fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

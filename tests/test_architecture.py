@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"ampfx": ROOT / "ampfx", "ampfx.passes": ROOT / "passes"}
 MAX_BODY = 60
@@ -191,14 +193,16 @@ def test_the_op_name_check_sees_names_and_rules_written_as_strings():
 
 
 def test_every_pass_has_a_unit_test_file():
-    """Each pass in PIPELINE (and shapes) has tests/passes/test_<pass>.py that calls it directly."""
-    from ampfx.passes import PIPELINE
+    """Each pass in PIPELINE (and shape propagation) has tests/passes/test_<pass>.py whose code names
+    the pass function itself (``paint.paint``, ``casts.insert_casts``, ...), not only through convert."""
+    from ampfx.passes import PIPELINE, shapes
 
-    names = {fn.__module__.rsplit(".", 1)[1] for fn in PIPELINE} | {"shapes"}
-    for name in sorted(names):
-        test = ROOT / "tests" / "passes" / f"test_{name}.py"
-        assert test.exists(), f"no unit tests for the {name} pass"
-        assert f"{name}." in test.read_text() or f"import {name}" in test.read_text()
+    for fn in [*PIPELINE, shapes.propagate]:
+        module = fn.__module__.rsplit(".", 1)[1]
+        test = ROOT / "tests" / "passes" / f"test_{module}.py"
+        assert test.exists(), f"no unit tests for the {module} pass"
+        used = {ast.unparse(n) for n in ast.walk(ast.parse(test.read_text())) if isinstance(n, ast.Attribute)}
+        assert f"{module}.{fn.__name__}" in used, f"{test.name} never names {module}.{fn.__name__}"
 
 
 def test_the_core_imports_no_user_interface_or_integration_library():
@@ -214,14 +218,31 @@ def test_the_wheel_installs_passes_as_ampfx_passes(tmp_path):
     source = tmp_path / "src"  # a copy: building in place would leave build/ and *.egg-info in the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "dist", "*.egg-info",
                                                                 "__pycache__", ".pytest_cache"))
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
-                          capture_output=True, text=True)
+    offline = ["--no-build-isolation"] if _setuptools_at_least(77) else []  # else pip fetches setuptools>=77
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *offline, "-w", str(tmp_path),
+                           str(source)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("ampfx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "ampfx/passes/paint.py" in names and "ampfx/passes/__init__.py" in names
     assert "ampfx/ui/cli.py" in names and "ampfx/capture/ladder.py" in names
     assert not any(n.startswith("passes/") for n in names)
+
+
+def _setuptools_at_least(major: int) -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return int(setuptools.__version__.split(".")[0]) >= major
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml names its packages one by one (passes/ is mapped in): a new subpackage must be added there."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found == listed
 
 
 if __name__ == "__main__":

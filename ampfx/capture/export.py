@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
 from ..state import kept_buffers, modes
-from .base import Capture
+from .base import Capture, short
 from .tracer import reads_training
 
 MIN_TORCH = (2, 5)
@@ -83,12 +83,12 @@ class ExportFailed(RuntimeError):
 
 
 def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    hint = ""
+    """:func:`~ampfx.capture.base.short`, with the fix for the export error HF caches give."""
+    text = short(e)
     if "Cache" in text and ("not a known type" in text or "Unsupported input type" in text):
-        hint = (" (HF models: give use_cache=False in example_inputs, a training forward needs no cache; or "
-                "call transformers.integrations.executorch.register_dynamic_cache_export_support() first)")
-    return f"{type(e).__name__}: {text[:300]}{hint}"
+        text += (" (HF models: give use_cache=False in example_inputs, a training forward needs no cache; or "
+                 "call transformers.integrations.executorch.register_dynamic_cache_export_support() first)")
+    return text
 
 
 def _auto_dims(args: tuple, kwargs: dict) -> Any:

@@ -41,8 +41,6 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
-        if fx_capture is None and not steps[-1].startswith("auto:"):
-            steps.append("auto: torch.fx could not trace this module's forward; trying torch.export")
     try:
         exported = export.capture(module, inputs)
     except export.ExportFailed as e:
@@ -65,7 +63,8 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
         with kept_buffers(module):  # tracing runs the Python: `self.count += 1` on a real buffer changes it
             got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
-        return None, list(e.steps)
+        return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
+                                  if check else [])]
     if not check:
         return dataclasses.replace(got, why="traced by torch.fx (not checked: tracer='fx' or no example inputs)"), \
             list(got.steps)

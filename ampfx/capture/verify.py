@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..graph_module import graph_module
 from ..inputs import ExampleInputs
-from ..state import kept_buffers
+from ..state import kept_buffers, kept_rng
 from .base import short
 
 
@@ -24,7 +24,7 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
     gm = graph_module(model, graph)
 
     def run(m: nn.Module) -> list[Any]:
-        with torch.random.fork_rng(devices=[]), kept_buffers(model), torch.no_grad():
+        with kept_rng(*model.parameters()), kept_buffers(model), torch.no_grad():
             torch.manual_seed(0)
             # a copy of the inputs each time: the forward may change what it is given (caches)
             return torch.utils._pytree.tree_leaves(inputs.snapshot().call(m))

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ampfx import CastInfo, Decision, meta, runtime
+from ampfx.passes import casts
 
 from .helpers import calls, node, rec, run
 
@@ -26,10 +27,10 @@ class Weights(nn.Module):
 
 
 def converted(fn, x=None, **options):
-    """``fn`` as a ``Weights`` module, converted by the whole pipeline with shapes from ``x``."""
+    """``fn`` as a ``Weights`` module, run through the pipeline up to the cast pass with shapes from ``x``."""
     module = Weights(fn)
     x = torch.randn(3, 4) if x is None else x
-    gm, _ = run(module, (x,), **options)
+    gm, _ = run(module, (x,), upto=casts.insert_casts, **options)
     return module, gm, x
 
 
@@ -94,10 +95,10 @@ def test_graph_outputs_return_in_their_original_dtype():
             return F.linear(x, self.w), torch.relu(h) + 1
 
     inputs = (torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float16))
-    gm, _ = run(Net(), inputs)
+    gm, _ = run(Net(), inputs, upto=casts.insert_casts)
     assert [t.dtype for t in gm(*inputs)] == [torch.float32, torch.float16]
     assert rec(gm, "add").dtype == torch.float32
-    gm, _ = run(Net(), inputs, keep_output_dtype=False)
+    gm, _ = run(Net(), inputs, keep_output_dtype=False, upto=casts.insert_casts)
     assert gm(*inputs)[0].dtype == torch.bfloat16
 
 
@@ -113,7 +114,7 @@ def test_a_float32_op_reads_a_low_input_by_type_promotion():
             return F.linear(x, self.w) + y
 
     inputs = (torch.randn(3, 4), torch.randn(3, 4))
-    gm, _ = run(Net(), inputs, dtype=torch.float16)
+    gm, _ = run(Net(), inputs, dtype=torch.float16, upto=casts.insert_casts)
     assert rec(gm, "add").dtype == torch.float32 and node(gm, "add").args[0] is node(gm, "linear")
     assert gm(*inputs).dtype == torch.float32
 
@@ -182,7 +183,7 @@ def test_slots_pinned_to_float32_are_not_cast():
             return F.linear(F.layer_norm(F.linear(x, self.w), (4,), self.g, self.b), self.w)
 
     x = torch.randn(3, 4)
-    gm, _ = run(Net(), (x,))
+    gm, _ = run(Net(), (x,), upto=casts.insert_casts)
     ln = node(gm, "layer_norm")
     assert rec(gm, "layer_norm").dtype == torch.bfloat16 and ln.args[0] is node(gm, "linear")
     assert ln.kwargs["weight"] is node(gm, "g") and ln.kwargs["bias"] is node(gm, "b")
@@ -195,7 +196,7 @@ def test_an_allow_leaf_module_runs_with_low_precision_parameter_copies():
     ``gm.meta`` counts the parameter copies it makes per call (weight and bias)."""
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4)
-    gm, _ = run(nn.Sequential(lin), (x,))
+    gm, _ = run(nn.Sequential(lin), (x,), upto=casts.insert_casts)
     assert [n.name for n in gm.graph.nodes if n.op == "call_module"] == []
     (low,) = calls(gm, runtime.call_module_low)
     assert low.args[1] == torch.bfloat16
