@@ -165,3 +165,40 @@ def test_the_observation_records_what_its_askers_expect():
     assert seen.get("head.0") is None and RUNS == ["root", "block"]
     seen.expect([""])
     assert seen.get("head.0").args[0].shape == (3, 4) and RUNS == ["root", "block"] * 2
+
+
+class FullyMasked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        scores = (self.q(x) @ x.transpose(-1, -2)).masked_fill(mask, float("-inf"))
+        return torch.softmax(scores, -1)  # a fully masked row is NaN
+
+
+def test_outputs_with_nan_or_on_meta_are_compared_where_they_can_be():
+    """The reproduction check compares finite values and asks NaN/inf to sit in the same places (a fully
+    masked attention row); a model on the meta device has no values, so its graph is checked by shapes
+    and dtypes. Both used to make convert() fail (atol NaN; .item() on a meta tensor)."""
+    x, mask = torch.randn(2, 3, 4), torch.zeros(2, 3, 3, dtype=torch.bool)
+    mask[0, 1] = True
+    got = ladder.capture(FullyMasked(), ampfx.Policy(), ExampleInputs.of((x, mask)), "auto")
+    assert isinstance(got, Capture) and got.method == "fx" and "reproduces" in got.why
+    amp = ampfx.convert(FullyMasked(), torch.bfloat16, example_inputs=(x, mask))
+    assert torch.isnan(amp(x, mask)[0, 1]).all() and torch.isfinite(amp(x, mask)[1]).all()
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    amp = ampfx.convert(net, torch.bfloat16, example_inputs=(torch.randn(2, 4, device="meta"),))
+    assert [r.method for r in amp.ampfx_report.regions] == ["fx"]
+    assert amp.ampfx_report.by_node("linear").dtype == torch.bfloat16
+
+
+def test_the_reproduction_check_still_sees_a_graph_that_computes_something_else():
+    """NaN tolerance does not hide a wrong graph: NaN in other places, or different finite values, are reported."""
+    from ampfx.capture.verify import _differs
+
+    nan = float("nan")
+    assert _differs(torch.tensor([1.0, nan]), torch.tensor([nan, 1.0]), 1e-4) is not None
+    assert "max abs difference" in _differs(torch.tensor([1.0, nan]), torch.tensor([1.5, nan]), 1e-4)
+    assert _differs(torch.tensor([1, 2]), torch.tensor([1, 3]), 1e-4) is not None

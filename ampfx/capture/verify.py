@@ -45,11 +45,32 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
         if a.shape != b.shape or a.dtype != b.dtype:
             return (f"the torch.fx graph's output {i} is {b.dtype}{list(b.shape)}, the model's "
                     f"{a.dtype}{list(a.shape)}")
-        if a.is_floating_point() or a.is_complex():
-            scale = a.abs().max().item() if a.numel() else 0.0
-            if not torch.allclose(b, a, rtol=rtol, atol=rtol * max(scale, 1e-6), equal_nan=True):
-                diff = (b - a).abs().max().item()
-                return f"the torch.fx graph's output {i} differs from the model's (max abs difference {diff:.3g})"
-        elif not torch.equal(a, b):
-            return f"the torch.fx graph's output {i} differs from the model's"
+        if "meta" in (a.device.type, b.device.type):
+            continue  # no values to compare (a model on the meta device): shapes and dtypes agree
+        wrong = _differs(a, b, rtol)
+        if wrong is not None:
+            return f"the torch.fx graph's output {i} differs from the model's{wrong}"
     return None
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float) -> str | None:
+    """``None`` if ``b`` equals ``a`` within ``rtol`` of ``a``'s largest finite magnitude, with NaN and
+    infinities in the same places (a fully masked attention row is NaN in both); else what differs.
+
+    >>> nan, inf = float("nan"), float("inf")
+    >>> _differs(torch.tensor([1.0, nan, -inf]), torch.tensor([1.0, nan, -inf]), 1e-4) is None
+    True
+    >>> _differs(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0]), 1e-4)
+    ' (non-finite values in other places)'
+    """
+    if not (a.is_floating_point() or a.is_complex()):
+        return None if torch.equal(a, b) else ""
+    finite = torch.isfinite(a)
+    same_place = torch.equal(finite, torch.isfinite(b)) and torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())
+    if not same_place:
+        return " (non-finite values in other places)"
+    a, b = a[finite], b[finite]
+    scale = a.abs().max().item() if a.numel() else 0.0
+    if torch.allclose(b, a, rtol=rtol, atol=rtol * max(scale, 1e-6)):
+        return None
+    return f" (max abs difference {(b - a).abs().max().item():.3g})"
