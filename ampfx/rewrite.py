@@ -15,7 +15,6 @@ captured graph (the whole model, or one region of it):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -147,7 +146,7 @@ def _other_mode(gm: AmpGraphModule, work: nn.Module, capture: Capture, inputs: E
         alt.training = other_mode  # its own flag only: the module tree is shared
         if inputs is not None:
             shapes.propagate(alt, inputs, request.dynamic_dims if ctx.prefix == "" else None)
-        run_passes(alt, dataclasses.replace(ctx))
+        run_passes(alt, ctx)  # frozen: both graphs share it
         gm.set_mode_graph(other_mode, alt)
         notes.append(f"the model's Python reads self.training: a second graph for {missing} mode was converted "
                      "and runs whenever the module is in that mode (the records here are the conversion-time mode's)")
