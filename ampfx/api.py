@@ -21,13 +21,15 @@ import torch.nn as nn
 
 from . import policy as policy_mod
 from .capture import export
+from .errors import UninitializedModelError
+from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy, PolicyError
 from .report import Report, dtype_name
 from .rewrite import Request
-from .state import copy_tree
+from .state import copy_tree, reset_attributes, untouched
 from .tree import convert_tree
 
 log = logging.getLogger(__name__)
@@ -74,10 +76,15 @@ def convert(
     the lists; the ``AMPFX_*`` environment variables are read once, here, and
     applied on top (``environ`` replaces ``os.environ``, for tests).
 
-    The model is not changed. The result shares its parameters and buffers
+    The model is not changed, nor is the global random state: every run made
+    during conversion is undone (parameter and buffer values, attributes set
+    in ``forward``, the CPU and CUDA random state). The result shares its parameters and buffers
     (float32 master weights: an optimizer on either trains both), has the
     same ``state_dict()`` keys, shapes and dtypes, and carries the log as
-    ``result.ampfx_report``.
+    ``result.ampfx_report``. It follows the model's ``.train()`` / ``.eval()``
+    and tensors replaced by ones of the same shape and dtype; other changes to
+    the model make its next call raise :class:`ampfx.errors.StaleModelError`
+    (see :mod:`ampfx.follow`).
 
     >>> import torch, ampfx
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -91,7 +98,12 @@ def convert(
                        os.environ if environ is None else environ, policy_options)
     if request.policy.disable:
         return _disabled_copy(model, request.policy)
-    result, report = convert_tree(copy_tree(model), request)
+    work = copy_tree(model)
+    copies = list(zip(_all_modules(model), _all_modules(work)))
+    with untouched(model, *(request.inputs.tensors() if request.inputs is not None else ())):
+        result, report = convert_tree(work, request)
+    reset_attributes(copies)
+    follow(model, result)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
                           notes=notes)
@@ -114,6 +126,7 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
             raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
     policy = policy_mod.from_env(policy, environ)
     _check_module_names(model, policy)
+    _check_initialised(model)
     if policy.disable:
         return Request(policy, None)
     if mode not in ("train", "inference"):
@@ -155,6 +168,21 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
     total_after = sum(p.numel() * p.element_size() for p in result.parameters())
     return (f"inference mode: {count} parameters stored in {dtype_name(dtype)} once; parameter bytes "
             f"{total_before:,} -> {total_after:,} (saved {total_before - total_after:,})",)
+
+
+def _all_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules(remove_duplicate=False)]
+
+
+def _check_initialised(model: nn.Module) -> None:
+    """Lazy modules must have their parameters before conversion (see :class:`UninitializedModelError`)."""
+    lazy = [name or "<root>" for name, m in model.named_modules()
+            if any(nn.parameter.is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
+    if lazy:
+        raise UninitializedModelError(
+            f"{type(model).__name__} has lazy modules with uninitialised parameters ({', '.join(lazy[:5])}): "
+            "initialising them changes the model, which ampfx.convert does not do. Run the model once first "
+            "(model(*example_inputs), as torch asks before an optimizer is built), then convert it.")
 
 
 def _check_module_names(model: nn.Module, policy: Policy) -> None:

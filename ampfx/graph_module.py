@@ -22,6 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .state import HOOK_DICTS
+
 
 def _keep_tree(gm: fx.GraphModule, root: nn.Module, training: bool) -> None:
     """Put ``root``'s whole module tree (unused parameters and buffers too) on ``gm``."""
@@ -49,6 +51,8 @@ class AmpGraphModule(fx.GraphModule):
         holder._modules, holder._parameters, holder._buffers = tree["_modules"], tree["_parameters"], tree["_buffers"]
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
         _keep_tree(res, holder, self.training)
+        for name in HOOK_DICTS:  # GraphModule's deepcopy keeps only state_dict hooks
+            getattr(res, name).update(copy.deepcopy(getattr(self, name), memo))
         if "ampfx_report" in self.__dict__:
             res.ampfx_report = self.ampfx_report  # frozen: safe to share
         alt = self.__dict__.get("_ampfx_alt")
@@ -71,10 +75,16 @@ class AmpGraphModule(fx.GraphModule):
         self.__dict__["_ampfx_alt"] = (training, other)
         self._install_dispatch()
 
+    def set_check(self, check: Any) -> None:
+        """Call ``check(self)`` before every call (:mod:`ampfx.follow`: the model's mode and
+        replaced tensors); a copy or an unpickled module has none."""
+        self.__dict__["_ampfx_check"] = check
+        self._install_dispatch()
+
     def recompile(self) -> Any:
         """``GraphModule.recompile`` (pickling calls it too), keeping the mode dispatch."""
         code = super().recompile()
-        if "_ampfx_alt" in self.__dict__:
+        if "_ampfx_alt" in self.__dict__ or "_ampfx_check" in self.__dict__:
             self._install_dispatch()
         return code
 
@@ -85,6 +95,9 @@ class AmpGraphModule(fx.GraphModule):
             return
 
         def forward(self: AmpGraphModule, *args: Any, **kwargs: Any) -> Any:
+            check = self.__dict__.get("_ampfx_check")
+            if check is not None:
+                check(self)
             alt = self.__dict__.get("_ampfx_alt")
             if alt is not None and self.training == alt[0]:
                 return alt[1](*args, **kwargs)

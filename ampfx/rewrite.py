@@ -31,7 +31,7 @@ from .passes import PIPELINE, calibrate, shapes
 from .passes.context import PassContext
 from .policy import Policy
 from .report import CastInfo, Decision, Region, Report
-from .state import kept_buffers
+from .state import keep_hooks, kept_buffers
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
 
@@ -67,6 +67,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     observed of their leaves (:mod:`ampfx.observe`). Raises :class:`NotReproduced` when the
     graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
+    if capture.method != "export":  # exported graphs inline the module's own hooks; torch.fx traces forward alone
+        keep_hooks(gm, work)
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @contextlib.contextmanager
@@ -77,3 +79,176 @@ def copy_tree(m: nn.Module) -> nn.Module:
             new.__dict__[k] = v.copy()
     new._modules = {k: (copy_tree(v) if v is not None else None) for k, v in m._modules.items()}
     return new
+
+
+_CONTAINERS = (dict, list, set, collections.OrderedDict)
+_TORCH_KEYS = frozenset(nn.Module().__dict__)  # nn.Module's own bookkeeping (hooks, parameters, ...)
+
+
+class _SaveBeforeWrite(TorchDispatchMode):
+    """Copy-on-write: before an op writes into the storage of one of ``tensors`` (an in-place
+    update of a parameter in ``forward``, ``.data.mul_()``, ``out=``), keep a clone of it once.
+    Nothing is cloned for a run that writes nothing."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.by_storage: dict[int, list[torch.Tensor]] = {}
+        for t in tensors:
+            ptr = _storage(t)
+            if ptr:
+                self.by_storage.setdefault(ptr, []).append(t)
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and self.by_storage:
+            for t in tree_leaves((args, kwargs)):
+                for owner in self.by_storage.get(_storage(t), ()) if isinstance(t, torch.Tensor) else ():
+                    if id(owner) not in self.saved:
+                        self.saved[id(owner)] = (owner, owner.detach().clone())
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 where it has none to restore (meta, fake, subclasses)."""
+    if t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter, nn.Buffer):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor without a real storage
+        return 0
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model's modules hold: parameters, buffers, plain tensor attributes and the
+    tensors in their top-level containers (caches)."""
+    found: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for v in (*m._parameters.values(), *m._buffers.values(),
+                  *tree_leaves([v for k, v in m.__dict__.items() if k not in _TORCH_KEYS])):
+            if isinstance(v, torch.Tensor):
+                found[id(v)] = v
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
+    """Whatever runs inside leaves ``model`` and the caller's random state as they were: the
+    values of every tensor its modules hold (copied on first write, put back in place), tensors
+    re-pointed with ``.data =``, each module's attributes (rebound, added, or top-level containers
+    changed in place), and the CPU and CUDA random state. Python objects changed in place below
+    the first level of an attribute (a cache object's own fields) are not put back.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> w = net.weight.clone()
+    >>> with untouched(net):
+    ...     with torch.no_grad():
+    ...         _ = net.weight.mul_(0)
+    ...     net.calls = 1
+    >>> torch.equal(net.weight, w), hasattr(net, "calls")
+    (True, False)
+    """
+    held = _tensors(model)
+    params = {id(p) for p in model.parameters()}
+    small = [t for t in held if id(t) not in params]  # buffers, tensor attributes: cloned now (export's
+    # non-strict tracing writes tensor attributes it keeps as constants outside any dispatch mode)
+    data = [(t, t.data, t._version) for t in held]
+    attrs = [(m, dict(m.__dict__), {k: _shallow(v) for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
+             for m in model.modules()]
+    guard = _SaveBeforeWrite([t for t in held if id(t) in params])  # parameters: copied on first write
+    with kept_buffers(model), _kept_values(small):
+        try:
+            with kept_rng(*held, *tensors), guard:
+                yield
+        finally:
+            for m, before, contents in attrs:
+                for k in [k for k in m.__dict__ if k not in before]:
+                    del m.__dict__[k]
+                m.__dict__.update(before)
+                for k, v in contents.items():
+                    _refill(before[k], v)
+            _put_back(data, guard.saved)
+
+
+@contextlib.contextmanager
+def _kept_values(tensors: list[torch.Tensor]) -> Iterator[None]:
+    saved = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+
+
+def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict) -> None:
+    """Tensors re-pointed with ``.data =`` and parameters written in place, put back; a parameter
+    written where no copy could be kept is reported, not passed over."""
+    with torch.no_grad():
+        for t, d, _ in data:
+            if t.data.data_ptr() != d.data_ptr():
+                t.data = d
+        for t, value in saved.values():
+            t.copy_(value)
+    lost = [t for t, _, version in data if isinstance(t, nn.Parameter) and t._version != version
+            and id(t) not in saved and t.device.type != "meta"]
+    if lost:
+        raise RuntimeError(f"ampfx.convert changed {len(lost)} parameter(s) of the model in place and could not "
+                           "put them back (a forward that writes its parameters outside torch's dispatch); "
+                           "please report this with the model")
+
+
+def _shallow(v: Any) -> Any:
+    return v.copy()
+
+
+def _refill(container: Any, contents: Any) -> None:
+    """Put ``contents`` back into ``container`` in place (its identity is what others hold);
+    compared by identity only (``==`` on tensors is elementwise)."""
+    if isinstance(container, dict):
+        same = len(container) == len(contents) and all(k in container and container[k] is v
+                                                       for k, v in contents.items())
+    else:
+        same = isinstance(container, list) and len(container) == len(contents) and all(
+            a is b for a, b in zip(container, contents))
+    if same:
+        return
+    container.clear()
+    if isinstance(container, list):
+        container.extend(contents)
+    else:
+        container.update(contents)
+
+
+def reset_attributes(copies: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Give each copy (:func:`copy_tree`) its original's plain attributes again, as
+    :func:`copy_tree` made them: what runs of the copy during conversion set (counters, caches)
+    must not greet the converted module's first call. nn.Module's own bookkeeping (parameters,
+    buffers, submodules, hooks, training flags) is left alone."""
+    for original, copy in copies:
+        for k in [k for k in copy.__dict__ if k not in original.__dict__ and k not in _TORCH_KEYS]:
+            if not isinstance(copy.__dict__[k], nn.Module):
+                del copy.__dict__[k]
+        for k, v in original.__dict__.items():
+            if k not in _TORCH_KEYS and k != "forward" and copy.__dict__.get(k, v) is not v:
+                copy.__dict__[k] = v.copy() if type(v) in _CONTAINERS else v
+
+
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+
+def keep_hooks(new: nn.Module, old: nn.Module) -> None:
+    """Give ``new`` (a graph traced from ``old.forward``) ``old``'s forward hooks and pre-hooks:
+    torch.fx traces ``forward`` alone, so a hook on the traced module itself would be dropped
+    (its submodules' hooks are traced into the graph).
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> _ = lin.register_forward_hook(lambda m, a, out: out * 0)
+    >>> g = torch.fx.symbolic_trace(lin)
+    >>> keep_hooks(g, lin)
+    >>> g(torch.ones(1, 2)).abs().sum().item()
+    0.0
+    """
+    for name in HOOK_DICTS:
+        getattr(new, name).update(getattr(old, name))

@@ -1,0 +1,17 @@
+"""ampfx's own error classes, one per concern, each a subclass of a builtin so existing
+``except`` clauses keep working."""
+from __future__ import annotations
+
+
+class StaleModelError(RuntimeError):
+    """The model was changed after :func:`ampfx.convert` in a way the converted module cannot
+    follow (a parameter, buffer or submodule replaced by another object of another shape, dtype
+    or device, a submodule swapped, a parametrization added): calling the converted module would
+    compute with the old tensors. The message names what changed; convert the model again."""
+
+
+class UninitializedModelError(ValueError):
+    """The model has lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) whose parameters
+    are not initialised yet. Initialising them changes the model itself (the converted module
+    must share those parameters), which :func:`ampfx.convert` never does: run the model once
+    first, as torch asks before an optimizer is built."""
