@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 """Only these dtypes are ever converted. float64, integers and bool pass through."""
@@ -53,9 +54,32 @@ def call_module_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **k
     proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
     if proxy is not None:  # re-tracing a converted module: stay one node
         return proxy.tracer.create_proxy("call_function", call_module_low, (module, dtype, *args), kwargs)
-    params = {name: p.to(dtype) if p.dtype in CASTABLE else p
-              for name, p in module.named_parameters()}
-    return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
+    with parametrize.cached():  # a parametrized tensor is computed once per call, as in the module's forward
+        for sub, leaf in _parametrized(module):
+            value = getattr(sub, leaf)  # the parametrization runs in float32, as the model runs it
+            # the cache key holds the id of the module the parametrization was registered on (a copy of
+            # a model keeps its original's): find the entry by the tensor just computed
+            key = next(k for k, v in parametrize._cache.items() if v is value)
+            parametrize._cache[key] = value.to(dtype) if value.dtype in CASTABLE else value
+        params = {name: p.to(dtype) if p.dtype in CASTABLE else p for name, p in module.named_parameters()
+                  if ".parametrizations." not in f".{name}"}
+        return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
+
+
+def _parametrized(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """The ``(submodule, name)`` of every tensor a ``torch.nn.utils.parametrize`` parametrization
+    computes (spectral_norm, weight_norm, orthogonal) in ``module``. Those are computed in float32
+    by their parametrization (power-iteration buffers included) and the result cast: casting
+    their ``original`` would run the parametrization in the low dtype against float32 buffers.
+    Torch's parametrization cache (``parametrize.cached``) then hands the cast result to the
+    forward.
+
+    >>> from torch.nn.utils.parametrizations import spectral_norm
+    >>> [name for _, name in _parametrized(spectral_norm(torch.nn.Linear(4, 2)))]
+    ['weight']
+    """
+    return [(sub, leaf) for sub in module.modules() if parametrize.is_parametrized(sub)
+            for leaf in sub.parametrizations]
 
 
 

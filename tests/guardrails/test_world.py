@@ -379,3 +379,23 @@ def test_parametrized_and_pruned_modules_convert(tracer, kind):
     assert rel(amp(X), m(X)) < 0.02
     amp(X).sum().backward()
     assert all(p.grad is not None for p in m[0].parameters())
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+def test_parametrizations_run_in_float32_with_their_buffers(tracer, kind):
+    """spectral_norm / orthogonal (torch.nn.utils.parametrizations) on a module run as a low-precision
+    leaf: the parametrization computes the weight in float32, as in the model (its power-iteration
+    buffers update as the model's do; under export the graph holds the iteration), and only the result is cast (casting its ``original`` made
+    ``addmv`` / ``mm`` fail on mixed dtypes); gradients reach the original weight."""
+    torch.manual_seed(0)
+    m = mlp()
+    (parametrizations.spectral_norm if kind == "spectral_norm" else parametrizations.orthogonal)(m[0])
+    twin = copy.deepcopy(m)
+    amp = ampfx.convert(m, example_inputs=(X,), tracer=tracer)
+    assert rel(amp(X), twin(X)) < 0.03
+    for name, buf in twin[0].named_buffers():  # updated as the model updates them (export's graph
+        # runs the power iteration's matrix-vector products in the low dtype, as autocast would)
+        assert torch.allclose(dict(m[0].named_buffers())[name], buf, atol=0.02), name
+    amp(X).sum().backward()
+    assert m[0].parametrizations.weight.original.grad is not None
