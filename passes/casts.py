@@ -276,8 +276,9 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if d.kind not in COMPUTE:
             continue
         if d.inplace:
-            if node.args and isinstance(node.args[0], fx.Node):
-                casts.mutated(node.args[0])  # casts made before this mutation are not reused after it
+            target = node.kwargs.get("out", node.args[0] if node.args else None)
+            if isinstance(target, fx.Node):
+                casts.mutated(target)  # casts made before this mutation are not reused after it
             continue
         if d.category is Category.PASS or d.dtype is None or d.rule is Rule.SELECT:
             continue

@@ -34,7 +34,10 @@ from ..runtime import CASTABLE
 from .context import PassContext
 
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """``x.add_(y)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``x[i] = v``."""
+    """``x.add_(y)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``x[i] = v``,
+    ``torch.div(a, b, out=t)`` (writes ``t``: a cast copy of ``t`` would take the write instead)."""
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        return True
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.endswith("__")

@@ -203,3 +203,16 @@ def test_an_allow_leaf_module_runs_with_low_precision_parameter_copies():
     assert meta.leaf_param_casts(gm) == 2
     torch.testing.assert_close(gm(x), lin(x), **BF16_TOL)
     assert lin.weight.dtype == torch.float32
+
+
+def test_out_argument_is_written_not_a_cast_copy():
+    """``torch.mul(a, b, out=t)`` writes ``t``: the op counts as in place, so its ``out=`` target is
+    never replaced by a cast copy (the write would land in the copy and be lost)."""
+    def fn(self, x):
+        h = F.linear(x, self.w)
+        torch.mul(h.detach(), 2.0, out=self.v.data)
+        return h
+    _, gm, _ = converted(fn)
+    mul = next(n for n in gm.graph.nodes if n.target is torch.mul)
+    assert rec(gm, mul.name).inplace
+    assert mul.kwargs["out"].op != "call_function" or mul.kwargs["out"].target is not runtime.cast
