@@ -20,7 +20,9 @@ class Capture:
     ``method`` is the rung that produced it (``"fx"``, ``"fx, optional arguments
     fixed"``, ``"export"``, ...); ``steps`` every rung tried on the way, with its
     error; ``why`` the check that accepted it. ``leaves`` maps the path of each
-    module kept opaque to the trace error that made it a leaf.
+    module kept opaque to the trace error that made it a leaf. ``dropped`` says
+    what the forward does that the graph does not repeat (a ``no_grad`` region, a
+    buffer update: :mod:`ampfx.capture.semantics`); a capture with any is not used.
     """
 
     graph: fx.Graph
@@ -33,6 +35,7 @@ class Capture:
     constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
     notes: tuple[str, ...] = ()
     mode_error: str | None = None  # export: why the other training mode could not be exported
+    dropped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

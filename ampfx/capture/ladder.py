@@ -47,7 +47,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         if fx_capture is not None:
             return dataclasses.replace(fx_capture, steps=(*steps, *e.steps, "kept the torch.fx graph with leaves"),
                                        why="torch.export failed; the torch.fx graph with leaves reproduces the "
-                                           "model's outputs on the example inputs")
+                                           "model's outputs, gradients and buffer updates on the example inputs")
         return Uncaptured((*steps, *e.steps))
     return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph")
 
@@ -65,13 +65,18 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
                                   if check else [])]
+    if got.dropped:  # seen while tracing, with or without example inputs
+        return None, [*got.steps, f"{'auto' if check else 'fx'}: torch.fx would drop what the forward does "
+                                  f"({'; '.join(got.dropped)}); "
+                                  + ("trying torch.export" if check else "the module keeps its Python")]
+    watched = "no grad-mode, autocast or autograd.Function region, buffer or attribute update seen while tracing"
     if not check:
-        return dataclasses.replace(got, why="traced by torch.fx (not checked: tracer='fx' or no example inputs)"), \
-            list(got.steps)
+        return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
+                                            "no example inputs)"), list(got.steps)
     wrong = reproduces(module, got.graph, inputs)
     if wrong is None and not got.leaves:
-        return dataclasses.replace(got, why="traced by torch.fx; reproduces the model's outputs on the example "
-                                            "inputs"), list(got.steps)
+        return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
+                                            "gradients and buffer updates on the example inputs"), list(got.steps)
     if wrong is not None:
         return None, [*got.steps, f"auto: {wrong}; trying torch.export"]
     return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying torch.export "
