@@ -44,16 +44,17 @@ per process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.autograd import grad_mode
 
-from ..meta import USER_FLOAT32, node_module_path
+from ..meta import USER_FLOAT32
 
 
 class Kind(enum.Enum):
@@ -67,15 +68,21 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True)
 class Scope:
-    """One region of the forward open while a node was created: its kind and how the user wrote it."""
+    """One region of the forward open while a node was created: its kind, how the user wrote it,
+    and the path of the module whose forward opened it."""
 
     kind: Kind
     text: str
+    path: str = ""
 
 
 GRAD_CONTEXTS: tuple[type, ...] = (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled,
                                    grad_mode.inference_mode)
 """The grad-mode context managers (also used as decorators) that a graph does not record."""
+
+EXPORT_DROPS: tuple[type, ...] = (grad_mode.inference_mode,)
+"""The context managers torch.export does not keep either (it keeps grad-mode and autocast regions as
+higher-order ops, but records the ops under ``inference_mode`` as plain ones)."""
 
 _INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _ACTIVE: list[Watch] = []
@@ -106,8 +113,11 @@ class Watch:
         self.export = export
         self.scopes: list[tuple[int, Scope]] = []
         self.dropped: dict[str, tuple[str, ...]] = {}
+        self.python_state = False  # a Python attribute was set: torch.export would not repeat it either
         self.grad = self.inference = False
         self._stack = contextlib.ExitStack()
+        self.where: Callable[[], str] = lambda: ""  # the tracer says which module's forward runs now
+        self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
         self._state: dict[str, _ModuleState] = {}
 
     def __enter__(self) -> Watch:
@@ -124,9 +134,10 @@ class Watch:
         _ACTIVE.remove(self)
         self._stack.close()
         for path, state in self._state.items():
-            for change, of_tensor in state.put_back():
+            for change, of_tensor in state.put_back(self.own if not path else set()):
                 if not (self.export and of_tensor):
                     self.drop(path, change)
+                    self.python_state = self.python_state or not of_tensor
 
     def drop(self, path: str, what: str) -> None:
         """Record that the forward of the module at ``path`` does ``what``, which the graph would not repeat."""
@@ -135,20 +146,21 @@ class Watch:
 
     def stamp(self, node: fx.Node) -> None:
         """Called for every node the tracer creates: note the regions it was created in."""
+        if node.op == "get_attr":
+            self.own.add(str(node.target))
         if node.op not in ("call_function", "call_method", "call_module"):
             return
-        path = node_module_path(node)
         for _, scope in self.scopes:
             if scope.kind is Kind.FLOAT32:
-                node.meta[USER_FLOAT32] = f"inside {scope.text} in {path or 'the root module'!r}"
+                node.meta[USER_FLOAT32] = f"inside {scope.text} in {scope.path or 'the root module'!r}"
             else:
-                self.drop(path, f"{scope.text}: {scope.kind.value}")
+                self.drop(scope.path, f"{scope.text}: {scope.kind.value}")
         if torch.is_grad_enabled() != self.grad or torch.is_inference_mode_enabled() != self.inference:
-            self.drop(path, "the grad mode is changed (torch.set_grad_enabled / inference_mode): "
-                            f"{Kind.GRAD.value}")
+            self.drop(self.where(), "the grad mode is changed (torch.set_grad_enabled / inference_mode): "
+                                    f"{Kind.GRAD.value}")
 
     def enter(self, key: int, scope: Scope) -> None:
-        self.scopes.append((key, scope))
+        self.scopes.append((key, dataclasses.replace(scope, path=self.where())))
 
     def exit(self, key: int) -> None:
         for i in range(len(self.scopes) - 1, -1, -1):
@@ -165,7 +177,10 @@ def _wrapped_context(cls: type) -> Iterator[None]:
     def watched_enter(cm: Any) -> Any:
         out = enter(cm)
         if _ACTIVE:
-            _ACTIVE[-1].enter(id(cm), _describe(cm))
+            scope = _describe(cm)
+            _ACTIVE[-1].enter(id(cm), scope)
+            if _ACTIVE[-1].export and isinstance(cm, EXPORT_DROPS) and getattr(cm, "mode", True):
+                _ACTIVE[-1].drop("", f"{scope.text}: {scope.kind.value}")
         return out
 
     def watched_exit(cm: Any, *exc: Any) -> Any:
@@ -228,9 +243,10 @@ class _ModuleState:
                   if b is not None and b.device.type != "meta"}  # `.data` writes leave no version
         return cls(m, attrs, tensors, values)
 
-    def put_back(self) -> list[tuple[str, bool]]:
-        """Undo what the capture changed in this module's attributes (not tensor values: the
-        caller keeps buffers); what changed, in words, and whether it is a parameter or buffer."""
+    def put_back(self, own: set[str]) -> list[tuple[str, bool]]:
+        """Undo what the capture changed in this module's attributes and buffers (parameters'
+        values are the caller's: only buffers are copied); what changed, in words, and whether
+        it is a parameter or buffer. ``own`` names attributes the tracer itself set (its constants)."""
         changes, now = [], vars(self.module)
         for name, (what, obj, version) in self.tensors.items():
             store = self.module._parameters if what == "parameter" else self.module._buffers
@@ -239,7 +255,10 @@ class _ModuleState:
                 store[name] = obj
             elif obj._version != version or (name in self.values and not _same(self.values[name], obj)):
                 changes.append((f"{what} {name!r} changed in place", True))
-        for key in [k for k in now if k not in _INTERNAL and k not in self.attrs]:
+            if name in self.values and not _same(self.values[name], obj):
+                with torch.no_grad():
+                    obj.copy_(self.values[name])
+        for key in [k for k in now if k not in _INTERNAL and k not in self.attrs and k not in own]:
             changes.append((f"attribute {key!r} set{_traced(now[key])}", False))
             del now[key]
         for key, value in self.attrs.items():

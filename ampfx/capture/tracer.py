@@ -80,7 +80,15 @@ class AmpTracer(fx.Tracer):
                     setattr(home, fn.__name__, _one_node(fn))
                     stack.callback(setattr, home, fn.__name__, fn)
             self.watch = stack.enter_context(Watch(root))
+            self.watch.where = self._current_path
             return super().trace(root, concrete_args)
+
+    def _current_path(self) -> str:
+        """The path of the module whose forward is being traced now ('' for the root)."""
+        if not self.module_stack:
+            return ""
+        key, value = next(reversed(self.module_stack.items()))
+        return str(value[0] if isinstance(value, tuple) else key)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         """``fx.Tracer.create_node``; the node is shown to the :class:`Watch` (the regions it is created in)."""
@@ -177,6 +185,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
     # `if mask is not None:` take the masked branch for every call
     fixed: dict[str, Any] = {k: v for k, v in _default_args(model, given_args or set()).items() if v is None}
     mode = "fx, None defaults fixed" if fixed else "fx"
+    python_state = False
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
             tracer = AmpTracer(policy, set(leaves))
@@ -198,6 +207,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                     continue
                 steps.append(f"root forward: {short(e)}")
                 raise RootUntraceable(e, steps) from e
+            python_state = python_state or tracer.watch.python_state
             inner = {p: w for p, w in tracer.watch.dropped.items() if p and p not in leaves}
             if inner:  # a submodule does what the graph would drop: it keeps its Python, as a leaf
                 for path, what in inner.items():
@@ -208,7 +218,8 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
-            return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch))
+            return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
+                           python_state=python_state)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
