@@ -8,7 +8,9 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 - ``OUT_INFOS``: a tuple of :class:`~ampfx.passes.shapes.TensorInfo`, the dtype and
   sizes of each tensor the node produced before conversion (shape propagation);
 - ``CALIB``: what calibration saw of the node's output and gradient;
-- ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call.
+- ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call;
+- ``USER_FLOAT32``: why the user asked for the node to stay float32 (it was traced inside
+  ``torch.autocast(..., enabled=False)``), written while capturing (:mod:`ampfx.capture.semantics`).
 
 >>> import torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x")
@@ -25,6 +27,7 @@ RECORD = "ampfx"
 OUT_INFOS = "ampfx_out"
 CALIB = "ampfx_calib"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
+USER_FLOAT32 = "ampfx_user_float32"
 
 
 def record(node: fx.Node) -> Any:
@@ -45,6 +48,11 @@ def out_infos(node: fx.Node) -> tuple | None:
 def calib(node: fx.Node) -> Any:
     """What calibration recorded for ``node``, or ``None``."""
     return node.meta.get(CALIB)
+
+
+def user_float32(node: fx.Node) -> str | None:
+    """Why the user asked for ``node`` to compute in float32, or ``None``."""
+    return node.meta.get(USER_FLOAT32)
 
 
 def leaf_param_casts(gm: fx.GraphModule) -> int:

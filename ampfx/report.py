@@ -101,6 +101,8 @@ class Rule(str, enum.Enum):
     FP32_MODULES = "fp32_modules", _about("inside a module named in fp32_modules / AMPFX_FP32_MODULES",
                                           word="fp32 module")
     MODULE_FILTER_FN = "module_filter_fn", _about("inside a module the policy's module_filter_fn rejected")
+    USER_FLOAT32 = "user-float32", _about("the model's code asks for float32 here: inside "
+                                          "torch.autocast(..., enabled=False)", word="user float32")
     PROBE = "probe", _about("the low-precision kernel failed a tiny test run on this device",
                             word="no low kernel here")
     PAINT_DENY = "paint:deny", _about("follows a deny op through infer/clear ops (TF-AMP deny propagation)",

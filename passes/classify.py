@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import decide, integrations, ops, probes
-from ..meta import RECORD, node_module_path, out_infos
+from ..meta import RECORD, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
 from ..report import Decision, Rule, dtype_name
@@ -190,7 +190,8 @@ def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
 def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
              name: str) -> decide.Verdict:
     """The precedence chain for one op, first match wins: a PASS table entry; no float data; a
-    region (a module that runs eagerly); ``fp32_modules`` / ``module_filter_fn``; the lists
+    region (a module that runs eagerly); the model's own float32 request (traced inside
+    ``torch.autocast(..., enabled=False)``); ``fp32_modules`` / ``module_filter_fn``; the lists
     (unlisted, or listed and then checked for a working kernel and representable constants)."""
     entry = ops.ENTRIES.get(name)
     float_inputs = [n for n in node.all_input_nodes if carries_float(n, decided)]
@@ -204,6 +205,8 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
         return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")
+    if (asked := user_float32(node)) is not None:
+        return decide.Verdict(Category.FP32, torch.float32, Rule.USER_FLOAT32, f"{asked}: the model asks for float32")
     hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix)
     if hit is not None:
         return decide.Verdict(Category.FP32, torch.float32, *hit)

@@ -20,7 +20,11 @@ class Capture:
     ``method`` is the rung that produced it (``"fx"``, ``"fx, optional arguments
     fixed"``, ``"export"``, ...); ``steps`` every rung tried on the way, with its
     error; ``why`` the check that accepted it. ``leaves`` maps the path of each
-    module kept opaque to the trace error that made it a leaf.
+    module kept opaque to the trace error that made it a leaf. ``dropped`` says
+    what the forward does that the graph does not repeat (a ``no_grad`` region, a
+    buffer update: :mod:`ampfx.capture.semantics`); a capture with any is not used.
+    ``python_state``: a forward (of the module or of a leaf) sets Python attributes,
+    which torch.export does not repeat either (it puts them back after tracing).
     """
 
     graph: fx.Graph
@@ -33,6 +37,8 @@ class Capture:
     constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
     notes: tuple[str, ...] = ()
     mode_error: str | None = None  # export: why the other training mode could not be exported
+    dropped: tuple[str, ...] = ()
+    python_state: bool = False  # a module's forward sets Python attributes: torch.export would not repeat it either
 
 
 @dataclass(frozen=True)

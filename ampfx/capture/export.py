@@ -53,9 +53,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
+from ..meta import USER_FLOAT32, node_module_path
 from ..state import kept_buffers, modes
 from .base import Capture, short
-from .tracer import reads_training
+from .semantics import Watch
+from .tracer import dropped_by, reads_training
 
 MIN_TORCH = (2, 5)
 """``torch.export`` with the non-strict mode and the pre-dispatch IR (older torch decomposes to core ATen)."""
@@ -136,8 +138,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
     args, kwargs = snapshot((args, kwargs))
-    with torch.enable_grad(), _quiet():
-        return fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    with torch.enable_grad(), _quiet(), Watch(model, export=True) as watch:
+        ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    if watch.dropped:
+        raise Unfaithful(f"torch.export would drop what the forward does ({'; '.join(dropped_by(watch))})")
+    return ep
+
+
+class Unfaithful(RuntimeError):
+    """The exported graph would not repeat something the forward does (:mod:`ampfx.capture.semantics`)."""
 
 
 def _about_sizes(e: BaseException) -> bool:
@@ -192,8 +201,21 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
                 if path in paths:
                     clean[key] = (path, value[1]) if isinstance(value, tuple) else value
             node.meta["nn_module_stack"] = clean
+        _mark_user_float32(node)
     notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
     return constants, notes
+
+
+def _mark_user_float32(node: fx.Node) -> None:
+    """A ``torch.autocast(device, enabled=False)`` region (export's ``wrap_with_autocast`` with
+    ``enabled`` False) is the model asking for float32: say so for the classify pass."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+    if hop is None or node.op != "call_function" or node.target is not hop or len(node.args) < 3:
+        return
+    device, _, enabled = node.args[:3]
+    if enabled is False:
+        path = node_module_path(node)
+        node.meta[USER_FLOAT32] = f"inside torch.autocast({device!r}, enabled=False) in {path or 'the root module'!r}"
 
 
 def _normal_path(path: str) -> str:

@@ -36,43 +36,59 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     fx_capture, steps = None, []
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
-        fx_capture, steps = _fx_rung(module, policy, inputs, check=not only_fx)
+        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx)
         if fx_capture is not None and (only_fx or fx_capture.why):
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
+        if not exportable:
+            return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
+                                             "does not repeat either (it puts them back after tracing): not tried"])
     try:
         exported = export.capture(module, inputs)
     except export.ExportFailed as e:
-        if fx_capture is not None:
-            return dataclasses.replace(fx_capture, steps=(*steps, *e.steps, "kept the torch.fx graph with leaves"),
-                                       why="torch.export failed; the torch.fx graph with leaves reproduces the "
-                                           "model's outputs on the example inputs")
-        return Uncaptured((*steps, *e.steps))
+        return _with_leaves(fx_capture, [*steps, *e.steps])
     return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph")
 
 
+def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Uncaptured:
+    """No single graph: the torch.fx graph with leaves if there is one (it reproduces the module), else none."""
+    if fx_capture is None:
+        return Uncaptured(tuple(steps))
+    return dataclasses.replace(fx_capture, steps=(*steps, "kept the torch.fx graph with leaves"),
+                               why="no single graph (torch.export failed or would drop something); the torch.fx "
+                                   "graph with leaves reproduces the model's outputs, gradients and buffer updates "
+                                   "on the example inputs")
+
+
 def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
-             check: bool) -> tuple[Capture | None, list[str]]:
+             check: bool) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
     set when it reproduces the module without leaves; a capture without ``why`` (it
     needed leaves) is kept only if torch.export fails; a graph that computes something
-    else is never returned."""
+    else is never returned. The flag: may torch.export be tried next (not when a forward sets
+    Python attributes, :attr:`Capture.python_state`)."""
     try:
         with kept_buffers(module):  # tracing runs the Python: `self.count += 1` on a real buffer changes it
             got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
-                                  if check else [])]
+                                  if check else [])], True
+    if got.dropped:  # seen while tracing, with or without example inputs
+        return None, [*got.steps, f"{'auto' if check else 'fx'}: torch.fx would drop what the forward does "
+                                  f"({'; '.join(got.dropped)}); "
+                                  + ("trying torch.export" if check and not got.python_state
+                                     else "the module keeps its Python")], not got.python_state
+    watched = "no grad-mode, autocast or autograd.Function region, buffer or attribute update seen while tracing"
     if not check:
-        return dataclasses.replace(got, why="traced by torch.fx (not checked: tracer='fx' or no example inputs)"), \
-            list(got.steps)
+        return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
+                                            "no example inputs)"), list(got.steps), True
     wrong = reproduces(module, got.graph, inputs)
     if wrong is None and not got.leaves:
-        return dataclasses.replace(got, why="traced by torch.fx; reproduces the model's outputs on the example "
-                                            "inputs"), list(got.steps)
+        return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
+                                            "gradients and buffer updates on the example inputs"), list(got.steps), True
     if wrong is not None:
-        return None, [*got.steps, f"auto: {wrong}; trying torch.export"]
+        return None, [*got.steps, f"auto: {wrong}; trying torch.export"], not got.python_state
     return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying torch.export "
-                             "for one graph"]
+                             "for one graph"], not got.python_state

@@ -38,6 +38,7 @@ from .. import integrations, ops, runtime
 from ..policy import Policy
 from ..state import modes
 from .base import Capture, short
+from .semantics import Watch
 
 MAX_LEAF_RETRIES = 64
 
@@ -65,17 +66,36 @@ class AmpTracer(fx.Tracer):
         self.user_functions = functions
         self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)}
         self.failed_path: str | None = None
+        self.watch: Watch | None = None
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace``; user functions on a list are also kept whole when
-        called as ``module.function`` (``autowrap_functions`` covers only globals)."""
+        called as ``module.function`` (``autowrap_functions`` covers only globals).
+        What the forward does that the graph drops is in ``self.watch.dropped`` after
+        (:mod:`ampfx.capture.semantics`), and the module attributes it changed are put back."""
         with contextlib.ExitStack() as stack:
             for fn in self.user_functions:
                 home = sys.modules.get(fn.__module__)
                 if home is not None and getattr(home, fn.__name__, None) is fn:
                     setattr(home, fn.__name__, _one_node(fn))
                     stack.callback(setattr, home, fn.__name__, fn)
+            self.watch = stack.enter_context(Watch(root))
+            self.watch.where = self._current_path
             return super().trace(root, concrete_args)
+
+    def _current_path(self) -> str:
+        """The path of the module whose forward is being traced now ('' for the root)."""
+        if not self.module_stack:
+            return ""
+        key, value = next(reversed(self.module_stack.items()))
+        return str(value[0] if isinstance(value, tuple) else key)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """``fx.Tracer.create_node``; the node is shown to the :class:`Watch` (the regions it is created in)."""
+        node = super().create_node(*args, **kwargs)
+        if self.watch is not None:
+            self.watch.stamp(node)
+        return node
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         """``fx.Tracer.getattr`` with a name lookup table: fx scans every
@@ -165,6 +185,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
     # `if mask is not None:` take the masked branch for every call
     fixed: dict[str, Any] = {k: v for k, v in _default_args(model, given_args or set()).items() if v is None}
     mode = "fx, None defaults fixed" if fixed else "fx"
+    python_state = False
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
             tracer = AmpTracer(policy, set(leaves))
@@ -186,12 +207,26 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
                     continue
                 steps.append(f"root forward: {short(e)}")
                 raise RootUntraceable(e, steps) from e
+            python_state = python_state or tracer.watch.python_state
+            inner = {p: w for p, w in tracer.watch.dropped.items() if p and p not in leaves}
+            if inner:  # a submodule does what the graph would drop: it keeps its Python, as a leaf
+                for path, what in inner.items():
+                    leaves[path] = f"torch.fx would drop what its forward does: {'; '.join(what)}"
+                    steps.append(f"module {path!r} made a leaf: {leaves[path]}")
+                continue
             mode = "fx" if mode == "fx, whole model failed" else mode
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
-            return Capture(graph, mode, leaves, fixed, tuple(steps))
+            return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
+                           python_state=python_state)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def dropped_by(watch: Watch | None) -> tuple[str, ...]:
+    """What the watched forward does that its graph does not repeat, one line per module."""
+    return tuple(f"{path or 'the root module'!r}: {'; '.join(what)}"
+                 for path, what in (watch.dropped.items() if watch is not None else ()))
 
 
 def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
@@ -220,7 +255,10 @@ def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.G
     if not any(reads_training(type(m)) for m in traced):
         return None
     with modes(model, training=not model.training), _fast_paths_off():
-        graph = AmpTracer(policy, set(capture.leaves)).trace(model, concrete_args=capture.fixed_args or None)
+        other = AmpTracer(policy, set(capture.leaves))
+        graph = other.trace(model, concrete_args=capture.fixed_args or None)
+    if dropped_by(other.watch):
+        raise RuntimeError(f"torch.fx would drop what the forward does in that mode: {'; '.join(dropped_by(other.watch))}")
     _finish(graph, capture.fixed_args)
     same = graph.python_code("self").src == capture.graph.python_code("self").src
     return None if same else graph

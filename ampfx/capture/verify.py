@@ -1,7 +1,7 @@
 """Verification of a capture: does the captured graph compute what the model computes?"""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -14,31 +14,69 @@ from .base import short
 
 
 def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: float = 1e-4) -> str | None:
-    """``None`` if ``graph`` gives ``model``'s outputs on ``inputs``, else why not.
+    """``None`` if ``graph`` does what ``model`` does on ``inputs``, else why not.
 
-    Both run in float32 in the model's current mode, without gradients, from
-    the same random seed (dropout draws the same masks), and leave buffers
-    as found. Python that branches on sizes or values can trace into a graph
-    that runs but computes something else; this catches it before conversion.
+    Both run in float32 in the model's current mode (the mode being captured),
+    from the same random seed (dropout draws the same masks) and the same
+    buffers, and are compared on three things: the outputs; the gradients of
+    the parameters (which ones get one, and their values) for one backward of
+    the outputs against fixed random weights; and the buffers after the call.
+    Python that branches on sizes or values can trace into a graph that runs
+    but computes something else, and a graph can lose a ``no_grad`` region or a
+    buffer update that its outputs do not show; this catches both before
+    conversion. Buffers, parameters' ``.grad`` and the random state are left as found.
     """
     gm = graph_module(model, graph)
-
-    def run(m: nn.Module) -> list[Any]:
-        with kept_rng(*model.parameters()), kept_buffers(model), torch.no_grad():
-            torch.manual_seed(0)
-            # a copy of the inputs each time: the forward may change what it is given (caches)
-            return torch.utils._pytree.tree_leaves(inputs.snapshot().call(m))
-
     try:
-        want = run(model)
+        want = _run(model, model, inputs)
     except Exception:  # noqa: BLE001 - the model itself does not run: nothing to compare (shapes says so)
         return None
     try:
-        got = run(gm)
+        got = _run(gm, model, inputs)
     except Exception as e:  # noqa: BLE001
         return f"the torch.fx graph does not run on the example inputs ({short(e)})"
-    want = [t for t in want if isinstance(t, torch.Tensor)]
-    got = [t for t in got if isinstance(t, torch.Tensor)]
+    return _compare_outputs(want.outputs, got.outputs, rtol) or _compare_named(
+        want, got, rtol)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one run shows: output tensors, each parameter's gradient (``None``: it gets none;
+    all ``None`` when no gradient could be taken), each buffer after the call."""
+
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    backward: bool
+
+
+def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs) -> _Run:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with kept_rng(*model.parameters()), kept_buffers(model), torch.enable_grad():
+        torch.manual_seed(0)
+        # a copy of the inputs each time: the forward may change what it is given (caches)
+        out = [t for t in torch.utils._pytree.tree_leaves(inputs.snapshot().call(m)) if isinstance(t, torch.Tensor)]
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        grads, backward = _grads(out, params)
+    return _Run([t.detach() for t in out], grads, buffers, backward)
+
+
+def _grads(out: list[torch.Tensor], params: list[tuple[str, nn.Parameter]]) -> tuple[dict, bool]:
+    """Each parameter's gradient of the outputs weighted by fixed random numbers (a plain sum
+    would give zero through a softmax), without touching ``.grad``; ``None`` for unused ones."""
+    gen = torch.Generator().manual_seed(0)
+    terms = [(t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum()
+             for t in out if t.requires_grad and t.is_floating_point() and t.device.type != "meta"]
+    if not terms or not params:
+        return {n: None for n, _ in params}, False
+    try:
+        got = torch.autograd.grad(sum(terms), [p for _, p in params], allow_unused=True)
+    except RuntimeError:  # no backward here (an output the model computes without autograd history)
+        return {n: None for n, _ in params}, False
+    return {n: (g.detach() if g is not None else None) for (n, _), g in zip(params, got)}, True
+
+
+def _compare_outputs(want: list[torch.Tensor], got: list[torch.Tensor], rtol: float) -> str | None:
     if len(want) != len(got):
         return f"the torch.fx graph returns {len(got)} tensors, the model {len(want)}"
     for i, (a, b) in enumerate(zip(want, got)):
@@ -50,6 +88,27 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
         wrong = _differs(a, b, rtol)
         if wrong is not None:
             return f"the torch.fx graph's output {i} differs from the model's{wrong}"
+    return None
+
+
+def _compare_named(want: _Run, got: _Run, rtol: float) -> str | None:
+    """Gradients (when the model's backward ran), then buffers after the call."""
+    if want.backward:
+        for name, a in want.grads.items():
+            b = got.grads.get(name)
+            if (a is None) != (b is None):
+                return (f"the torch.fx graph gives parameter {name!r} {'a' if b is not None else 'no'} gradient, "
+                        f"the model {'a' if a is not None else 'none'} (a grad-mode region or a custom backward "
+                        "the graph does not keep?)")
+            if a is not None and (wrong := _differs(a, b, rtol)) is not None:
+                return f"the torch.fx graph's gradient of parameter {name!r} differs from the model's{wrong}"
+    for name, a in want.buffers.items():
+        b = got.buffers.get(name)
+        if b is None or a.shape != b.shape or a.device.type == "meta":
+            continue
+        if (wrong := _differs(a, b, rtol)) is not None:
+            return (f"after a call, buffer {name!r} differs between the torch.fx graph and the model{wrong} "
+                    "(an update of it that the graph does not repeat?)")
     return None
 
 

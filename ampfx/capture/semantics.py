@@ -1,0 +1,289 @@
+"""What a forward does that a captured graph would not repeat, seen while it is captured.
+
+``torch.fx`` records the tensor ops it sees on proxies; everything else the
+forward's Python does happens once, while tracing, and never again:
+
+- grad-mode regions (``torch.no_grad()``, ``enable_grad``, ``set_grad_enabled``,
+  ``inference_mode``): their ops are recorded as plain ops, so parameters used
+  only under ``no_grad`` are trained by the graph;
+- ``torch.autocast(..., enabled=True)`` regions: the ops are recorded without the autocast;
+- a ``torch.autograd.Function``: its forward's ops are recorded, its own backward is lost;
+- buffers are real tensors while tracing: ``self.count += 1``, ``self.avg.mul_(0.9)``
+  and ``self.count = self.count + 1`` change the buffer once, at trace time;
+- Python attributes set by the forward (``self.calls += 1``, ``self.cache = h``).
+
+:class:`Watch` sees these while a graph is captured (no example inputs
+needed) and lists them in :attr:`Watch.dropped`; it also puts the module
+state it saw change back as it was. ``torch.autocast(..., enabled=False)`` is
+not dropped: it is the user's request that the ops inside stay float32, and
+the nodes created inside carry it in ``node.meta`` (:data:`ampfx.meta.USER_FLOAT32`)
+for the classify pass.
+
+The context managers are seen by wrapping their ``__enter__`` / ``__exit__``
+(and ``Function.apply``) for the duration of the capture only, as ``torch.fx``
+itself wraps ``nn.Module.__call__`` while tracing: capture one model at a time
+per process.
+
+>>> import torch, torch.fx as fx
+>>> class Net(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.register_buffer("count", torch.zeros(()))
+...     def forward(self, x):
+...         self.count += 1
+...         with torch.no_grad():
+...             return x * 2
+>>> net = Net()
+>>> with Watch(net) as w:
+...     _ = fx.symbolic_trace(net)
+>>> w.dropped
+{'': ("buffer 'count' changed in place",)}
+>>> int(net.count)  # put back
+0
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.autograd import grad_mode
+
+from ..meta import USER_FLOAT32
+
+
+class Kind(enum.Enum):
+    """What a region of the forward asks for, and whether a graph keeps it."""
+
+    GRAD = "a grad-mode region: the graph records plain ops (parameters used under no_grad would be trained)"
+    AUTOCAST = "an autocast region: the graph records the ops without it"
+    FLOAT32 = "the user's float32 request: kept (the nodes inside stay float32)"
+    FUNCTION = "an autograd.Function: the graph records its forward's ops, its own backward is lost"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One region of the forward open while a node was created: its kind, how the user wrote it,
+    and the path of the module whose forward opened it."""
+
+    kind: Kind
+    text: str
+    path: str = ""
+
+
+GRAD_CONTEXTS: tuple[type, ...] = (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled,
+                                   grad_mode.inference_mode)
+"""The grad-mode context managers (also used as decorators) that a graph does not record."""
+
+EXPORT_DROPS: tuple[type, ...] = (grad_mode.inference_mode,)
+"""The context managers torch.export does not keep either (it keeps grad-mode and autocast regions as
+higher-order ops, but records the ops under ``inference_mode`` as plain ones)."""
+
+_INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_ACTIVE: list[Watch] = []
+
+
+def _describe(cm: Any) -> Scope:
+    """The scope a context manager opens, as the user wrote it."""
+    if isinstance(cm, torch.autocast):
+        args = f"{cm.device!r}, dtype={str(cm.fast_dtype).replace('torch.', '')}"
+        if not cm._enabled:
+            return Scope(Kind.FLOAT32, f"torch.autocast({cm.device!r}, enabled=False)")
+        return Scope(Kind.AUTOCAST, f"torch.autocast({args})")
+    mode = getattr(cm, "mode", getattr(cm, "prev", None))
+    name = type(cm).__name__
+    return Scope(Kind.GRAD, f"torch.{name}({mode})" if name in ("set_grad_enabled", "inference_mode")
+                 else f"torch.{name}()")
+
+
+class Watch:
+    """Watches one capture of ``root`` (see the module docstring). ``dropped`` maps a module path
+    ('' for the root) to what that module's forward does that the graph would not repeat."""
+
+    def __init__(self, root: Any, *, export: bool = False) -> None:
+        self.root = root if isinstance(root, nn.Module) else None
+        # torch.export keeps grad-mode and autocast regions and buffer updates (it functionalises them), but
+        # traces through an autograd.Function and runs the Python once: any Function call and any Python
+        # attribute the forward sets count (export creates no proxies to stamp)
+        self.export = export
+        self.scopes: list[tuple[int, Scope]] = []
+        self.dropped: dict[str, tuple[str, ...]] = {}
+        self.python_state = False  # a Python attribute was set: torch.export would not repeat it either
+        self.grad = self.inference = False
+        self._stack = contextlib.ExitStack()
+        self.where: Callable[[], str] = lambda: ""  # the tracer says which module's forward runs now
+        self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
+        self._state: dict[str, _ModuleState] = {}
+
+    def __enter__(self) -> Watch:
+        self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        if self.root is not None:
+            self._state = {path: _ModuleState.of(m) for path, m in self.root.named_modules()}
+        for cls in (*GRAD_CONTEXTS, torch.autocast):
+            self._stack.enter_context(_wrapped_context(cls))
+        self._stack.enter_context(_wrapped_apply())
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        self._stack.close()
+        for path, state in self._state.items():
+            for change, of_tensor in state.put_back(self.own if not path else set()):
+                if not (self.export and of_tensor):
+                    self.drop(path, change)
+                    self.python_state = self.python_state or not of_tensor
+
+    def drop(self, path: str, what: str) -> None:
+        """Record that the forward of the module at ``path`` does ``what``, which the graph would not repeat."""
+        if what not in self.dropped.get(path, ()):
+            self.dropped[path] = (*self.dropped.get(path, ()), what)
+
+    def stamp(self, node: fx.Node) -> None:
+        """Called for every node the tracer creates: note the regions it was created in."""
+        if node.op == "get_attr":
+            self.own.add(str(node.target))
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return
+        for _, scope in self.scopes:
+            if scope.kind is Kind.FLOAT32:
+                node.meta[USER_FLOAT32] = f"inside {scope.text} in {scope.path or 'the root module'!r}"
+            else:
+                self.drop(scope.path, f"{scope.text}: {scope.kind.value}")
+        if torch.is_grad_enabled() != self.grad or torch.is_inference_mode_enabled() != self.inference:
+            self.drop(self.where(), "the grad mode is changed (torch.set_grad_enabled / inference_mode): "
+                                    f"{Kind.GRAD.value}")
+
+    def enter(self, key: int, scope: Scope) -> None:
+        self.scopes.append((key, dataclasses.replace(scope, path=self.where())))
+
+    def exit(self, key: int) -> None:
+        for i in range(len(self.scopes) - 1, -1, -1):
+            if self.scopes[i][0] == key:
+                del self.scopes[i]
+                return
+
+
+@contextlib.contextmanager
+def _wrapped_context(cls: type) -> Iterator[None]:
+    """``cls.__enter__`` / ``__exit__`` tell the active :class:`Watch`, until the block ends."""
+    enter, exit_ = cls.__dict__["__enter__"], cls.__dict__["__exit__"]
+
+    def watched_enter(cm: Any) -> Any:
+        out = enter(cm)
+        if _ACTIVE:
+            scope = _describe(cm)
+            _ACTIVE[-1].enter(id(cm), scope)
+            if _ACTIVE[-1].export and isinstance(cm, EXPORT_DROPS) and getattr(cm, "mode", True):
+                _ACTIVE[-1].drop("", f"{scope.text}: {scope.kind.value}")
+        return out
+
+    def watched_exit(cm: Any, *exc: Any) -> Any:
+        if _ACTIVE:
+            _ACTIVE[-1].exit(id(cm))
+        return exit_(cm, *exc)
+
+    cls.__enter__, cls.__exit__ = watched_enter, watched_exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, exit_
+
+
+@contextlib.contextmanager
+def _wrapped_apply() -> Iterator[None]:
+    """``torch.autograd.Function.apply`` tells the active :class:`Watch`, until the block ends."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        watch = _ACTIVE[-1] if _ACTIVE else None
+        scope = Scope(Kind.FUNCTION, f"torch.autograd.Function {cls.__qualname__}")
+        if watch is None:
+            return original.__func__(cls, *args, **kwargs)
+        if watch.export:
+            watch.drop("", f"{scope.text}: {scope.kind.value}")
+        key = object()
+        watch.enter(id(key), scope)
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            watch.exit(id(key))
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _ModuleState:
+    """One module's Python attributes, parameters and buffers (objects and versions, buffer values)."""
+
+    module: nn.Module
+    attrs: dict[str, Any]
+    tensors: dict[str, tuple[str, Any, int]]
+    values: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, m: nn.Module) -> _ModuleState:
+        attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
+        tensors = {**{n: ("parameter", p, p._version) for n, p in m._parameters.items() if p is not None},
+                   **{n: ("buffer", b, b._version) for n, b in m._buffers.items() if b is not None}}
+        values = {n: b.detach().clone() for n, b in m._buffers.items()
+                  if b is not None and b.device.type != "meta"}  # `.data` writes leave no version
+        return cls(m, attrs, tensors, values)
+
+    def put_back(self, own: set[str]) -> list[tuple[str, bool]]:
+        """Undo what the capture changed in this module's attributes and buffers (parameters'
+        values are the caller's: only buffers are copied); what changed, in words, and whether
+        it is a parameter or buffer. ``own`` names attributes the tracer itself set (its constants)."""
+        changes, now = [], vars(self.module)
+        for name, (what, obj, version) in self.tensors.items():
+            store = self.module._parameters if what == "parameter" else self.module._buffers
+            if store.get(name) is not obj:
+                changes.append((f"{what} {name!r} reassigned", True))
+                store[name] = obj
+            elif obj._version != version or (name in self.values and not _same(self.values[name], obj)):
+                changes.append((f"{what} {name!r} changed in place", True))
+            if name in self.values and not _same(self.values[name], obj):
+                with torch.no_grad():
+                    obj.copy_(self.values[name])
+        for key in [k for k in now if k not in _INTERNAL and k not in self.attrs and k not in own]:
+            changes.append((f"attribute {key!r} set{_traced(now[key])}", False))
+            del now[key]
+        for key, value in self.attrs.items():
+            if not _unchanged(value, now.get(key, _MISSING)):
+                changes.append((f"attribute {key!r} changed{_traced(now.get(key))}", False))
+                now[key] = value
+        return changes
+
+
+def _unchanged(old: Any, new: Any) -> bool:
+    """The same object, or an equal plain value (torch.export rebuilds ``LayerNorm.normalized_shape``)."""
+    if old is new:
+        return True
+    if type(old) is not type(new) or not isinstance(old, (int, float, str, bytes, tuple, frozenset, type(None))):
+        return False
+    try:
+        return _traced(new) == "" and bool(old == new)
+    except Exception:  # noqa: BLE001 - a value without a plain equality is taken as changed
+        return False
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b.detach()))
+
+
+def _traced(value: Any) -> str:
+    leaves = torch.utils._pytree.tree_leaves(value) if isinstance(value, (list, tuple, dict)) else [value]
+    return " to a traced value" if any(isinstance(v, fx.Proxy) for v in leaves) else ""
