@@ -60,6 +60,7 @@ class AmpGraphModule(fx.GraphModule):
         holder._modules, holder._parameters, holder._buffers = tree["_modules"], tree["_parameters"], tree["_buffers"]
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
         _keep_tree(res, holder, self.training)
+        _keep_attributes(res, copy.deepcopy(_kept_attributes(self), memo))
         if "ampfx_report" in self.__dict__:
             res.ampfx_report = self.ampfx_report  # frozen: safe to share
         alt = self.__dict__.get("_ampfx_alt")
@@ -76,8 +77,9 @@ class AmpGraphModule(fx.GraphModule):
         holder = nn.Module()
         holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        kept = {k: v for k, v in _kept_attributes(self).items() if k in body or k == "_ampfx_attrs"}
         return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
-                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None)))
+                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None), kept))
 
     def set_mode_graph(self, training: bool, other: nn.Module) -> None:
         """Run ``other`` whenever this module is in mode ``training``: the module's own conversion
@@ -174,12 +176,13 @@ class ModeUnavailable(nn.Module):
 
 
 def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # noqa: ANN001
-             pytree_info=None) -> AmpGraphModule:
+             pytree_info=None, kept=None) -> AmpGraphModule:
     plain = fn(*args)
     if pytree_info is not None:
         _restore_pytree(plain, pytree_info)
     gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
     _keep_tree(gm, holder, training)
+    _keep_attributes(gm, kept or {})
     if report is not None:
         gm.ampfx_report = report
     if alt is not None:
@@ -207,10 +210,21 @@ def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
     attributes (see the module docstring)."""
     gm = AmpGraphModule(root, graph, class_name=type(root).__name__)
     _keep_tree(gm, root, root.training)
-    for name, value in _attributes(root):
-        gm.__dict__.setdefault(name, value)
-    gm.__dict__["_ampfx_source"] = getattr(root, "_ampfx_source", type(root))
+    kept = {name: value for name, value in _attributes(root) if name not in gm.__dict__}
+    _keep_attributes(gm, {**kept, "_ampfx_source": getattr(root, "_ampfx_source", type(root)),
+                          "_ampfx_attrs": tuple(kept)})
     return gm
+
+
+def _kept_attributes(gm: AmpGraphModule) -> dict[str, Any]:
+    """What :func:`graph_module` kept of its source module (``GraphModule``'s deepcopy and pickling drop it)."""
+    names = (*gm.__dict__.get("_ampfx_attrs", ()), "_ampfx_source", "_ampfx_attrs")
+    return {name: gm.__dict__[name] for name in names if name in gm.__dict__}
+
+
+def _keep_attributes(gm: AmpGraphModule, attributes: dict[str, Any]) -> None:
+    for name, value in attributes.items():
+        gm.__dict__.setdefault(name, value)
 
 
 def _attributes(root: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -22,7 +22,8 @@ import torch.nn as nn
 from .capture.base import Capture
 from .graph_module import AmpGraphModule, graph_module
 from .inputs import ExampleInputs
-from .meta import leaf_param_casts, record
+from . import runtime
+from .meta import RECORD, leaf_param_casts, record
 from .passes import PIPELINE, calibrate, shapes
 from .passes.context import PassContext
 from .policy import Policy
@@ -99,11 +100,45 @@ def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
     """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
     for pass_ in PIPELINE:
         pass_(gm, ctx)
+    if ctx.prefix:
+        keep_boundary(gm)
     gm.graph.lint()
     gm.recompile()
     for node in gm.graph.nodes:
         for key in ("val", "tensor_meta"):
             node.meta.pop(key, None)
+
+
+def keep_boundary(gm: AmpGraphModule) -> None:
+    """A region's float inputs are cast to the dtype its graph was converted for, whatever the eager
+    code around it hands it: an input recorded as bfloat16 and handed float32 would otherwise reach
+    a bfloat16 op, whose weight is cast, uncast (``mat1 and mat2 must have the same dtype``).
+    Integer and bool inputs, and the casts ampfx already put on an input, are left alone; the cast
+    does nothing when the dtype is already right.
+
+    Before (``h`` recorded as bfloat16, ``linear`` in bfloat16)::
+
+        linear = torch._C._nn.linear(h, weight_bf16)
+
+    After::
+
+        h_in = ampfx_runtime_cast(h, torch.bfloat16)
+        linear = torch._C._nn.linear(h_in, weight_bf16)
+    """
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in inputs:
+        d = record(node)
+        want = d.out if isinstance(d, Decision) else None
+        users = [u for u in node.users if u.target is not runtime.cast]
+        if want not in runtime.CASTABLE or not users:
+            continue
+        with gm.graph.inserting_after(inputs[-1]):
+            cast = gm.graph.create_node("call_function", runtime.cast, (node, want), {}, name=f"{node.name}_in")
+        for user in users:
+            user.replace_input_with(node, cast)
+        cast.meta[RECORD] = CastInfo(node=cast.name, value=node.name, source="as handed", to=want,
+                                     consumers=tuple(u.name for u in users),
+                                     reason="region input: cast to the dtype its graph was converted for")
 
 
 def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:

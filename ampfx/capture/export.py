@@ -53,7 +53,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
-from ..state import kept_buffers
+from ..state import kept_buffers, kept_random
 from .base import Capture, short
 
 MIN_TORCH = (2, 5)
@@ -135,8 +135,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
     args, kwargs = snapshot((args, kwargs))
-    with torch.enable_grad(), _quiet():
-        return fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
+    with torch.enable_grad(), _quiet(), kept_random(torch_too=False) as draws:
+        ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    if draws.drew:
+        raise RuntimeError("the model's Python drew a random number (random / numpy) while being exported: the "
+                           "graph would take that draw's branch on every call")
+    return ep
 
 
 def _about_sizes(e: BaseException) -> bool:

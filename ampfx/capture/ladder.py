@@ -24,11 +24,15 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs
 from ..policy import Policy
-from ..state import kept_buffers
+from ..state import kept_buffers, kept_random
 from . import export
 from .base import Capture, Uncaptured
 from .tracer import RootUntraceable, trace
 from .verify import reproduces
+
+
+FROZEN_DRAW = ("the model's Python drew a random number while being traced (a layerdrop `if torch.rand(()) < p`): "
+               "the graph would take that draw's branch on every call, so it is not used")
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str) -> Capture | Uncaptured:
@@ -60,11 +64,14 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
     needed leaves) is kept only if torch.export fails; a graph that computes something
     else is never returned."""
     try:
-        with kept_buffers(module):  # tracing runs the Python: `self.count += 1` on a real buffer changes it
+        # tracing runs the Python: `self.count += 1` on a real buffer changes it; a random draw is frozen
+        with kept_buffers(module), kept_random() as draws:
             got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
                                   if check else [])]
+    if draws.drew:
+        return None, [*got.steps, f"{FROZEN_DRAW}{'; trying torch.export' if check else ''}"]
     if not check:
         return dataclasses.replace(got, why="traced by torch.fx (not checked: tracer='fx' or no example inputs)"), \
             list(got.steps)
