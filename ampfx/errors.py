@@ -15,3 +15,8 @@ class UninitializedModelError(ValueError):
     are not initialised yet. Initialising them changes the model itself (the converted module
     must share those parameters), which :func:`ampfx.convert` never does: run the model once
     first, as torch asks before an optimizer is built."""
+
+
+class TrainingModeError(RuntimeError):
+    """A converted module called in a training mode it has no conversion for: the message names
+    the mode, why that mode's conversion is missing and how to get one (convert the model in it)."""

@@ -22,9 +22,10 @@ fired by ``register_parameter`` / ``register_buffer`` / ``add_module`` and by
 
 The training mode follows too: when ``model.train()`` / ``model.eval()`` changed
 the model's flag since the last call, the converted module is switched the
-same way first. ``amp.eval()`` on the converted module alone holds until the
-model's own flag changes again; when both changed since the last call, the
-model's flag wins.
+same way first. ``amp.eval()`` on the converted module holds until the
+model's own flag changes again: the later switch wins (for a converted root
+that keeps its Python, which cannot tell which came first, the model's flag
+wins when both changed since the last call).
 
 What is not heard (no torch hook fires): ``del model.fc`` and writes straight
 into ``model._parameters`` / ``_buffers`` (``model.to()`` / ``.double()`` move
@@ -167,6 +168,13 @@ class Follower:
         if model is not None and model.training is not self.seen:
             self.seen = model.training
             converted.train(self.seen)
+
+    def own_mode(self) -> None:
+        """The converted module's own ``.train()`` / ``.eval()`` was called: the model's flag as it
+        is now counts as seen (a switch of the model before this one is not followed)."""
+        model = self.model()
+        if model is not None:
+            self.seen = model.training
 
     def __reduce__(self) -> tuple:
         return (_Inert, ())  # a copy shares no tensors with the model: it follows nothing

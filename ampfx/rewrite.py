@@ -1,4 +1,5 @@
-"""Converting one captured graph: analyses, the pass pipeline, the other training mode, its report.
+"""Converting one captured graph: analyses, the pass pipeline, its report (the other training mode
+is converted by :mod:`ampfx.tree`, as converting the model in that mode would).
 
 :func:`convert_graph` is the part of :func:`ampfx.convert` that runs once per
 captured graph (the whole model, or one region of it):
@@ -8,10 +9,7 @@ captured graph (the whole model, or one region of it):
    ``calibrate=`` batches were given; facts land in ``node.meta``;
 2. **passes** — :data:`ampfx.passes.PIPELINE` with a frozen
    :class:`~ampfx.passes.context.PassContext`, then lint and one recompile;
-3. **the other training mode** — when the model's Python reads
-   ``self.training``, the graph of the other mode goes through the same
-   passes and the converted module switches graphs with ``.train()`` / ``.eval()``;
-4. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
+3. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
 """
 from __future__ import annotations
 
@@ -21,17 +19,16 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from .capture import export
 from .capture.base import Capture
-from .capture.tracer import trace_other_mode
 from .graph_module import AmpGraphModule, graph_module
 from .inputs import ExampleInputs
-from .meta import leaf_param_casts, record
+from . import runtime
+from .meta import RECORD, leaf_param_casts, record
 from .passes import PIPELINE, calibrate, shapes
 from .passes.context import PassContext
 from .policy import Policy
 from .report import CastInfo, Decision, Region, Report
-from .state import keep_hooks, kept_buffers
+from .state import keep_hooks
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
 
@@ -75,8 +72,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       leaf_facts=leaf_facts)
     run_passes(gm, ctx)
-    notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes,
-             *_other_mode(gm, work, capture, inputs, request, ctx)]
+    notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes]
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
@@ -107,11 +103,45 @@ def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
     """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
     for pass_ in PIPELINE:
         pass_(gm, ctx)
+    if ctx.prefix:
+        keep_boundary(gm)
     gm.graph.lint()
     gm.recompile()
     for node in gm.graph.nodes:
         for key in ("val", "tensor_meta"):
             node.meta.pop(key, None)
+
+
+def keep_boundary(gm: AmpGraphModule) -> None:
+    """A region's float inputs are cast to the dtype its graph was converted for, whatever the eager
+    code around it hands it: an input recorded as bfloat16 and handed float32 would otherwise reach
+    a bfloat16 op, whose weight is cast, uncast (``mat1 and mat2 must have the same dtype``).
+    Integer and bool inputs, and the casts ampfx already put on an input, are left alone; the cast
+    does nothing when the dtype is already right.
+
+    Before (``h`` recorded as bfloat16, ``linear`` in bfloat16)::
+
+        linear = torch._C._nn.linear(h, weight_bf16)
+
+    After::
+
+        h_in = ampfx_runtime_cast(h, torch.bfloat16)
+        linear = torch._C._nn.linear(h_in, weight_bf16)
+    """
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in inputs:
+        d = record(node)
+        want = d.out if isinstance(d, Decision) else None
+        users = [u for u in node.users if u.target is not runtime.cast]
+        if want not in runtime.CASTABLE or not users:
+            continue
+        with gm.graph.inserting_after(inputs[-1]):
+            cast = gm.graph.create_node("call_function", runtime.cast, (node, want), {}, name=f"{node.name}_in")
+        for user in users:
+            user.replace_input_with(node, cast)
+        cast.meta[RECORD] = CastInfo(node=cast.name, value=node.name, source="as handed", to=want,
+                                     consumers=tuple(u.name for u in users),
+                                     reason="region input: cast to the dtype its graph was converted for")
 
 
 def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:
@@ -126,37 +156,6 @@ def _export_notes(capture: Capture, policy: Policy) -> list[str]:
         return ["torch.export traces through leaf_modules and the modules and functions named on a list: on this "
                 "exported graph their ops are decided one by one (tracer='fx' keeps them whole)"]
     return []
-
-
-def _other_mode(gm: AmpGraphModule, work: nn.Module, capture: Capture, inputs: ExampleInputs | None,
-                request: Request, ctx: PassContext) -> list[str]:
-    """Convert the graph of the other training mode where it differs; the notes saying so."""
-    other_mode, missing = not work.training, "eval" if work.training else "train"
-    try:
-        if capture.method == "export":  # exported once per mode already
-            other = (capture.mode_graphs or {}).get(other_mode)
-        else:
-            with kept_buffers(work):  # tracing runs the Python, which may update buffers in place
-                other = trace_other_mode(work, request.policy, capture)
-    except Exception as e:  # noqa: BLE001 - this mode's graph only; the other mode raises, saying what to do
-        gm.set_mode_graph(other_mode, export.ModeUnavailable(other_mode, str(e), "torch.fx"))
-        return [f"the model reads self.training but could not be traced in {missing} mode ({e}); the converted "
-                f"module raises in {missing} mode: convert model.{missing}() for that"]
-    notes = []
-    if other is not None:
-        alt = graph_module(work, other)
-        alt.training = other_mode  # its own flag only: the module tree is shared
-        if inputs is not None:
-            shapes.propagate(alt, inputs, request.dynamic_dims if ctx.prefix == "" else None)
-        run_passes(alt, ctx)  # frozen: both graphs share it
-        gm.set_mode_graph(other_mode, alt)
-        notes.append(f"the model's Python reads self.training: a second graph for {missing} mode was converted "
-                     "and runs whenever the module is in that mode (the records here are the conversion-time mode's)")
-    if capture.mode_error is not None:
-        gm.set_mode_graph(other_mode, export.ModeUnavailable(other_mode, capture.mode_error))
-        notes.append(f"torch.export failed on the model in {missing} mode ({capture.mode_error}); the converted "
-                     f"module raises in {missing} mode: convert model.{missing}() for that")
-    return notes
 
 
 def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str, shape_note: str,

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
+import sys
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -49,6 +52,52 @@ def kept_rng(*tensors: torch.Tensor) -> Iterator[None]:
         cuda |= set(range(torch.cuda.device_count()))
     with torch.random.fork_rng(devices=sorted(cuda)):
         yield
+
+
+@dataclass
+class Draws:
+    """Whether a block run under :func:`kept_random` drew random numbers (set on exit)."""
+
+    drew: bool = False
+
+
+def _random_states(torch_too: bool) -> list[Any]:
+    states: list[Any] = [random.getstate()]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, *rest = numpy.random.get_state()
+        states.append((kind, keys.tobytes(), *rest))
+    if torch_too:
+        states.append(bytes(torch.get_rng_state().tolist()))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states.extend(bytes(s.tolist()) for s in torch.cuda.get_rng_state_all())
+    return states
+
+
+@contextlib.contextmanager
+def kept_random(torch_too: bool = True) -> Iterator[Draws]:
+    """Python's, numpy's and (with ``torch_too``) torch's random state put back on exit; the
+    yielded :class:`Draws` says whether the block drew from any of them. Tracing a model on
+    proxies draws nothing: a draw means its Python decided something on a random value (a
+    layerdrop ``if torch.rand(()) < p``), which a graph would freeze.
+
+    >>> with kept_random() as seen:
+    ...     _ = random.random()
+    >>> seen.drew
+    True
+    """
+    before = _random_states(torch_too)
+    python, numpy = random.getstate(), sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    seen = Draws()
+    with kept_rng() if torch_too else contextlib.nullcontext():
+        try:
+            yield seen
+        finally:
+            seen.drew = _random_states(torch_too) != before
+            random.setstate(python)
+            if numpy_state is not None:
+                numpy.random.set_state(numpy_state)
 
 
 @contextlib.contextmanager

@@ -11,10 +11,21 @@ children never called themselves) are entered and their children converted.
 
 Each job owns a :class:`_Part` of the report, placed in its parent's part in
 the order the tree is visited, so the merged report reads top-down.
+
+**The other training mode** is converted as converting the model in that mode
+would: a captured module whose graph depends on the mode
+(:func:`ampfx.capture.tracer.reads_mode`) gets a twin of its own subtree in the
+other mode (:func:`ampfx.state.copy_tree`: the same parameters and buffers),
+converted by this same loop (capture ladder, verification, regions). The
+graph module runs that twin whenever it is in that mode
+(:meth:`ampfx.graph_module.AmpGraphModule.set_mode_graph`); a twin whose root
+keeps its Python runs that Python. Inside a module that switches so, nothing
+converts a second mode again.
 """
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +33,14 @@ import torch.nn as nn
 
 from . import integrations, ops
 from .capture import export, ladder
-from .capture.base import Uncaptured
-from .capture.tracer import AmpTracer
+from .capture.base import Capture, Uncaptured, short
+from .capture.tracer import AmpTracer, reads_mode
+from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
 from .report import Region, Report
 from .rewrite import NotReproduced, Request, convert_graph, device_of
 from .observe import Observation, observe
+from .state import copy_tree
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +63,20 @@ class _Job:
     part: _Part
     place: tuple[nn.Module, str] | None = None  # where the converted module goes; None: it stays where it is
     eager: tuple[str, ...] | None = None  # set: the module keeps its Python (why); its children are converted
+    other_mode: bool = True  # False: a module around it converts the other training mode for it
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
     """Convert ``root`` (a private copy of the model) and every module below it that needs it."""
-    calls = _Observed(root, request.inputs, request.policy.dtype)
+    return _tree(root, request, request.inputs, "", other_mode=True)
+
+
+def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
+          other_mode: bool) -> tuple[nn.Module, Report]:
+    """:func:`convert_tree` of ``root``, which sits at ``prefix`` in the model and is called with ``inputs``."""
+    calls = _Observed(root, inputs, request.policy.dtype, prefix)
     top = _Part()
-    stack = [_Job(root, request.inputs, "", top)]
+    stack = [_Job(root, inputs, prefix, top, other_mode=other_mode)]
     result = root
     while stack:
         job = stack.pop()
@@ -74,7 +94,9 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     work, prefix = job.module, job.prefix
     capture = ladder.capture(work, request.policy, job.inputs, request.tracer)
     if isinstance(capture, Uncaptured):
-        return None, [_Job(work, job.inputs, prefix, job.part, eager=capture.steps)]
+        return None, [dataclasses.replace(job, eager=capture.steps)]
+    # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)
+    twin = copy_tree(work) if job.other_mode and reads_mode(work, capture, request.policy) else None
     if capture.constants:
         export.install_constants(work, capture.constants)
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
@@ -87,15 +109,40 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
         if not list(work.children()):
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
-        return None, [_Job(work, job.inputs, prefix, job.part, eager=why)]
+        return None, [dataclasses.replace(job, eager=why)]
+    if twin is not None:
+        notes = _other_mode(gm, twin, job, request, capture)
+        job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, *notes))
     jobs = []
     for path in inner:
         if path in called:  # runs its own Python inside the graph: its children are converted
             part = _Part()
             job.part.children.append(part)
             jobs.append(_Job(work.get_submodule(path), calls.get(prefix + path), f"{prefix}{path}.", part,
-                             eager=(f"traced as a leaf: {capture.leaves[path]}",)))
+                             eager=(f"traced as a leaf: {capture.leaves[path]}",),
+                             other_mode=job.other_mode and twin is None))
     return gm, jobs
+
+
+def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request, capture: Capture) -> list[str]:
+    """Convert ``twin`` (a copy of the job's module sharing its tensors) in the other training mode, as
+    ``ampfx.convert(model.train() / .eval())`` would, and make ``gm`` run it in that mode; the notes."""
+    training = not job.module.training
+    name, path = ("train" if training else "eval"), job.prefix.rstrip(".") or "<root>"
+    for m in twin.modules():
+        m.training = training
+    try:
+        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False)
+    except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
+        gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
+        return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "
+                f"({short(e)}); the converted module raises in {name} mode: convert model.{name}() for that"]
+    alt.ampfx_report = report
+    gm.set_mode_graph(training, alt)
+    runs = "; ".join(f"{r.path or '<root>'}: {r.method}" for r in report.regions)
+    return [f"{path}: the model's Python reads self.training, so its {capture.method} graph holds one mode; in "
+            f"{name} mode the module runs a second conversion, made as ampfx.convert(model.{name}()) makes it "
+            f"({runs}). The records here are this mode's; .mode_module({training}).ampfx_report has that mode's"]
 
 
 def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_Job]]:
@@ -128,7 +175,8 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
             else:
                 child_part = _Part()
                 part.children.append(child_part)
-                jobs.append(_Job(child, inputs, f"{full}.", child_part, place=(parent, name)))
+                jobs.append(_Job(child, inputs, f"{full}.", child_part, place=(parent, name),
+                                 other_mode=job.other_mode))
 
     visit(job.module, "")
     return None, jobs
@@ -144,8 +192,8 @@ class _Observed:
     libraries' leaves (:meth:`leaf_facts`). Later asks are for modules inside that scope.
     """
 
-    def __init__(self, root: nn.Module, inputs: ExampleInputs | None, dtype: torch.dtype) -> None:
-        self.root, self.inputs = root, inputs
+    def __init__(self, root: nn.Module, inputs: ExampleInputs | None, dtype: torch.dtype, prefix: str = "") -> None:
+        self.root, self.inputs, self.prefix = root, inputs, prefix  # root sits at prefix in the model
         self.watch = integrations.watched(root, dtype) if inputs is not None else {}
         self.seen: Observation | None = None
         self.scope: tuple[str, ...] = ()
@@ -166,10 +214,16 @@ class _Observed:
     def _run(self) -> Observation:
         if self.seen is None and self.error is None and self.inputs is not None:
             try:
-                self.seen = observe(self.root, self.inputs, watch=self.watch, calls=self._covers)
+                seen = observe(self.root, self.inputs, watch=self.watch, calls=lambda p: self._covers(self._full(p)))
+                self.seen = Observation({self._full(p): c for p, c in seen.calls.items()},
+                                        {self._full(p): s for p, s in seen.seen.items()})
             except Exception as e:  # noqa: BLE001 - raised where the calls are needed, see get()
                 self.error = e
         return self.seen or Observation()
+
+    def _full(self, path: str) -> str:
+        """A path under the observed root as a path in the model."""
+        return f"{self.prefix}{path}" if path else self.prefix.rstrip(".")
 
     def get(self, path: str) -> ExampleInputs | None:
         """What the module at ``path`` received first (``None``: not called, or no example inputs)."""

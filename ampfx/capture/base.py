@@ -33,10 +33,8 @@ class Capture:
     fixed_args: dict[str, Any] = field(default_factory=dict)
     steps: tuple[str, ...] = ()
     why: str = ""
-    mode_graphs: dict[bool, fx.Graph] | None = None  # export: the graph of each training mode, when they differ
     constants: dict[str, Any] = field(default_factory=dict)  # export: get_attr targets that are not the model's
     notes: tuple[str, ...] = ()
-    mode_error: str | None = None  # export: why the other training mode could not be exported
     dropped: tuple[str, ...] = ()
     python_state: bool = False  # a module's forward sets Python attributes: torch.export would not repeat it either
 

@@ -18,10 +18,10 @@ What :func:`capture` does with the exported program:
   reads the model's own tensors (float32 masters, running statistics) and
   ``state_dict()`` is unchanged; tensor constants that export lifted out of
   the model's code become non-persistent buffers of the converted module;
-- exports once per training mode when anything in the model reads
-  ``self.training`` (dropout, batch norm): the exported graph has the mode
-  baked in (``aten.dropout(x, 0.1, True)``), so the converted module keeps
-  one graph per mode and ``.train()`` / ``.eval()`` switch between them;
+- exports in the model's current training mode only: the exported graph has
+  the mode baked in (``aten.dropout(x, 0.1, True)``); the other mode is
+  converted on its own, as converting the model in that mode would
+  (:mod:`ampfx.tree`), and ``.train()`` / ``.eval()`` switch between them;
 - asks for every input dimension to be dynamic (``Dim.AUTO``), so the graph
   is not specialised to the example's batch size or sequence length where
   the model allows it; sizes the model fixes stay fixed;
@@ -37,8 +37,8 @@ What :func:`capture` does with the exported program:
 >>> cap = capture(net, ExampleInputs.of((torch.randn(2, 4),)))
 >>> [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
 ['aten.linear.default', 'aten.softmax.int']
->>> cap.method, cap.mode_graphs is None
-('export', True)
+>>> cap.method
+'export'
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
-from ..state import kept_buffers, modes
+from ..state import kept_buffers, kept_random, modes
 from .base import Capture, short
 from .semantics import Watch
 from .tracer import dropped_by, reads_training
@@ -138,10 +138,14 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
     args, kwargs = snapshot((args, kwargs))
-    with torch.enable_grad(), _quiet(), Watch(model, export=True) as watch:
+    # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
+    with torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, kept_random(torch_too=False) as draws:
         ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     if watch.dropped:
         raise Unfaithful(f"torch.export would drop what the forward does ({'; '.join(dropped_by(watch))})")
+    if draws.drew:
+        raise RuntimeError("the model's Python drew a random number (random / numpy) while being exported: the "
+                           "graph would take that draw's branch on every call")
     return ep
 
 
@@ -246,10 +250,6 @@ def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
             setattr(owner, name, value)
 
 
-def _reads_training(model: nn.Module) -> bool:
-    return any(reads_training(type(m)) for m in model.modules())
-
-
 def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
     (with the steps tried) if this torch cannot or the model does not export.
@@ -263,65 +263,30 @@ def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     paths = _module_paths(model)
     steps: list[str] = []
     dynamic = _auto_dims(args, kwargs)
-    graphs: dict[bool, fx.Graph] = {}
-    constants: dict[str, Any] = {}
     notes: list[str] = []
-    current = model.training
-    order = [current] + ([not current] if _reads_training(model) else [])
-    mode_error = None
-    for training in order:
-        with modes(model, training=training), kept_buffers(model):
+    with kept_buffers(model):
+        try:
+            ep = _export(model, args, kwargs, dynamic)
+        except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
+            if dynamic is None or not _about_sizes(e):
+                steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}")
+                raise ExportFailed(_short(e), steps) from e
+            steps.append(f"torch.export with dynamic sizes ({_mode(model.training)} mode): {_short(e)}")
+            dynamic = None
             try:
-                ep = _export(model, args, kwargs, dynamic)
-            except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
-                if dynamic is None or not _about_sizes(e):
-                    steps.append(f"torch.export ({_mode(training)} mode): {_short(e)}")
-                    if training != current:  # the conversion-time mode exported: keep it
-                        mode_error = _short(e)
-                        break
-                    raise ExportFailed(_short(e), steps) from e
-                steps.append(f"torch.export with dynamic sizes ({_mode(training)} mode): {_short(e)}")
-                dynamic = None
-                try:
-                    ep = _export(model, args, kwargs, None)
-                except Exception as e2:  # noqa: BLE001
-                    steps.append(f"torch.export with static sizes ({_mode(training)} mode): {_short(e2)}")
-                    if training != current:
-                        mode_error = _short(e2)
-                        break
-                    raise ExportFailed(_short(e2), steps) from e2
-        gm = _unlift(ep)
-        found, cleaned = _clean(gm, model, paths)
-        constants.update(found)
-        notes.extend(n for n in cleaned if n not in notes)
-        graphs[training] = gm.graph
-    same = len(graphs) == 1 or (graphs[True].python_code("self").src == graphs[False].python_code("self").src)
+                ep = _export(model, args, kwargs, None)
+            except Exception as e2:  # noqa: BLE001
+                steps.append(f"torch.export with static sizes ({_mode(model.training)} mode): {_short(e2)}")
+                raise ExportFailed(_short(e2), steps) from e2
+    gm = _unlift(ep)
+    constants, cleaned = _clean(gm, model, paths)
+    notes.extend(cleaned)
     sizes = "dynamic sizes where the model allows (Dim.AUTO)" if dynamic is not None else "static sizes"
-    steps.append(f"exported (torch.export, non-strict, training IR, {sizes}"
-                 + ("" if same else ", one graph per training mode") + ")")
+    steps.append(f"exported (torch.export, non-strict, training IR, {sizes})")
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: other sizes fail the "
                      "converted module's graph (convert again for other sizes)")
-    return Capture(graph=graphs[model.training], method="export", steps=tuple(steps),
-                   mode_graphs=None if same else graphs, constants=constants, notes=tuple(notes), mode_error=mode_error)
-
-
-class ModeUnavailable(nn.Module):
-    """Stands in for the graph of a training mode that could not be exported:
-    calling the converted module in that mode raises, saying what to do."""
-
-    def __init__(self, training: bool, why: str, front: str = "torch.export") -> None:
-        super().__init__()
-        self.mode, self.why, self.front = _mode(training), why, front
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        other = "train" if self.mode == "eval" else "eval"
-        alternative = "tracer='fx'" if self.front == "torch.export" else "tracer='export'"
-        raise RuntimeError(
-            f"this converted module has no {self.mode}-mode graph: {self.front} failed on the model in "
-            f"{self.mode} mode ({self.why}). Convert the model in {self.mode} mode for that "
-            f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only, or convert with "
-            f"{alternative}.")
+    return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
 
 
 def _mode(training: bool) -> str:

@@ -24,11 +24,15 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs
 from ..policy import Policy
-from ..state import kept_buffers
+from ..state import kept_buffers, kept_random
 from . import export
 from .base import Capture, Uncaptured
 from .tracer import RootUntraceable, trace
 from .verify import reproduces
+
+
+FROZEN_DRAW = ("the model's Python drew a random number while being traced (a layerdrop `if torch.rand(()) < p`): "
+               "the graph would take that draw's branch on every call, so it is not used")
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str) -> Capture | Uncaptured:
@@ -70,7 +74,8 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
     else is never returned. The flag: may torch.export be tried next (not when a forward sets
     Python attributes, :attr:`Capture.python_state`)."""
     try:
-        with kept_buffers(module):  # tracing runs the Python: `self.count += 1` on a real buffer changes it
+        # tracing runs the Python: `self.count += 1` on a real buffer changes it; a random draw is frozen
+        with kept_buffers(module), kept_random() as draws:
             got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
@@ -80,6 +85,8 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
                                   f"({'; '.join(got.dropped)}); "
                                   + ("trying torch.export" if check and not got.python_state
                                      else "the module keeps its Python")], not got.python_state
+    if draws.drew:
+        return None, [*got.steps, f"{FROZEN_DRAW}{'; trying torch.export' if check else ''}"], True
     watched = "no grad-mode, autocast or autograd.Function region, buffer or attribute update seen while tracing"
     if not check:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "

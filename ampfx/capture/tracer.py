@@ -36,7 +36,6 @@ import torch.nn as nn
 
 from .. import integrations, ops, runtime
 from ..policy import Policy
-from ..state import modes
 from .base import Capture, short
 from .semantics import Watch
 
@@ -245,23 +244,31 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
         if node.op == "call_function" and hasattr(node.target, "_ampfx_one_node"):
             node.target = node.target._ampfx_one_node
 
-def trace_other_mode(model: nn.Module, policy: Policy, capture: Capture) -> fx.Graph | None:
-    """If the traced code may depend on ``self.training``, trace again with
-    every module in the other mode (same leaves, same fixed arguments); the
-    graph if it differs from ``capture.graph``, else ``None``. Raises what
-    tracing raises."""
+
+def reads_mode(model: nn.Module, capture: Capture, policy: Policy) -> bool:
+    """Can ``capture``'s graph of ``model`` compute something else in the other training mode?
+
+    torch.export bakes every module's mode into its ops (``aten.dropout(x, 0.1, True)``): any
+    module of the tree that reads ``training``. A torch.fx graph calls its leaves (``nn.Dropout``,
+    ``nn.BatchNorm2d``, modules that keep their Python), which follow their own flag: only the
+    modules it traced through count.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    >>> reads_mode(net, trace(net, Policy()), Policy())
+    False
+    """
+    if capture.method == "export":
+        return any(reads_training(type(m)) for m in model.modules())
     tracer = AmpTracer(policy, set(capture.leaves))
-    traced = [m for name, m in model.named_modules() if not name or not _is_leaf(tracer, m, name)]
-    if not any(reads_training(type(m)) for m in traced):
-        return None
-    with modes(model, training=not model.training), _fast_paths_off():
-        other = AmpTracer(policy, set(capture.leaves))
-        graph = other.trace(model, concrete_args=capture.fixed_args or None)
-    if dropped_by(other.watch):
-        raise RuntimeError(f"torch.fx would drop what the forward does in that mode: {'; '.join(dropped_by(other.watch))}")
-    _finish(graph, capture.fixed_args)
-    same = graph.python_code("self").src == capture.graph.python_code("self").src
-    return None if same else graph
+    stack = [("", model)]
+    while stack:  # the modules traced through: not leaves, nor inside one
+        name, m = stack.pop()
+        if reads_training(type(m)):
+            return True
+        stack.extend((f"{name}.{n}" if name else n, c) for n, c in m.named_children()
+                     if not _is_leaf(tracer, c, f"{name}.{n}" if name else n))
+    return False
+
 
 def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
     try:

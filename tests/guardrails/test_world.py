@@ -232,7 +232,7 @@ def test_mode_follows_model(tracer):
 
 
 def test_explicit_mode_of_converted_module_wins_until_model_changes():
-    """``amp.eval()`` alone holds while the model stays in train mode; the model's next switch wins."""
+    """``amp.eval()`` alone holds while the model stays in train mode; the later switch wins."""
     m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
     amp = ampfx.convert(m, example_inputs=(X,))
     amp.eval()
@@ -245,7 +245,11 @@ def test_explicit_mode_of_converted_module_wins_until_model_changes():
     m.eval()
     amp.train()
     amp(X)
-    assert not amp.training  # both changed since the last call: the model's flag wins
+    assert amp.training  # both changed since the last call: amp's switch came later and wins
+    amp.eval()
+    m.train()
+    amp(X)
+    assert amp.training  # the model's switch came later and wins
     amp.train()
     amp(X)
     assert amp.training  # the model did not change since the last call
