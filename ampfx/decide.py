@@ -41,7 +41,7 @@ from .ops import Category
 from .policy import Policy
 from .report import Decision, Rule
 
-FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT})
+FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT, Rule.OTHER_FLOAT})
 """Rules no later step (probe, constant range, a library's refinement) overrides."""
 
 
