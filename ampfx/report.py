@@ -384,9 +384,12 @@ class Report:
         record per node), ``casts.jsonl``, ``summary.txt``, ``policy.json`` and
         the graph's code before and after (``graph_before.py`` / ``graph_after.py``,
         one file per captured region), and ``report.html``, the graph as a
-        picture (:meth:`html`)."""
+        picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` files left
+        by an earlier save are removed first; nothing else in ``directory`` is touched."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py")]:
+            stale.unlink()  # an older report's regions: only the files save() itself writes
         _write_lines(out / "decisions.jsonl", (r.as_json() for r in self.records))
         _write_lines(out / "casts.jsonl", (c.as_json() for c in self.casts))
         (out / "summary.txt").write_text(self.summary() + "\n")
