@@ -339,7 +339,7 @@ class Report:
         others: dict[str, Counter] = {}
         for r in self.compute:
             if r.rule is Rule.OTHER_FLOAT:
-                others.setdefault(dtype_name(r.dtype), Counter())[r.op] += 1
+                others.setdefault(dtype_name(r.dtype, none="run-time dtype"), Counter())[r.op] += 1
         for name, ops_ in others.items():
             lines.append(f"  {name} (as given, ampfx converts float32 only): "
                          + ", ".join(f"{op} {n}" for op, n in ops_.most_common()))

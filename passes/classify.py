@@ -101,6 +101,10 @@ def other_float(dtype: Any) -> bool:
     return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex) and dtype not in CASTABLE
 
 
+RUN_TIME = "run-time"
+"""A value of a float dtype ampfx does not convert whose exact dtype is known only at run time."""
+
+
 def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     """The dtype PyTorch's type promotion gives ``dtypes`` together (``None`` for none)."""
     out = None
@@ -109,7 +113,7 @@ def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     return out
 
 
-def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decision]) -> torch.dtype | None:
+def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decision]) -> torch.dtype | str | None:
     """The unconverted float dtype (:func:`other_float`) of the value ``p``, else ``None``.
     Without shapes: a parameter or buffer in it with at least one dimension (a 0-dim one
     does not promote a dimensioned tensor), an op already found to run in it, or an explicit
@@ -124,7 +128,7 @@ def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, De
     if d is None:
         return None
     if d.rule is Rule.OTHER_FLOAT:
-        return d.dtype
+        return d.dtype or RUN_TIME
     entry = ops.ENTRIES.get(d.op)
     if d.category is Category.PASS and entry is not None and entry.result is Result.CAST:
         named = [*torch.utils._pytree.tree_leaves((p.args[1:], p.kwargs)), dict(entry.cast_to).get(str(p.target))]
@@ -134,12 +138,14 @@ def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, De
     return None
 
 
-def _other_float(node: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decision]) -> tuple[torch.dtype, str] | None:
+def _other_float(node: fx.Node, gm: fx.GraphModule,
+                 decided: dict[fx.Node, Decision]) -> tuple[torch.dtype | None, str] | None:
     """``(dtype, why)`` when ``node`` computes in a float dtype ampfx does not convert, else ``None``.
 
     With shapes: it produces only such floats (type promotion made them, or a ``dtype=`` argument
     asked for them), or its float inputs are all such (``abs`` of a complex tensor). Without:
-    one of its inputs holds such a value (see :func:`_other_float_value`)."""
+    one of its inputs holds such a value (see :func:`_other_float_value`); after a complex value
+    the dtype is ``None``, known only at run time (``abs(z)`` is real)."""
     wide_in = [(p, d) for p in node.all_input_nodes if (d := _other_float_value(p, gm, decided)) is not None]
     infos = out_infos(node)
     if infos is not None:
@@ -152,9 +158,13 @@ def _other_float(node: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decis
         return None
     if not wide_in:
         return None
+    names = ", ".join(p.name for p, _ in wide_in)
+    if any(d is RUN_TIME or d.is_complex for _, d in wide_in):  # abs(z), z.real: complex in, real out
+        return None, (f"reads complex (or run-time) data {names}, so the dtype it produces is known only at run "
+                      "time (give example_inputs for exact dtypes)")
     dtype = _widest([d for _, d in wide_in])
-    return dtype, (f"reads {dtype_name(dtype)} {', '.join(p.name for p, _ in wide_in)} (without example_inputs "
-                   "ampfx assumes this from the parameters and explicit dtypes it sees)")
+    return dtype, (f"reads {dtype_name(dtype)} {names} (without example_inputs ampfx assumes this from the "
+                   "parameters and explicit dtypes it sees)")
 
 
 def original_dtype(n: fx.Node) -> torch.dtype:
@@ -264,9 +274,9 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     region = node.op == "call_module" and str(node.target) in ctx.regions
     other = None if region else _other_float(node, gm, decided)
     if other is not None:
+        held = dtype_name(other[0], none="a float dtype ampfx does not convert")
         return decide.Verdict(Category.FP32, other[0], Rule.OTHER_FLOAT,
-                              f"{other[1]}: computes in {dtype_name(other[0])}, which ampfx never converts; runs "
-                              "as written")
+                              f"{other[1]}: computes in {held}, which ampfx never converts; runs as written")
     if not float_inputs and (not out_float or (infos is None and entry is not None)):
         return decide.Verdict(Category.PASS, None, Rule.NON_FLOAT, "no float32/16/bf16 tensor in or out: left as written")
     if region:

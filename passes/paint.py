@@ -433,7 +433,7 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
             out[n] = _pass_result(n, d, out)
         elif d.rule is Rule.OTHER_FLOAT:  # runs as written: what it produced before conversion
             floats = [i.dtype for i in out_infos(n) or () if i.dtype.is_floating_point or i.dtype.is_complex]
-            out[n] = floats[0] if floats else d.dtype
+            out[n] = floats[0] if floats else (d.dtype or DYNAMIC)
         else:
             infos = out_infos(n)
             out[n] = d.dtype if infos is None or any(i.dtype in CASTABLE for i in infos) else None

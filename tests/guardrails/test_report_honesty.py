@@ -73,6 +73,29 @@ def test_float64_model_reports_float64_and_runs_float64(with_inputs):
     _assert_records_match_runtime(amp, x)
 
 
+X64 = torch.randn(3, 4, dtype=torch.float64)
+FLOAT64_VARIANTS = {
+    "export": ("bf16", dict(tracer="export", example_inputs=(X64,))),
+    "fp16": ("fp16", {}),
+    "inference": ("bf16", dict(mode="inference")),
+    "pad": ("bf16", dict(pad="always", example_inputs=(X64,))),
+    "calibrate": ("bf16", dict(calibrate=[(X64,)])),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOAT64_VARIANTS))
+def test_float64_model_under_every_option(name):
+    """Export capture, float16, inference mode (weights stored low), padding, calibration: a
+    float64 model's ops stay float64 and say so, its weights stay float64, its output is eager's."""
+    dtype, options = FLOAT64_VARIANTS[name]
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2)).double()
+    amp = ampfx.convert(model, dtype, **options)
+    rep = amp.ampfx_report
+    assert [r.dtype for r in rep.compute] == [torch.float64] * 4 and rep.casts == ()
+    assert {p.dtype for p in amp.parameters()} == {torch.float64}
+    assert torch.equal(amp(X64), model(X64))
+
+
 @pytest.mark.parametrize("with_inputs", [False, True], ids=["no-example-inputs", "example-inputs"])
 def test_mixed_float32_body_float64_head(with_inputs):
     """A float32 body converted to bfloat16 feeding a float64 head through ``.double()``:
@@ -136,19 +159,20 @@ def test_reduction_asked_for_in_float64_is_recorded_float64():
     _assert_records_match_runtime(amp, x)
 
 
+class Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        z = self.fc(x).to(torch.complex64) * self.w
+        return self.fc(torch.abs(z))
+
+
 def test_complex_ops_run_and_are_recorded_in_complex64():
     """A complex64 parameter: the complex product is complex64 (never converted), its
     ``abs`` reads only complex data and produces float32, each recorded as it runs."""
-    class Spectral(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            z = self.fc(x).to(torch.complex64) * self.w
-            return self.fc(torch.abs(z))
-
     x = torch.randn(2, 4)
     amp = ampfx.convert(Spectral(), "bf16", example_inputs=(x,))
     rep = amp.ampfx_report
@@ -158,6 +182,25 @@ def test_complex_ops_run_and_are_recorded_in_complex64():
     assert (ab.dtype, ab.rule, ab.out) == (torch.complex64, Rule.OTHER_FLOAT, torch.float32)
     assert "complex64 (as given" in rep.summary()
     _assert_records_match_runtime(amp, x)
+
+
+def test_complex_without_example_inputs_claims_no_dtype_it_cannot_know():
+    """Without example_inputs, what follows a complex value (``abs(z)`` is real) is recorded as
+    running as written with a run-time dtype (``dtype=None``, ``out='dynamic'``), never as a
+    complex or low dtype it does not run in; the GEMM before it is still bfloat16."""
+    x = torch.randn(2, 4)
+    model = Spectral()
+    amp = ampfx.convert(model, "bf16")
+    rep = amp.ampfx_report
+    ran = _runtime_dtypes(amp, x)
+    first, second = [r for r in rep.compute if r.op == "linear"]
+    assert first.dtype == torch.bfloat16 == ran[first.node]
+    for r in rep.compute:
+        if r.rule is Rule.OTHER_FLOAT:
+            assert r.dtype is None and r.out == "dynamic", r
+    assert second.rule is Rule.OTHER_FLOAT and ran[second.node] == torch.float32  # as written: no cast
+    assert "run-time dtype (as given" in rep.summary()
+    torch.testing.assert_close(amp(x), model(x), atol=0.05, rtol=0.05)
 
 
 # --------------------------------------------------------------------------- norms
