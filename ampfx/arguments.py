@@ -122,7 +122,7 @@ def _short(value: Any) -> str:
 
 def _kinds(inputs: ExampleInputs) -> tuple[Any, list[tuple[int, str] | None]]:
     """The pytree structure of ``inputs`` and each leaf's (rank, float/int kind) if a tensor."""
-    leaves, spec = tree_flatten((inputs.args, dict(inputs.kwargs)))
+    leaves, spec = tree_flatten((inputs.args, dict(sorted(inputs.kwargs.items()))))  # keyword order is free
     return spec, [(t.dim(), "float" if t.is_floating_point() else str(t.dtype)) if isinstance(t, torch.Tensor)
                   else None for t in leaves]
 

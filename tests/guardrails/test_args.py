@@ -150,6 +150,21 @@ def test_valid_calibration_still_runs():
     assert any("calibration: 2 batches" in n for n in amp.ampfx_report.notes)
 
 
+def test_calibration_batches_as_dicts_in_any_key_order():
+    """Keyword batches match example_inputs whatever the order of their keys."""
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return self.fc(x) + y
+
+    amp = ampfx.convert(TwoInputs(), "bf16", example_inputs={"x": X, "y": X},
+                        calibrate=[{"y": X, "x": X}, {"x": X, "y": X}])
+    assert any("calibration: 2 batches" in n for n in amp.ampfx_report.notes)
+
+
 def test_save_removes_stale_graph_files_and_nothing_else(tmp_path):
     """Saving into a directory holding an older report with more regions removes its
     ``graph_*.py`` files; files ``save()`` does not own stay."""
