@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -19,9 +20,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from . import arguments as args
 from . import policy as policy_mod
 from .capture import export
-from .errors import UninitializedModelError
+from .errors import ArgumentError, UninitializedModelError
 from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
@@ -108,44 +110,60 @@ def convert(
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
-    if request.policy.log_path:
-        report.save(request.policy.log_path)
+    _save(report, request.policy)
     return result
+
+
+def _save(report: Report, policy: Policy) -> None:
+    """The report saved where ``log_path`` / ``AMPFX_LOG_PATH`` says; an unwritable place is named."""
+    if not policy.log_path:
+        return
+    try:
+        report.save(policy.log_path)
+    except OSError as e:
+        raise ArgumentError(f"log_path / AMPFX_LOG_PATH={str(policy.log_path)!r}: cannot write the report there "
+                            f"({e.strerror or e}); give a writable directory") from e
 
 
 def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy | None, dynamic_dims: Any,
              tracer: str, mode: str, calibrate: Any, calibrate_loss: Any, environ: Mapping[str, str],
              policy_options: dict[str, Any]) -> Request:
     """The policy (arguments, then the environment) and every argument checked."""
+    args.check_model(model)
+    args.check_choice("mode", mode, {"train": "float32 master weights",
+                                     "inference": "weights stored in the low dtype once"})
+    args.check_choice("tracer", tracer, {"auto": "torch.fx, then torch.export where fx fails", "fx": "torch.fx",
+                                         "export": "torch.export"})
+    if not isinstance(environ, Mapping):
+        raise ArgumentError(f"environ={type(environ).__name__}: give a mapping of variable names to strings "
+                            "(like os.environ), or leave it out to read os.environ")
     if policy is None:
+        args.check_policy_options(policy_options)
         policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)
     else:
+        if not isinstance(policy, Policy):
+            raise ArgumentError(f"policy={policy!r}: give an ampfx.Policy(...), or pass its fields as keywords "
+                                "(convert(model, 'bf16', fp32_modules=...))")
         if policy_options:
-            raise TypeError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
+            raise ArgumentError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
         if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
             raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
-    policy = policy_mod.from_env(policy, environ)
-    _check_module_names(model, policy)
+    policy = _check_module_names(model, policy_mod.from_env(policy, environ))
     _check_initialised(model)
     if policy.disable:
         return Request(policy, None)
-    if mode not in ("train", "inference"):
-        raise PolicyError(f"mode={mode!r}: use 'train' (float32 master weights) or 'inference' "
-                          "(weights stored in the low dtype once)")
-    if tracer not in ("auto", "fx", "export"):
-        raise ValueError(f"tracer={tracer!r}: use 'auto' (torch.fx, then torch.export where fx fails), 'fx' or "
-                         "'export'")
     if tracer == "export" and example_inputs is None:
-        raise TypeError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a dict "
-                        "of keyword inputs), or use tracer='fx'")
+        raise ArgumentError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a "
+                            "dict of keyword inputs), or use tracer='fx'")
     if tracer == "export" and export.unavailable():
         raise RuntimeError(export.unavailable())
     if dynamic_dims and example_inputs is None:
-        raise TypeError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
-    calib = (list(calibrate), calibrate_loss) if calibrate is not None else None
-    if calib is not None and example_inputs is None and calib[0]:
-        example_inputs = calib[0][0]
-    return Request(policy, ExampleInputs.of(example_inputs), tracer, dynamic_dims, calib)
+        raise ArgumentError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
+    inputs = args.check_inputs(model, example_inputs, "example_inputs")
+    calib = args.check_calibration(model, calibrate, calibrate_loss, inputs)
+    if calib is not None and inputs is None:
+        inputs = ExampleInputs.of(calib[0][0])
+    return Request(policy, inputs, tracer, dynamic_dims, calib)
 
 
 def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:
@@ -154,8 +172,7 @@ def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:
     copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(policy),
                                notes=("conversion disabled: the model is an unconverted copy",))
     log.info("ampfx disabled: returning an unconverted copy")
-    if policy.log_path:
-        copy.ampfx_report.save(policy.log_path)
+    _save(copy.ampfx_report, policy)
     return copy
 
 
@@ -185,20 +202,35 @@ def _check_initialised(model: nn.Module) -> None:
             "(model(*example_inputs), as torch asks before an optimizer is built), then convert it.")
 
 
-def _check_module_names(model: nn.Module, policy: Policy) -> None:
-    names = [n for n, _ in model.named_modules() if n]
+def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
+    """Every name in ``fp32_modules`` / ``leaf_modules`` is a module of ``model``, under any of
+    its names: a submodule registered twice (``self.alias = self.fc``) answers to both, and the
+    policy returned also names it as the graph does (the first name, which tracing records)."""
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    first = {id(m): n for n, m in model.named_modules()}
+    extra = []
     for prefix in policy.fp32_modules:
         if not any(n == prefix or n.startswith(prefix + ".") for n in names):
             close = difflib.get_close_matches(prefix, names, n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {prefix!r}, which is not a module of "
                               f"{type(model).__name__}.{hint}")
+        canonical = first[id(model.get_submodule(prefix))]
+        if canonical != prefix and canonical not in policy.fp32_modules + tuple(extra):
+            extra.append(canonical)
+    leaves = []
     for leaf in policy.leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
             close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
                               f"of {type(model).__name__} nor an importable module type.{hint}")
+        if isinstance(leaf, str) and first[id(model.get_submodule(leaf))] not in policy.leaf_modules:
+            leaves.append(first[id(model.get_submodule(leaf))])
+    if not extra and not leaves:
+        return policy
+    return dataclasses.replace(policy, fp32_modules=policy.fp32_modules + tuple(extra),
+                               leaf_modules=policy.leaf_modules + tuple(dict.fromkeys(leaves)))
 
 
 def _policy_log(policy: Policy) -> dict[str, Any]:

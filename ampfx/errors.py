@@ -1,6 +1,7 @@
-"""ampfx's own error classes, one per concern, each a subclass of a builtin so existing
-``except`` clauses keep working."""
+"""ampfx's own error classes, one per concern; each subclasses the builtin an ``except`` clause would expect."""
 from __future__ import annotations
+
+from .policy import PolicyError
 
 
 class StaleModelError(RuntimeError):
@@ -20,3 +21,9 @@ class UninitializedModelError(ValueError):
 class TrainingModeError(RuntimeError):
     """A converted module called in a training mode it has no conversion for: the message names
     the mode, why that mode's conversion is missing and how to get one (convert the model in it)."""
+
+
+class ArgumentError(PolicyError, TypeError):
+    """A bad argument to :func:`ampfx.convert` (or the ``ampfx`` command): the wrong kind of
+    object or a value out of range. The message names the argument, what was expected and the
+    fix. A ``PolicyError`` (so a ``ValueError``) and a ``TypeError``, so either ``except`` works."""

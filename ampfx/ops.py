@@ -92,13 +92,12 @@ class OpEntry:
     summed or multiplied into each output element, so the reductions pass
     decides the op by how many (``sum``, ``var``, ``norm``, ``logsumexp``).
     ``fp32_accumulation``: the kernel accumulates in float32 whatever its
-    input dtype, so under bfloat16 (float32's range) even a large reduction
-    may follow its inputs. ``split_bias``: the op's third argument (or
+    input dtype (the report says so for a low-precision node), so under
+    bfloat16 (float32's range) even a large reduction may follow its inputs. ``split_bias``: the op's third argument (or
     ``bias=``) is a bias added last (``linear(x, w, b) == linear(x, w) + b``),
     so a low-precision call whose consumers all want float32 can leave it out
     and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
-    the spellings that convert to one fixed dtype (``x.half()``; ``None`` for a
-    dtype ampfx does not convert, ``x.double()``) and ``cast_like`` those whose
+    the spellings that convert to one fixed dtype (``x.half()``, ``x.double()``) and ``cast_like`` those whose
     result takes the dtype of their tensor argument (``x.type_as(y)``).
     """
 
@@ -298,16 +297,20 @@ _op("batch_norm", I, _NORM, fns=[F.batch_norm, torch.batch_norm],
     modules=_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d", "LazyBatchNorm2d"),
     aten=["batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
           "_native_batch_norm_legit_functional", "cudnn_batch_norm"],
-    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm")
+    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm",
+    fp32_accumulation=True)
 _op("instance_norm", I, _NORM, fns=[F.instance_norm, torch.instance_norm],
     modules=_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"), aten=["instance_norm"],
-    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm")
+    fp32_args=(1, 2, 3, 4, "running_mean", "running_var", "weight", "bias"), probe="batch_norm",
+    fp32_accumulation=True)
 _op("layer_norm", I, _NORM, fns=[F.layer_norm, torch.layer_norm], modules=_mods("LayerNorm"),
-    aten=["layer_norm", "native_layer_norm"], fp32_args=(2, 3, "weight", "bias"), probe="layer_norm")
+    aten=["layer_norm", "native_layer_norm"], fp32_args=(2, 3, "weight", "bias"), probe="layer_norm",
+    fp32_accumulation=True)
 _op("group_norm", I, _NORM, fns=[F.group_norm, torch.group_norm], modules=_mods("GroupNorm"),
-    aten=["group_norm", "native_group_norm"], fp32_args=(2, 3, "weight", "bias"), probe="group_norm")
+    aten=["group_norm", "native_group_norm"], fp32_args=(2, 3, "weight", "bias"), probe="group_norm",
+    fp32_accumulation=True)
 _op("rms_norm", I, _NORM, fns=_torch_fns("rms_norm"), modules=_mods("RMSNorm"), aten=["rms_norm"],
-    fp32_args=(2, "weight"), probe="rms_norm")
+    fp32_args=(2, "weight"), probe="rms_norm", fp32_accumulation=True)
 _RANGE16 = "large outputs for small inputs overflow float16's range (max 65504)"
 _op("rsqrt", I, _ELEMENTWISE + " (bfloat16 has float32's range)", fns=_torch_fns("rsqrt"), methods=["rsqrt"],
     aten=["rsqrt"], fp16=(D, "1/sqrt(x) " + _RANGE16))
@@ -391,7 +394,8 @@ for _name, _fns, _methods in [
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",
     methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
     aten=["_to_copy", "to"], result=Result.CAST,
-    cast_to=(("float", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16), ("double", None)),
+    cast_to=(("float", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16),
+             ("double", torch.float64)),
     cast_like=("type_as",))
 _op("factory", P, "creates a tensor; its dtype is set by its arguments",
     fns=[f for f in _torch_fns("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor",

@@ -61,7 +61,9 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPES:
         return _DTYPES[value.strip().lower()]
-    raise PolicyError(f"{where}={value!r} is not a low-precision dtype; use one of "
+    hint = (" (the model already runs in it; to keep it, do not convert, or set AMPFX_DISABLE=1)"
+            if isinstance(value, torch.dtype) and value.is_floating_point else "")
+    raise PolicyError(f"{where}={value!r} is not a low-precision dtype{hint}; use one of "
                       "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
 
 
@@ -125,6 +127,44 @@ def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
     raise PolicyError(f"{where}: unknown op {text!r}.{_close(text, ops.known_names())} "
                       "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu) or by a qualified "
                       "name of a function or module type (e.g. mypkg.layers.MyBlock).")
+
+
+def _module_names(value: Any) -> tuple[str, ...]:
+    """``fp32_modules`` as a tuple of module names: a string is one name; an empty name (it would
+    name the root, the whole model) and a non-string are errors."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Iterable):
+        raise PolicyError(f"fp32_modules={value!r}: give module names, e.g. ('head', 'encoder.layers.0')")
+    out = []
+    for name in names:
+        if not isinstance(name, str):
+            raise PolicyError(f"fp32_modules: {name!r} is not a module name; give names as strings, e.g. "
+                              "('head',) (a module type keeps all its instances float32 with denylist_add=...)")
+        if not name.strip():
+            raise PolicyError(f"fp32_modules={value!r}: an empty name would keep the whole model float32; name "
+                              "submodules (e.g. 'head'), or do not convert the model")
+        out.append(name.strip())
+    return tuple(out)
+
+
+_BOOLS = ("keep_output_dtype", "probe", "disable")
+
+
+def _check_fields(p: "Policy") -> None:
+    """The scalar fields have the types they need (a string ``"no"`` is not ``False``)."""
+    for name in _BOOLS:
+        if not isinstance(getattr(p, name), bool):
+            raise PolicyError(f"{name}={getattr(p, name)!r}: use True or False")
+    margin = p.calibration_margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+        raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
+    if p.module_filter_fn is not None and not callable(p.module_filter_fn):
+        raise PolicyError(f"module_filter_fn={p.module_filter_fn!r}: give a function (module, fqn) -> bool, or None")
+    if p.log_path is not None and not isinstance(p.log_path, (str, os.PathLike)):
+        raise PolicyError(f"log_path={p.log_path!r}: give a directory path (str or pathlib.Path), or None")
+    for leaf in p.leaf_modules:
+        if not isinstance(leaf, (str, type)):
+            raise PolicyError(f"leaf_modules: {leaf!r} is neither a module name nor a module type")
 
 
 @dataclass(frozen=True)
@@ -191,12 +231,11 @@ class Policy:
                     if name not in names:
                         names.append(name)
                 set_(self, fname, tuple(names))
-        if isinstance(self.fp32_modules, str):
-            set_(self, "fp32_modules", (self.fp32_modules,))
-        set_(self, "fp32_modules", tuple(m.strip() for m in self.fp32_modules if m.strip()))
+        set_(self, "fp32_modules", _module_names(self.fp32_modules))
         if isinstance(self.leaf_modules, (str, type)):
             set_(self, "leaf_modules", (self.leaf_modules,))
         set_(self, "leaf_modules", tuple(self.leaf_modules))
+        _check_fields(self)
         set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))
         self.lists()  # validates: no op on two lists, removals name listed ops
 

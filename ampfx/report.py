@@ -98,6 +98,8 @@ class Rule(str, enum.Enum):
     ENV = "env:<VAR>", _about("a list edit from that environment variable")
     UNLISTED = "unlisted", _about("the op is in no list: it stays float32")
     NON_FLOAT = "non-float", _about("no float32/16/bf16 data flows through the node")
+    OTHER_FLOAT = "other-float", _about("the op computes in float64, a complex dtype or another float dtype that ampfx "
+                                        "never converts: it runs as written, in that dtype")
     FP32_MODULES = "fp32_modules", _about("inside a module named in fp32_modules / AMPFX_FP32_MODULES",
                                           word="fp32 module")
     MODULE_FILTER_FN = "module_filter_fn", _about("inside a module the policy's module_filter_fn rejected")
@@ -198,7 +200,9 @@ class Decision:
     ``example_inputs`` were given.
     ``rule`` is the :class:`Rule` that decided (a rule's value is accepted and
     made a member); ``reason`` says it in words. ``out`` is the dtype of the value the node produces after
-    conversion (``"dynamic"`` when only known at run time).
+    conversion (``"dynamic"`` when only known at run time). ``fp32_inside`` says what stays float32
+    inside a low-precision op, one ``"what: names"`` item each (``"running statistics: bn.running_mean,
+    bn.running_var"``, ``"affine parameters: bn.weight, bn.bias"``, ``"accumulation"``).
     """
 
     node: str
@@ -214,6 +218,7 @@ class Decision:
     in_shapes: tuple[str, ...] = ()
     out: torch.dtype | str | None = None
     inplace: bool = False
+    fp32_inside: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rule", Rule(self.rule))
@@ -225,6 +230,7 @@ class Decision:
         d["out"] = dtype_name(self.out) if isinstance(self.out, torch.dtype) else self.out
         d["shapes"] = list(self.shapes)
         d["in_shapes"] = list(self.in_shapes)
+        d["fp32_inside"] = list(self.fp32_inside)
         return d
 
 
@@ -312,6 +318,7 @@ class Report:
         unlisted = Counter(r.op for r in self.fp32() if r.rule is Rule.UNLISTED)
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
+        lines += self._inside_lines()
         lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
         for reg in self.regions:
             if reg.method not in ("fx",) or reg.leaves:
@@ -319,6 +326,26 @@ class Report:
                 extra = f"; leaves: {', '.join(p for p, _ in reg.leaves)}" if reg.leaves else ""
                 lines.append(f"  capture {where}: {reg.method}{extra}")
         return "\n".join(lines)
+
+    def _inside_lines(self) -> list[str]:
+        """The summary's lines for what is not plain low precision inside the converted nodes:
+        ``float32 inside bfloat16 ops: batch_norm 1 (running statistics, affine parameters,
+        accumulation)``, and ops that run as written in another dtype (``float64 (as given, ampfx
+        converts float32 only): linear 2``)."""
+        lines = []
+        inside = Counter((r.op, ", ".join(part.split(":")[0] for part in r.fp32_inside))
+                         for r in self.low() if r.fp32_inside)
+        if inside:
+            parts = [f"{op} {n} ({what})" for (op, what), n in sorted(inside.items(), key=lambda kv: (-kv[1], kv[0]))]
+            lines.append(f"  float32 inside {dtype_name(self.dtype)} ops: {', '.join(parts)}")
+        others: dict[str, Counter] = {}
+        for r in self.compute:
+            if r.rule is Rule.OTHER_FLOAT:
+                others.setdefault(dtype_name(r.dtype, none="run-time dtype"), Counter())[r.op] += 1
+        for name, ops_ in others.items():
+            lines.append(f"  {name} (as given, ampfx converts float32 only): "
+                         + ", ".join(f"{op} {n}" for op, n in ops_.most_common()))
+        return lines
 
     def table(self, *, width: int = 160, color: bool | None = None, all_nodes: bool = False,
               group: bool = True) -> str:
@@ -359,9 +386,12 @@ class Report:
         record per node), ``casts.jsonl``, ``summary.txt``, ``policy.json`` and
         the graph's code before and after (``graph_before.py`` / ``graph_after.py``,
         one file per captured region), and ``report.html``, the graph as a
-        picture (:meth:`html`)."""
+        picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` files left
+        by an earlier save are removed first; nothing else in ``directory`` is touched."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py")]:
+            stale.unlink()  # an older report's regions: only the files save() itself writes
         _write_lines(out / "decisions.jsonl", (r.as_json() for r in self.records))
         _write_lines(out / "casts.jsonl", (c.as_json() for c in self.casts))
         (out / "summary.txt").write_text(self.summary() + "\n")

@@ -80,8 +80,8 @@ class _Casts:
 
     def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
         src = decision(value).out if isinstance(record(value), Decision) else None
-        if src is None or src == dtype:
-            return value
+        if src is None or src == dtype or (isinstance(src, torch.dtype) and src not in CASTABLE):
+            return value  # float64 and complex values pass runtime.cast unchanged: no cast to record
         if (value, dtype) in self.fixed:
             return self.fixed[(value, dtype)]
         is_param = value.op == "get_attr" and isinstance(attr_of(self.gm, str(value.target)), torch.nn.Parameter)
@@ -234,7 +234,8 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
         if keep_output_dtype:
             fx.map_arg(node.args, lambda n: need(n, original_dtype(n)))
         return pairs
-    if d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want is None or d.rule is Rule.SELECT:
+    if (d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want not in CASTABLE
+            or d.rule is Rule.SELECT):
         return pairs
     entry = ops.ENTRIES.get(d.op)
     start = 1 if _accumulates(node, entry, want, out_of) else 0
@@ -248,6 +249,54 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
     return pairs
 
 
+INSIDE_WORDS = {"buffer": "running statistics", "parameter": "affine parameters", "value": "float32 inputs"}
+"""How the report names the float32 tensors in an op's pinned slots (``OpEntry.fp32_args``: the norms')."""
+
+
+def _fp32_inside(node: fx.Node, entry: ops.OpEntry | None, gm: fx.GraphModule, ctx: PassContext,
+                 leaf_params_low: bool) -> tuple[str, ...]:
+    """What stays float32 inside a low-precision ``node`` whose entry pins slots to float32
+    (the norms): the tensors in its pinned slots
+    (or, for a leaf module such as ``nn.BatchNorm2d``, its float32 buffers and, unless it
+    runs with low parameter copies, its parameters), and the kernel's accumulation.
+
+    E.g. ``("running statistics: bn.running_mean, bn.running_var", "affine parameters: bn.weight,
+    bn.bias", "accumulation")`` for a bfloat16 batch norm.
+    """
+    if entry is None or not entry.fp32_args:
+        return ()
+    found: dict[str, list[str]] = {}
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        for name, t in module.named_buffers(recurse=False):
+            if t is not None and t.dtype == torch.float32:
+                found.setdefault("buffer", []).append(f"{ctx.prefix}{node.target}.{name}")
+        for name, t in module.named_parameters(recurse=False):
+            if t.dtype == torch.float32 and not leaf_params_low:
+                found.setdefault("parameter", []).append(f"{ctx.prefix}{node.target}.{name}")
+    for slot in entry.fp32_args if node.op != "call_module" else ():
+        arg = node.args[slot] if isinstance(slot, int) and slot < len(node.args) else (
+            node.kwargs.get(slot) if isinstance(slot, str) else None)
+        for value in ([arg] if isinstance(arg, fx.Node) else []):
+            held = attr_of(gm, str(value.target)) if value.op == "get_attr" else None
+            kind = ("value" if not isinstance(held, torch.Tensor) else
+                    "parameter" if isinstance(held, torch.nn.Parameter) else "buffer")
+            found.setdefault(kind, []).append(ctx.prefix + str(value.target) if held is not None else value.name)
+    parts = [f"{INSIDE_WORDS[k]}: {', '.join(found[k])}" for k in INSIDE_WORDS if k in found]
+    return tuple(parts) + (("accumulation",) if entry.fp32_accumulation else ())
+
+
+def _note_inside(node: fx.Node, entry: ops.OpEntry | None, gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Record on a low-precision node what stays float32 inside it (:func:`_fp32_inside`)."""
+    d: Decision = decision(node)
+    if d.dtype != ctx.policy.dtype:
+        return
+    inside = _fp32_inside(node, entry, gm, ctx, node.op == "call_module" and d.category is Category.ALLOW)
+    if inside:
+        node.meta[RECORD] = dataclasses.replace(d, fp32_inside=inside,
+                                                reason=f"{d.reason}; float32 inside: {'; '.join(inside)}")
+
+
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
               casts: _Casts) -> Any:
     dtype = _slot_dtype(slot, entry, want)
@@ -256,6 +305,11 @@ def _map_slot(arg: Any, slot: int | str, node: fx.Node, entry: ops.OpEntry | Non
     why = (f"{node.name} pins this slot to float32" if dtype != want
            else f"{node.name} computes in {dtype_name(dtype)}")
     return fx.map_arg(arg, lambda n: casts.get(n, dtype, node, why))
+
+
+def _written(node: fx.Node) -> Any:
+    """What an in-place ``node`` writes: its ``out=`` tensor, else its first argument."""
+    return node.kwargs.get("out", node.args[0] if node.args else None)
 
 
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -276,12 +330,11 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if d.kind not in COMPUTE:
             continue
         if d.inplace:
-            target = node.kwargs.get("out", node.args[0] if node.args else None)
-            if isinstance(target, fx.Node):
+            if isinstance(target := _written(node), fx.Node):
                 casts.mutated(target)  # casts made before this mutation are not reused after it
             continue
-        if d.category is Category.PASS or d.dtype is None or d.rule is Rule.SELECT:
-            continue
+        if d.category is Category.PASS or d.dtype not in CASTABLE or d.rule is Rule.SELECT:
+            continue  # None: left as written; float64/complex (rule other-float): runs as written
         entry = ops.ENTRIES.get(d.op)
         want = d.dtype
         split = (_bias_to_split(node, ctx) if entry is not None and entry.split_bias and node.op == "call_function"
@@ -302,6 +355,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             if k != (entry.accum_dtype if entry else None):
                 kwargs[k] = _map_slot(kwargs[k], k, node, entry, want, casts)
         node.args, node.kwargs = tuple(args), kwargs
+        _note_inside(node, entry, gm, ctx)
         if split is not None:
             _add_bias_after(node, split, casts)
         if node.op == "call_module" and want in (torch.float16, torch.bfloat16) and d.category is Category.ALLOW:

@@ -94,6 +94,82 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     return not (d.category is Category.PASS and entry is not None and entry.result is Result.NONFLOAT)
 
 
+def other_float(dtype: Any) -> bool:
+    """A float or complex dtype ampfx never converts (float64, complex64, ...): values in it
+    pass through :func:`ampfx.runtime.cast` unchanged, so ops on them run as written.
+
+    >>> other_float(torch.float64), other_float(torch.complex64), other_float(torch.float32), other_float(torch.int64)
+    (True, True, False, False)
+    """
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex) and dtype not in CASTABLE
+
+
+RUN_TIME = "run-time"
+"""A value of a float dtype ampfx does not convert whose exact dtype is known only at run time."""
+
+
+def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    """The dtype PyTorch's type promotion gives ``dtypes`` together (``None`` for none)."""
+    out = None
+    for d in dtypes:
+        out = d if out is None else torch.promote_types(out, d)
+    return out
+
+
+def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decision]) -> torch.dtype | str | None:
+    """The unconverted float dtype (:func:`other_float`) of the value ``p``, else ``None``.
+    Without shapes: a parameter or buffer in it with at least one dimension (a 0-dim one
+    does not promote a dimensioned tensor), an op already found to run in it, or an explicit
+    cast or factory naming it (``x.double()``, ``zeros(..., dtype=torch.float64)``)."""
+    infos = out_infos(p)
+    if infos is not None:
+        return _widest([i.dtype for i in infos if other_float(i.dtype)])
+    if p.op == "get_attr":
+        value = attr_of(gm, str(p.target))
+        return value.dtype if isinstance(value, torch.Tensor) and other_float(value.dtype) and value.dim() else None
+    d = decided.get(p)
+    if d is None:
+        return None
+    if d.rule is Rule.OTHER_FLOAT:
+        return d.dtype or RUN_TIME
+    entry = ops.ENTRIES.get(d.op)
+    if d.category is Category.PASS and entry is not None and entry.result is Result.CAST:
+        named = [*torch.utils._pytree.tree_leaves((p.args[1:], p.kwargs)), dict(entry.cast_to).get(str(p.target))]
+        return _widest([a for a in named if other_float(a)])
+    if d.category is Category.PASS:
+        return _widest([a for a in p.kwargs.values() if other_float(a)])
+    return None
+
+
+def _other_float(node: fx.Node, gm: fx.GraphModule,
+                 decided: dict[fx.Node, Decision]) -> tuple[torch.dtype | None, str] | None:
+    """``(dtype, why)`` when ``node`` computes in a float dtype ampfx does not convert, else ``None``.
+
+    With shapes: it produces only such floats (type promotion made them, or a ``dtype=`` argument
+    asked for them), or its float inputs are all such (``abs`` of a complex tensor). Without:
+    one of its inputs holds such a value (see :func:`_other_float_value`); after a complex value
+    the dtype is ``None``, known only at run time (``abs(z)`` is real)."""
+    wide_in = [(p, d) for p in node.all_input_nodes if (d := _other_float_value(p, gm, decided)) is not None]
+    infos = out_infos(node)
+    if infos is not None:
+        floats = [i.dtype for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
+        if floats and all(other_float(f) for f in floats):
+            return _widest(floats), f"produces {', '.join(dict.fromkeys(dtype_name(f) for f in floats))}"
+        castable_in = [p for p in node.all_input_nodes if any(i.dtype in CASTABLE for i in out_infos(p) or ())]
+        if floats and wide_in and not castable_in:
+            return _widest([d for _, d in wide_in]), f"reads only {dtype_name(_widest([d for _, d in wide_in]))} data"
+        return None
+    if not wide_in:
+        return None
+    names = ", ".join(p.name for p, _ in wide_in)
+    if any(d is RUN_TIME or d.is_complex for _, d in wide_in):  # abs(z), z.real: complex in, real out
+        return None, (f"reads complex (or run-time) data {names}, so the dtype it produces is known only at run "
+                      "time (give example_inputs for exact dtypes)")
+    dtype = _widest([d for _, d in wide_in])
+    return dtype, (f"reads {dtype_name(dtype)} {names} (without example_inputs ampfx assumes this from the "
+                   "parameters and explicit dtypes it sees)")
+
+
 def original_dtype(n: fx.Node) -> torch.dtype:
     """The float dtype ``n`` produced before conversion (float32 when unknown)."""
     infos = out_infos(n)
@@ -199,9 +275,15 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
     if ctx.policy.category_of(name) is None and entry is not None and entry.category is Category.PASS:
         return decide.Verdict(Category.PASS, None, Rule.TABLE, entry.reason)
+    region = node.op == "call_module" and str(node.target) in ctx.regions
+    other = None if region else _other_float(node, gm, decided)
+    if other is not None:
+        held = dtype_name(other[0], none="a float dtype ampfx does not convert")
+        return decide.Verdict(Category.FP32, other[0], Rule.OTHER_FLOAT,
+                              f"{other[1]}: computes in {held}, which ampfx never converts; runs as written")
     if not float_inputs and (not out_float or (infos is None and entry is not None)):
         return decide.Verdict(Category.PASS, None, Rule.NON_FLOAT, "no float32/16/bf16 tensor in or out: left as written")
-    if node.op == "call_module" and str(node.target) in ctx.regions:
+    if region:
         return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")

@@ -43,7 +43,7 @@ from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .casts import needed_casts
-from .classify import carries_float, original_dtype
+from .classify import carries_float, original_dtype, other_float
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
@@ -387,7 +387,7 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
             return fixed[spelling]
         for a in (*n.args[1:], *n.kwargs.values()):
             if isinstance(a, torch.dtype):
-                return a if a in CASTABLE else None
+                return a if a in CASTABLE or other_float(a) else None
             if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
                 return out.get(a, DYNAMIC) if spelling in entry.cast_like or out.get(a) in CASTABLE else DYNAMIC
         return first  # .to(device), .cpu(): same dtype
@@ -431,6 +431,9 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
                                            "selection, which is smaller)")
         elif d.category is Category.PASS:
             out[n] = _pass_result(n, d, out)
+        elif d.rule is Rule.OTHER_FLOAT:  # runs as written: what it produced before conversion
+            floats = [i.dtype for i in out_infos(n) or () if i.dtype.is_floating_point or i.dtype.is_complex]
+            out[n] = floats[0] if floats else (d.dtype or DYNAMIC)
         else:
             infos = out_infos(n)
             out[n] = d.dtype if infos is None or any(i.dtype in CASTABLE for i in infos) else None

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -40,13 +42,26 @@ def _dtype_arg(value: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive(value: str) -> int:
+    """An argparse type: a whole number >= 1 (step counts)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is not positive: give 1 or more")
+    return number
+
+
 def parse_input(spec: str) -> torch.Tensor:
-    """``8,3,32,32`` or ``8,128:int64`` -> a random tensor of that shape and dtype."""
+    """``8,3,32,32`` or ``8,128:int64`` -> a random tensor of that shape and dtype; every size >= 1."""
     shape_text, _, dtype_text = spec.partition(":")
     try:
-        shape = tuple(int(s) for s in shape_text.split(",") if s.strip())
+        shape = tuple(int(s) for s in shape_text.split(","))
     except ValueError:
         raise CLIError(f"--input {spec!r}: the shape must be comma-separated integers, e.g. 8,3,32,32") from None
+    if any(n < 1 for n in shape):
+        raise CLIError(f"--input {spec!r}: sizes must be positive (a 0 or negative size), e.g. 8,3,32,32")
     dtype = _TENSOR_DTYPES.get(dtype_text or "float32")
     if dtype is None:
         raise CLIError(f"--input {spec!r}: unknown dtype {dtype_text!r}; use one of {', '.join(_TENSOR_DTYPES)}")
@@ -71,6 +86,8 @@ def load_target(target: str) -> torch.nn.Module:
         sys.path.insert(0, str(path.parent.resolve()))
         spec.loader.exec_module(module)
     else:
+        if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m`: the current directory imports
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(where)
         except ImportError as e:
@@ -78,10 +95,46 @@ def load_target(target: str) -> torch.nn.Module:
     factory = getattr(module, name, None)
     if factory is None:
         raise CLIError(f"TARGET {target!r}: {where} has no attribute {name!r}")
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    model = _build(target, name, factory) if callable(factory) and not isinstance(factory, torch.nn.Module) \
+        else factory
     if not isinstance(model, torch.nn.Module):
         raise CLIError(f"TARGET {target!r}: {name} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _build(target: str, name: str, factory: Any) -> Any:
+    """``factory()``; one that needs arguments is a user error naming them."""
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise CLIError(f"TARGET {target!r}: {name}() cannot be called without arguments ({e}); point TARGET at a "
+                       f"function that builds the model, e.g. def build(): return {name}(...)") from None
+    except ValueError:  # no readable signature (a builtin): just call it
+        pass
+    return factory()
+
+
+def _check_writable(path: str | None, flag: str, *, directory: bool = False) -> None:
+    """Fail before any work when ``path`` cannot be written: its nearest existing ancestor must be a
+    writable directory (and ``path`` itself, if it exists, a directory for ``directory`` else a file)."""
+    if not path:
+        return
+    target = Path(path)
+    if target.exists() and target.is_dir() != directory:
+        raise CLIError(f"{flag} {path!r}: {'not a directory' if directory else 'is a directory'}; give a "
+                       f"{'directory' if directory else 'file'} path")
+    parent = target if directory else target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise CLIError(f"{flag} {path!r}: cannot write there ({parent} is not a writable directory)")
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise CLIError(f"{flag} {path!r}: cannot write there ({e.strerror or e})") from None
 
 
 def cmd_lists(args: argparse.Namespace) -> int:
@@ -98,8 +151,12 @@ def cmd_lists(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input) or None
+    if args.tracer == "export" and inputs is None:
+        raise CLIError("--tracer export runs the model on example inputs: give --input, e.g. --input 8,16")
+    _check_writable(args.out, "--out", directory=True)
+    _check_writable(args.html, "--html")
+    model = load_target(args.target)
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     rep = amp.ampfx_report
     if args.format == "json":
@@ -111,9 +168,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(rep.summary())
         print(rep.table(color=sys.stdout.isatty()))
     if args.out:
-        print(f"report saved to {rep.save(args.out)}", file=sys.stderr)
+        try:
+            saved = rep.save(args.out)
+        except OSError as e:
+            raise CLIError(f"--out {args.out!r}: cannot write the report there ({e.strerror or e})") from None
+        print(f"report saved to {saved}", file=sys.stderr)
     if args.html:
-        Path(args.html).write_text(rep.html(), encoding="utf-8")
+        _write(args.html, rep.html(), "--html")
         print(f"graph written to {args.html}", file=sys.stderr)
     return 0
 
@@ -121,6 +182,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo
 
+    _check_writable(args.loss_scale_plot, "--loss-scale-plot")
     if args.loss_scale_plot:
         try:
             import matplotlib  # noqa: F401
@@ -137,10 +199,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise CLIError("needs matplotlib: pip install 'ampfx[plots]'") from None
     from .plots import collect_magnitudes, describe, range_plot, synthetic_loss
 
-    model = load_target(args.target)
     inputs = tuple(parse_input(s) for s in args.input)
     if not inputs:
         raise CLIError("give at least one --input, e.g. --input 8,3,32,32")
+    _check_writable(args.out, "--out")
+    model = load_target(args.target)
     mags = collect_magnitudes(model, (inputs, None), synthetic_loss(args.loss), by=args.by)
     range_plot(mags, args.dtype, path=args.out, log_y=args.log_y)
     print(describe(mags, args.dtype))
@@ -153,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="convert the built-in example, show the report, train it side by side")
     d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
-    d.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    d.add_argument("--steps", type=_positive, default=200, help="training steps per run (default 200)")
     d.add_argument("--loss-scale-plot", metavar="PNG", help="with --dtype fp16: plot GradScaler's loss scale per step")
     d.set_defaults(func=cmd_demo)
     ls = sub.add_parser("lists", help="the effective allow/infer/clear/deny lists after AMPFX_* overrides")
@@ -194,9 +257,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `ampfx lists | head`
         sys.stderr.close()
         return 0
-    except (CLIError, PolicyError) as e:
+    except Exception as e:  # noqa: BLE001 - user errors become one line; anything else keeps its traceback
+        if not _user_error(e):
+            raise
         print(f"ampfx {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _user_error(e: BaseException) -> bool:
+    """A bad argument or input: a ``CLIError``, a ``PolicyError`` or any class of :mod:`ampfx.errors`
+    (each names the input and the fix). Other exceptions are bugs and keep their traceback."""
+    return isinstance(e, (CLIError, PolicyError)) or type(e).__module__ == "ampfx.errors"
 
 
 if __name__ == "__main__":
