@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from . import guards
 from . import policy as policy_mod
 from .capture import export
 from .graph_module import AmpGraphModule
@@ -132,7 +133,10 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
     calib = (list(calibrate), calibrate_loss) if calibrate is not None else None
     if calib is not None and example_inputs is None and calib[0]:
         example_inputs = calib[0][0]
-    return Request(policy, ExampleInputs.of(example_inputs), tracer, dynamic_dims, calib)
+    inputs = ExampleInputs.of(example_inputs)
+    if dynamic_dims is not None and inputs is not None:
+        guards.check_dynamic_dims(dynamic_dims, inputs)
+    return Request(policy, inputs, tracer, dynamic_dims, calib)
 
 
 def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:

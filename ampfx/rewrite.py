@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from . import guards
 from .capture import export
 from .capture.base import Capture
 from .capture.tracer import trace_other_mode
@@ -67,6 +68,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     observed of their leaves (:mod:`ampfx.observe`). Raises :class:`NotReproduced` when the
     graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
+    exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
@@ -78,6 +80,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
+    notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
+                           exported, request.policy.pad)
     return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
 
 
