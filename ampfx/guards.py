@@ -142,6 +142,9 @@ class Guard:
         self._index = {name: i for i, (name, _, _) in enumerate(params)}
         self._symbols = _needs_symbols(signature)
         self._checks = tuple((i, g) for i, g in enumerate(signature.guards) if g is not None)
+        self._shallow = {g.name: _shallow(g.spec) for g in signature.guards if g is not None and g.spec is not None}
+        self._named = {id(leaf): tuple((s.dim, s.symbol) for s in leaf.sizes if s.symbol is not None)
+                       for g in signature.guards if g is not None for leaf in g.leaves if isinstance(leaf, TensorGuard)}
 
     def __reduce__(self) -> tuple:
         return (Guard, (self.signature,))
@@ -153,26 +156,36 @@ class Guard:
             values = self._bind(args, kwargs)
             if values is None:
                 return  # a call the module's own signature rejects: it raises its TypeError
+        seen = [] if self._symbols else None
         for i, g in self._checks:
             value = values[i]
             if value is _MISSING:
                 continue
             if g.spec is None:
                 _check_leaf(self, g.leaves[0], value)
+                leaves = (value,)
             else:
-                self._check_tree(g, value)
-        if self._symbols:
-            _check_symbols(self, values)
+                leaves = self._leaves(g, value)
+                for leaf_guard, leaf in zip(g.leaves, leaves):
+                    if leaf_guard is not None:
+                        _check_leaf(self, leaf_guard, leaf)
+            if seen is not None:
+                seen.append((g, leaves))
+        if seen is not None:
+            _check_symbols(self, seen)
 
-    def _check_tree(self, g: ParamGuard, value: Any) -> None:
+    def _leaves(self, g: ParamGuard, value: Any) -> Any:
+        """The leaves of ``value``, which must have ``g``'s structure."""
+        shallow = self._shallow[g.name]
+        if shallow is not None and type(value) is shallow[0] and (
+                len(value) == shallow[1] if shallow[0] is not dict else list(value) == shallow[1]):
+            return list(value.values()) if shallow[0] is dict else value
         leaves, spec = tree_flatten(value)
         if spec != g.spec:
             self.fail(g.name, _describe_spec(spec), f"a {_describe_spec(g.spec)}", "its structure was traced",
                       "call it with inputs of the structure of its example_inputs, or convert again with "
                       "example_inputs of this structure")
-        for leaf_guard, leaf in zip(g.leaves, leaves):
-            if leaf_guard is not None:
-                _check_leaf(self, leaf_guard, leaf)
+        return leaves
 
     def _bind(self, args: tuple, kwargs: dict) -> list[Any] | None:
         """The value of each parameter, ``_MISSING`` where defaulted; ``None`` if the call does not bind."""
@@ -198,6 +211,13 @@ class Guard:
         where = f" at {self.signature.module!r}" if self.signature.module else ""
         raise GuardError(f"ampfx: input {path} of the converted module{where} is {got}, but it was converted "
                          f"for {expected} ({why}). Fix: {fix}.")
+
+
+def _shallow(spec: TreeSpec) -> tuple[type, Any] | None:
+    """``(list, 3)`` / ``(dict, keys)`` for a list, tuple or dict of leaves (checked without flattening)."""
+    if spec.type not in (list, tuple, dict) or not all(c.is_leaf() for c in spec.children()):
+        return None
+    return spec.type, (list(spec.context) if spec.type is dict else spec.num_children)
 
 
 def _check_leaf(guard: Guard, g: TensorGuard | ValueGuard, value: Any) -> None:
@@ -245,30 +265,23 @@ def _needs_symbols(sig: Signature) -> bool:
     return bool(sig.relations) or len(seen) != len(set(seen))
 
 
-def _check_symbols(guard: Guard, values: Any) -> None:
+def _check_symbols(guard: Guard, seen: list[tuple[ParamGuard, Any]]) -> None:
     """Sizes sharing a symbol agree, and the relations between symbols hold."""
-    bound: dict[str, tuple[int, str]] = {}
-    for g, value in zip(guard.signature.guards, values):
-        if g is None or value is _MISSING:
-            continue
-        leaves = [value] if g.spec is None else tree_flatten(value)[0]
+    bound: dict[str, tuple[int, TensorGuard, int]] = {}
+    for g, leaves in seen:
         for leaf_guard, leaf in zip(g.leaves, leaves):
-            if not isinstance(leaf_guard, TensorGuard) or not isinstance(leaf, torch.Tensor):
-                continue
-            for s in leaf_guard.sizes:
-                if s.symbol is None:
-                    continue
-                n = int(leaf.shape[s.dim])
-                first = bound.setdefault(s.symbol, (n, f"{leaf_guard.path} dim {s.dim}"))
+            for dim, symbol in guard._named.get(id(leaf_guard), ()):
+                n = leaf.shape[dim]
+                first = bound.setdefault(symbol, (n, leaf_guard, dim))
                 if first[0] != n:
-                    guard.fail(leaf_guard.path, f"{_short(leaf)}: dim {s.dim} is {n}",
-                               f"the size of {first[1]} ({first[0]})", "torch.export found the model needs them "
-                               "equal", "call it with equal sizes there")
+                    guard.fail(leaf_guard.path, f"{_short(leaf)}: dim {dim} is {n}",
+                               f"the size of {first[1].path} dim {first[2]} ({first[0]})",
+                               "torch.export found the model needs them equal", "call it with equal sizes there")
     for rel in guard.signature.relations:
         free = rel.free_symbols
         if all(str(s) in bound for s in free) and \
                 not bool(rel.xreplace({s: sympy.Integer(bound[str(s)][0]) for s in free})):
-            where = ", ".join(f"{bound[str(s)][1]} = {bound[str(s)][0]}" for s in free)
+            where = ", ".join(f"{bound[str(s)][1].path} dim {bound[str(s)][2]} = {bound[str(s)][0]}" for s in free)
             guard.fail("sizes", where, f"sizes where {rel} holds", "torch.export's graph holds only there",
                        "convert again with example inputs of the sizes you call it with")
 

@@ -278,8 +278,8 @@ def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     steps.append(f"exported (torch.export, non-strict, training IR, {sizes}"
                  + ("" if same else ", one graph per training mode") + ")")
     if dynamic is None:
-        notes.append("torch.export specialised every input size to the example's: other sizes fail the "
-                     "converted module's graph (convert again for other sizes)")
+        notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
+                     "GuardError (convert again for other sizes)")
     return Capture(graph=graphs[model.training], method="export", steps=tuple(steps),
                    mode_graphs=None if same else graphs, constants=constants, notes=tuple(notes), mode_error=mode_error)
 
