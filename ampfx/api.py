@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
+from . import guards
 from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, UninitializedModelError
@@ -163,6 +164,8 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
     calib = args.check_calibration(model, calibrate, calibrate_loss, inputs)
     if calib is not None and inputs is None:
         inputs = ExampleInputs.of(calib[0][0])
+    if dynamic_dims is not None and inputs is not None:
+        guards.check_dynamic_dims(dynamic_dims, inputs)
     return Request(policy, inputs, tracer, dynamic_dims, calib)
 
 

@@ -27,3 +27,13 @@ class ArgumentError(PolicyError, TypeError):
     """A bad argument to :func:`ampfx.convert` (or the ``ampfx`` command): the wrong kind of
     object or a value out of range. The message names the argument, what was expected and the
     fix. A ``PolicyError`` (so a ``ValueError``) and a ``TypeError``, so either ``except`` works."""
+
+
+class GuardError(ValueError):
+    """A converted module was called with inputs outside what it was converted for (structure,
+    tensor kind, rank, a specialised size or a value fixed while tracing): see :mod:`ampfx.guards`.
+    The message names the input, what it was converted for, what it got, and the fix."""
+
+
+class ExampleInputsError(ValueError):
+    """The model itself does not run on the ``example_inputs`` given to :func:`ampfx.convert`."""

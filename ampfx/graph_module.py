@@ -53,6 +53,13 @@ class AmpGraphModule(fx.GraphModule):
     ``copy.deepcopy`` and pickling (plain ``GraphModule`` keeps only what the
     graph references), and keeps its ``ampfx_report``."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.__call__``, after the call-time guard (:mod:`ampfx.guards`) checked the inputs."""
+        guard = self.__dict__.get("_ampfx_guard")
+        if guard is not None:
+            guard(args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
         res = super().__deepcopy__(memo)
         tree = copy.deepcopy({"_modules": self._modules, "_parameters": self._parameters,
@@ -66,6 +73,8 @@ class AmpGraphModule(fx.GraphModule):
         _keep_attributes(res, copy.deepcopy(_kept_attributes(self), memo))
         if "ampfx_report" in self.__dict__:
             res.ampfx_report = self.ampfx_report  # frozen: safe to share
+        if "_ampfx_guard" in self.__dict__:
+            res.__dict__["_ampfx_guard"] = self.__dict__["_ampfx_guard"]  # immutable: safe to share
         alt = self.__dict__.get("_ampfx_alt")
         if alt is not None:
             res.set_mode_graph(alt[0], copy.deepcopy(alt[1], memo))
@@ -82,7 +91,8 @@ class AmpGraphModule(fx.GraphModule):
         holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
         kept = {k: v for k, v in _kept_attributes(self).items() if k in body or k == "_ampfx_attrs"}
         return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
-                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None), kept))
+                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None), kept,
+                           self.__dict__.get("_ampfx_guard")))
 
     def set_mode_graph(self, training: bool, other: nn.Module) -> None:
         """Run ``other`` whenever this module is in mode ``training``: the module's own conversion
@@ -197,7 +207,7 @@ class ModeUnavailable(nn.Module):
 
 
 def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # noqa: ANN001
-             pytree_info=None, kept=None) -> AmpGraphModule:
+             pytree_info=None, kept=None, guard=None) -> AmpGraphModule:
     plain = fn(*args)
     if pytree_info is not None:
         _restore_pytree(plain, pytree_info)
@@ -208,6 +218,8 @@ def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # n
         gm.ampfx_report = report
     if alt is not None:
         gm.set_mode_graph(*alt)
+    if guard is not None:
+        gm.__dict__["_ampfx_guard"] = guard
     return gm
 
 

@@ -89,6 +89,18 @@ class ExampleInputs:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in tree_leaves((self.args, dict(self.kwargs))) if isinstance(t, torch.Tensor)]
 
+    def describe(self) -> str:
+        """``"x: float32[2, 4], n: 3"``: each argument, tensors by dtype and shape."""
+        def one(v: Any) -> str:
+            if isinstance(v, torch.Tensor):
+                return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            if isinstance(v, (tuple, list, dict)):
+                return str(torch.utils._pytree.tree_map(one, v)).replace("'", "")
+            return repr(v)[:40]
+
+        named = [f"args[{i}]: {one(v)}" for i, v in enumerate(self.args)]
+        return ", ".join(named + [f"{k}: {one(v)}" for k, v in self.kwargs.items()]) or "(none)"
+
     def device(self) -> str | None:
         """The device type of the first tensor, ``None`` without tensors."""
         found = self.tensors()

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from . import guards
 from .capture.base import Capture
 from .graph_module import AmpGraphModule, graph_module
 from .inputs import ExampleInputs
@@ -66,6 +67,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     gm = graph_module(work, capture.graph)
     if capture.method != "export":  # exported graphs inline the module's own hooks; torch.fx traces forward alone
         keep_hooks(gm, work)
+    exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
@@ -76,6 +78,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
+    notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
+                           exported, request.policy.pad)
     return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
 
 

@@ -284,8 +284,8 @@ def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     sizes = "dynamic sizes where the model allows (Dim.AUTO)" if dynamic is not None else "static sizes"
     steps.append(f"exported (torch.export, non-strict, training IR, {sizes})")
     if dynamic is None:
-        notes.append("torch.export specialised every input size to the example's: other sizes fail the "
-                     "converted module's graph (convert again for other sizes)")
+        notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
+                     "GuardError (convert again for other sizes)")
     return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..errors import ExampleInputsError
 from ..graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..state import kept_buffers, kept_rng
@@ -29,7 +30,8 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
     gm = graph_module(model, graph)
     try:
         want = _run(model, model, inputs)
-    except Exception:  # noqa: BLE001 - the model itself does not run: nothing to compare (shapes says so)
+    except Exception as e:  # noqa: BLE001 - the model itself does not run on its example inputs
+        _rejects(model, inputs, e)
         return None
     try:
         got = _run(gm, model, inputs)
@@ -110,6 +112,24 @@ def _compare_named(want: _Run, got: _Run, rtol: float) -> str | None:
             return (f"after a call, buffer {name!r} differs between the torch.fx graph and the model{wrong} "
                     "(an update of it that the graph does not repeat?)")
     return None
+
+
+def _rejects(model: nn.Module, inputs: ExampleInputs, error: Exception) -> None:
+    """Raise :class:`~ampfx.errors.ExampleInputsError` when ``model`` does not run on ``inputs`` in
+    float32 (an integer example for a float model); a model on the meta device (no values) or
+    one that needs gradients inside its forward is left to the later stages."""
+    tensors = [*inputs.tensors(), *model.parameters(), *model.buffers()]
+    if any(t.device.type == "meta" for t in tensors):
+        return
+    try:
+        with kept_rng(*model.parameters()), kept_buffers(model), torch.enable_grad():
+            inputs.snapshot().call(model)
+        return
+    except Exception:  # noqa: BLE001 - fails with gradients too: the inputs are wrong for this model
+        pass
+    raise ExampleInputsError(f"the model does not run on example_inputs ({short(error)}); example_inputs: "
+                             f"{inputs.describe()}. Give inputs it accepts, with the dtypes its forward expects "
+                             "(a tuple of positional inputs or a dict of keyword inputs)") from error
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float) -> str | None:
