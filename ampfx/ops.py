@@ -100,6 +100,9 @@ class OpEntry:
     the spellings that convert to one fixed dtype (``x.half()``; ``None`` for a
     dtype ampfx does not convert, ``x.double()``) and ``cast_like`` those whose
     result takes the dtype of their tensor argument (``x.type_as(y)``).
+    ``float_attrs``: for ``getattr``, the attribute names that hold a float
+    tensor of the container (``topk(...).values``, ``x.T``), so that without
+    shapes the attribute is known to be a selection, not a size or a dtype.
     """
 
     name: str
@@ -121,6 +124,7 @@ class OpEntry:
     split_bias: bool = False
     cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
     cast_like: tuple[str, ...] = ()
+    float_attrs: tuple[str, ...] = ()
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -373,7 +377,6 @@ for _name, _mod in [
 _NONFLOAT = "no float data: sizes, comparisons and indices are left as written"
 for _name, _fns, _methods in [
     ("size", [], ["size", "dim", "numel", "nelement", "stride", "is_contiguous", "is_floating_point"]),
-    ("getattr", [builtins.getattr], []),
     ("compare", [operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.not_,
                  operator.and_, operator.or_, operator.xor, operator.invert, torch.eq, torch.ne, torch.lt, torch.le,
                  torch.gt, torch.ge, torch.logical_and, torch.logical_or, torch.logical_not, torch.logical_xor,
@@ -388,6 +391,9 @@ for _name, _fns, _methods in [
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
     _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT)
+_op("getattr", P, _NONFLOAT + "; an attribute that holds a float tensor (topk(...).values) is a selection: it "
+    "keeps the dtype the container's tensor has", fns=[builtins.getattr], result=Result.NONFLOAT, view=True,
+    select=True, float_attrs=("values", "T", "mT", "H", "mH", "real", "imag", "data"))
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",
     methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
     aten=["_to_copy", "to"], result=Result.CAST,
