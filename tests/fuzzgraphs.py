@@ -166,8 +166,11 @@ def op_reduce_seq(b: _Builder, v: Value) -> Value:
 def op_attention(b: _Builder, v: Value) -> Value:
     k = b.pick(lambda u: _same_seq(v)(u) and u.feat == v.feat) or v
     val = b.pick(_same_seq(v)) or v
-    if b.rng.random() < 0.5:
+    choice = b.rng.random()
+    if choice < 0.4:
         expr = f"F.scaled_dot_product_attention({v.name}, {k.name}, {val.name})"
+    elif choice < 0.55:
+        expr = f"torch.einsum('bsd,btd->bst', {v.name}, {k.name}).softmax(-1).bmm({val.name})"
     else:
         scale = 1.0 / math.sqrt(v.feat)
         expr = f"torch.softmax({v.name} @ {k.name}.transpose(1, 2) * {scale:.4f}, dim=-1) @ {val.name}"
@@ -208,7 +211,8 @@ def op_binary(b: _Builder, v: Value) -> Value:
     w = b.pick(lambda u: u.kind == v.kind and u.feat == v.feat and u.hw == v.hw and u.length == v.length)
     if w is None or w is v:
         return op_linear(b, v) if v.kind != "img" else op_conv2d(b, v)
-    fn = b.rng.choice(("{} + {}", "{} * {}", "{} - {}", "torch.where({0} > 0, {0}, 0.1 * {0}) + {1}", "torch.maximum({}, {})"))
+    fn = b.rng.choice(("{} + {}", "{} * {}", "{} - {}", "torch.where({0} > 0, {0}, 0.1 * {0}) + {1}",
+                       "torch.maximum({}, {})"))
     return b.emit(fn.format(v.name, w.name), v.kind, v.feat, v.hw, v.length)
 
 
@@ -244,9 +248,20 @@ def op_pool_feat(b: _Builder, v: Value) -> Value:
     return b.emit(fn.format(v.name), "seq", v.feat // 2, length=v.length)
 
 
+def op_inplace(b: _Builder, v: Value) -> Value:
+    """In-place ops on a copy (rule ``inplace``), and explicit casts written in the model."""
+    fn = b.rng.choice(("{0}.clone().mul_({c})", "F.relu({0}.clone(), inplace=True)", "{0}.clone().add_({0})",
+                       "F.softmax({0}.float(), dim=-1).type_as({0})", "{0}.to(torch.float32).tanh()"))
+    return b.emit(fn.format(v.name, c=b.rng.choice((0.5, 3.0))), v.kind, v.feat, v.hw, v.length)
+
+
 def op_topk(b: _Builder, v: Value) -> Value:
+    """The ``k`` largest features. Its input is detached: the gradient of a selection goes to the
+    elements chosen, and rounding to the low dtype can turn near-ties into ties and choose others
+    (fuzz seed 50 of an earlier generator: outputs within 0.3%, gradients 50% off, autocast alike
+    wherever its topk input is low too), a property of the selection, not of the conversion."""
     k = max(1, v.feat // 2)
-    return b.emit(f"torch.topk({v.name}, {k}, dim=-1).values", "seq", k, length=v.length)
+    return b.emit(f"torch.topk({v.name}.detach(), {k}, dim=-1).values", "seq", k, length=v.length)
 
 
 # ----------------------------------------------------------------------------- images and vectors
@@ -298,11 +313,12 @@ SEQ_OPS: dict[str, tuple[Callable[[_Builder, Value], Value], float]] = {
     "reduce_seq": (op_reduce_seq, 0.7), "attention": (op_attention, 1), "heads": (op_heads, 0.7),
     "view": (op_view, 1.5), "cat": (op_cat, 1), "binary": (op_binary, 2), "broadcast": (op_broadcast, 0.7),
     "embedding": (op_embedding, 0.7), "pool_feat": (op_pool_feat, 0.5), "topk": (op_topk, 0.3),
+    "inplace": (op_inplace, 0.5),
 }
 """Ops on a (batch, seq, feat) value: (function, weight)."""
 IMG_OPS: dict[str, tuple[Callable[[_Builder, Value], Value], float]] = {
     "conv2d": (op_conv2d, 3), "img_norm": (op_img_norm, 2), "unary": (op_unary, 1.5), "img_pool": (op_img_pool, 1),
-    "binary": (op_binary, 1), "img_out": (op_img_out, 1.5), "dropout": (op_dropout, 0.3),
+    "binary": (op_binary, 1), "img_out": (op_img_out, 1.5), "dropout": (op_dropout, 0.3), "inplace": (op_inplace, 0.3),
 }
 VEC_OPS: dict[str, tuple[Callable[[_Builder, Value], Value], float]] = {"vec": (op_vec, 1), "binary": (op_binary, 0.3)}
 KIND_OPS = {"seq": SEQ_OPS, "img": IMG_OPS, "vec": VEC_OPS}
@@ -393,7 +409,7 @@ def _source(b: _Builder, inputs: list[str]) -> str:
 def _options(rng: random.Random, modules: list[str], tracer: str) -> dict[str, Any]:
     """Random ``convert`` options: Policy fields, ``dynamic_dims``, the tracer."""
     opts: dict[str, Any] = {}
-    opts["pad"] = rng.choice(("auto", "never", "always", "always"))
+    opts["pad"] = rng.choice(("auto", "never", "always"))
     if opts["pad"] == "always" and rng.random() < 0.3:
         opts["pad_multiple"] = rng.choice((4, 16))
     dyn = rng.choices((None, {0: "batch"}, {0: "batch", 1: "seq"}, {1: "seq"}), (6, 1, 2, 1))[0]

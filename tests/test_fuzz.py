@@ -72,3 +72,105 @@ def test_attribute_holding_a_float_tensor_is_a_selection(dtype, with_inputs):
     sink = []
     out = fg.recorded_call(amp, (x,), sink)
     assert sink == [] and out.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- the fuzzer's own checks
+def _quick_case(**want):
+    """A small fx case with the options ``want`` asks for (first matching seed)."""
+    for seed in range(500):
+        case = fg.generate(seed)
+        opts = case.options
+        if case.steps <= 10 and opts["tracer"] == "fx" and not case.has_img and all(
+                (opts.get(k) or None) == v for k, v in want.items()):
+            return case
+    raise AssertionError(f"no small case with {want}")
+
+
+def test_generator_is_deterministic_and_covers_what_the_issue_asks():
+    """One seed, one source; over the CI seeds every op family, both dtypes, every pad value,
+    dynamic batch and seq, every tracer and both training modes appear, with 5-30 ops."""
+    assert fg.generate(7).source == fg.generate(7).source and fg.generate(7).source != fg.generate(8).source
+    cases = [fg.generate(s) for s in range(N_CI)]
+    used = {op for c in cases for op in c.ops}
+    assert used == set(fg.SEQ_OPS) | set(fg.IMG_OPS) | set(fg.VEC_OPS)
+    assert {c.dtype for c in cases} == {torch.bfloat16, torch.float16}
+    assert {c.options["pad"] for c in cases} == {"auto", "never", "always"}
+    assert {tuple(sorted(c.options.get("dynamic_dims") or {})) for c in cases} == {(), (0,), (1,), (0, 1)}
+    assert {c.options["tracer"] for c in cases} == {"auto", "fx", "export"}
+    assert {c.train for c in cases} == {True, False}
+    assert min(c.steps for c in cases) == 5 and max(c.steps for c in cases) == 30
+    for name in ("F.scaled_dot_product_attention", "nn.Conv2d", "nn.Embedding", "torch.cat", "F.dropout",
+                 "max_pool", "nn.LayerNorm", "nn.BatchNorm", "logsumexp", "softmax", ".reshape("):
+        assert any(name in c.source for c in cases), name
+
+
+class _Wrong(nn.Module):
+    """A stand-in for a converted module: the model, then ``damage`` applied to its outputs."""
+
+    def __init__(self, model, damage):
+        super().__init__()
+        self.model, self.damage = model, damage
+
+    def forward(self, *args):
+        out = self.model(*args)
+        return tuple(map(self.damage, out)) if isinstance(out, tuple) else self.damage(out)
+
+
+def _with_convert(monkeypatch, make):
+    monkeypatch.setattr(ampfx, "convert", lambda model, dtype, **kw: make(model, kw))
+
+
+def test_checks_catch_wrong_values(monkeypatch):
+    """A module 3% off float32 fails the error bound (autocast is far closer)."""
+    _with_convert(monkeypatch, lambda m, kw: _Wrong(m, lambda t: t * 1.03))
+    failures = fg.run_case(_quick_case()).failures
+    assert {f.check for f in failures} == {"error-vs-autocast"}, failures
+
+
+def test_checks_catch_non_finite_outputs(monkeypatch):
+    """An inf where float32 is finite fails the finiteness check."""
+    _with_convert(monkeypatch, lambda m, kw: _Wrong(m, lambda t: t.index_fill(-1, torch.tensor([0]), float("inf"))))
+    assert "finite-output" in {f.check for f in fg.run_case(_quick_case()).failures}
+
+
+class _Refuses(nn.Module):
+    """Right at the example's sizes; at others raises ``error``."""
+
+    def __init__(self, model, shape, error):
+        super().__init__()
+        self.model, self.shape, self.error = model, shape, error
+
+    def forward(self, x, *rest):
+        if tuple(x.shape) != self.shape:
+            raise self.error
+        return self.model(x, *rest)
+
+
+@pytest.mark.parametrize("dynamic, error, refused", [
+    (None, ampfx.PolicyError("converted for batch 3: convert again"), True),
+    (None, RuntimeError("shape '[3, 5, 2, -1]' is invalid"), False),
+    ({0: "batch", 1: "seq"}, ampfx.PolicyError("converted for batch 3: convert again"), False),
+])
+def test_other_sizes_accept_only_a_clear_ampfx_refusal(monkeypatch, dynamic, error, refused):
+    """At another size, an ampfx error is a clear refusal for a dimension not in ``dynamic_dims``; a
+    torch-internal error, or any refusal of a dimension named in ``dynamic_dims``, is a failure."""
+    case = _quick_case(dynamic_dims=dynamic)
+    _with_convert(monkeypatch, lambda m, kw: _Refuses(m, (case.batch, case.seq, fg.FEATS_IN), error))
+    outcome = fg.run_case(case)
+    assert len(outcome.refused) == (2 if refused else 0)
+    assert [f.check for f in outcome.failures] == ([] if refused else ["other-size", "other-size"])
+
+
+def test_report_check_catches_a_record_that_lies():
+    """The recorder compares every node's output dtype with its record: a record edited to say
+    float32 where the node runs low is caught, naming the node."""
+    import dataclasses
+
+    from ampfx import meta
+
+    amp = ampfx.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.bfloat16, example_inputs=(torch.randn(2, 4),))
+    node = next(n for n in amp.graph.nodes if getattr(meta.record(n), "op", None) == "linear")
+    node.meta[meta.RECORD] = dataclasses.replace(meta.record(node), dtype=torch.float32, out=torch.float32)
+    sink = []
+    fg.recorded_call(amp, (torch.randn(2, 4),), sink)
+    assert sink and all(s.startswith(f"{node.name} (linear)") for s in sink), sink
