@@ -351,9 +351,12 @@ _REDUCE = "reduction: loses precision summing many low-precision values; kept fl
 _op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"], reduction=True)
 _op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"], reduction=True)
 _op("norm", D, _REDUCE + " (squares overflow float16)",
-    fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, F.normalize, torch.cdist, F.pairwise_distance,
-         F.cosine_similarity],
+    fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, torch.cdist, F.pairwise_distance],
     methods=["norm"], aten=["norm", "linalg_vector_norm"], reduction=True)
+_op("normalize", I, "x / max(norm(x), eps): the norm kernel accumulates in float32 and bfloat16 holds eps; "
+    "follows its inputs", fns=[F.normalize, F.cosine_similarity],
+    fp16=(D, "x / max(norm(x), eps): eps (1e-12 by default, 1e-8 in cosine_similarity) is 0 in float16, so a "
+             "zero vector gives 0/0 = NaN; float32"))
 _op("cumsum", D, "running sum: every output carries the rounding of all before it",
     fns=_torch_fns("cumsum", "cumprod"), methods=["cumsum", "cumprod"], aten=["cumsum", "cumprod"],
     accum_dtype="dtype", reduction=True)

@@ -9,6 +9,7 @@ bfloat16 or float16. A failure prints the model's source and the options. The lo
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import ampfx
 import fuzzgraphs as fg
@@ -174,3 +175,29 @@ def test_report_check_catches_a_record_that_lies():
     sink = []
     fg.recorded_call(amp, (torch.randn(2, 4),), sink)
     assert sink and all(s.startswith(f"{node.name} (linear)") for s in sink), sink
+
+
+class MaskedNormalize(nn.Module):
+    """Fuzz seed 175, minimised: a padding mask zeroes whole rows, then ``F.normalize``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, tok):
+        return F.normalize(self.fc(x).masked_fill((tok == 0).unsqueeze(-1), 0.0), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_normalize_of_a_zero_row_stays_finite(dtype):
+    """``F.normalize`` divides by ``max(norm, eps)``; its eps (1e-12) is 0 in float16, so a zero row
+    gave 0/0 = NaN (autocast does too). Under float16 it stays float32 (rule ``table``, op
+    ``normalize``); under bfloat16, which holds eps, it follows its inputs."""
+    x, tok = torch.randn(2, 3, 8), torch.tensor([[0, 1, 2], [3, 0, 1]])
+    model = MaskedNormalize()
+    amp = ampfx.convert(model, dtype, example_inputs=(x, tok))
+    rec = next(r for r in amp.ampfx_report.records if r.op == "normalize")
+    assert rec.dtype == (torch.float32 if dtype is torch.float16 else dtype)
+    out, ref = amp(x, tok), model(x, tok)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=0.02, rtol=0.02)
