@@ -99,6 +99,9 @@ class OpEntry:
     and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
     the spellings that convert to one fixed dtype (``x.half()``, ``x.double()``) and ``cast_like`` those whose
     result takes the dtype of their tensor argument (``x.type_as(y)``).
+    ``float_attrs``: for ``getattr``, the attribute names that hold a float
+    tensor of the container (``topk(...).values``, ``x.T``), so that without
+    shapes the attribute is known to be a selection, not a size or a dtype.
     """
 
     name: str
@@ -120,6 +123,7 @@ class OpEntry:
     split_bias: bool = False
     cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
     cast_like: tuple[str, ...] = ()
+    float_attrs: tuple[str, ...] = ()
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -350,9 +354,12 @@ _REDUCE = "reduction: loses precision summing many low-precision values; kept fl
 _op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"], reduction=True)
 _op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"], reduction=True)
 _op("norm", D, _REDUCE + " (squares overflow float16)",
-    fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, F.normalize, torch.cdist, F.pairwise_distance,
-         F.cosine_similarity],
+    fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, torch.cdist, F.pairwise_distance],
     methods=["norm"], aten=["norm", "linalg_vector_norm"], reduction=True)
+_op("normalize", I, "x / max(norm(x), eps): the norm kernel accumulates in float32 and bfloat16 holds eps; "
+    "follows its inputs", fns=[F.normalize, F.cosine_similarity],
+    fp16=(D, "x / max(norm(x), eps): eps (1e-12 by default, 1e-8 in cosine_similarity) is 0 in float16, so a "
+             "zero vector gives 0/0 = NaN; float32"))
 _op("cumsum", D, "running sum: every output carries the rounding of all before it",
     fns=_torch_fns("cumsum", "cumprod"), methods=["cumsum", "cumprod"], aten=["cumsum", "cumprod"],
     accum_dtype="dtype", reduction=True)
@@ -376,7 +383,6 @@ for _name, _mod in [
 _NONFLOAT = "no float data: sizes, comparisons and indices are left as written"
 for _name, _fns, _methods in [
     ("size", [], ["size", "dim", "numel", "nelement", "stride", "is_contiguous", "is_floating_point"]),
-    ("getattr", [builtins.getattr], []),
     ("compare", [operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.not_,
                  operator.and_, operator.or_, operator.xor, operator.invert, torch.eq, torch.ne, torch.lt, torch.le,
                  torch.gt, torch.ge, torch.logical_and, torch.logical_or, torch.logical_not, torch.logical_xor,
@@ -391,6 +397,9 @@ for _name, _fns, _methods in [
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
     _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT)
+_op("getattr", P, _NONFLOAT + "; an attribute that holds a float tensor (topk(...).values) is a selection: it "
+    "keeps the dtype the container's tensor has", fns=[builtins.getattr], result=Result.NONFLOAT, view=True,
+    select=True, float_attrs=("values", "T", "mT", "H", "mH", "real", "imag", "data"))
 _op("to", P, "explicit dtype or device conversion written in the model: kept as written",
     methods=["to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"],
     aten=["_to_copy", "to"], result=Result.CAST,

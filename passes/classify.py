@@ -91,6 +91,8 @@ def carries_float(node: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     if d.rule == Rule.NON_FLOAT:
         return False
     entry = ops.ENTRIES.get(d.op)
+    if entry is not None and entry.select and entry.result is Result.NONFLOAT:
+        return selects_float(node, entry)
     return not (d.category is Category.PASS and entry is not None and entry.result is Result.NONFLOAT)
 
 
@@ -168,6 +170,22 @@ def _other_float(node: fx.Node, gm: fx.GraphModule,
     dtype = _widest([d for _, d in wide_in])
     return dtype, (f"reads {dtype_name(dtype)} {names} (without example_inputs ampfx assumes this from the "
                    "parameters and explicit dtypes it sees)")
+
+
+def selects_float(node: fx.Node, entry: ops.OpEntry) -> bool:
+    """Does a selection whose result is non-float by default (``getattr``: ``x.shape``) return a
+    float tensor here (``torch.topk(x, k).values``)? Shapes say exactly; without them, the
+    attribute's name (``OpEntry.float_attrs``).
+
+    >>> g = fx.Graph(); t = g.placeholder("t")
+    >>> e = ops.ENTRIES["getattr"]
+    >>> selects_float(g.call_function(getattr, (t, "values")), e), selects_float(g.call_function(getattr, (t, "shape")), e)
+    (True, False)
+    """
+    infos = out_infos(node)
+    if infos is not None:
+        return any(i.dtype in CASTABLE for i in infos)
+    return len(node.args) > 1 and node.args[1] in entry.float_attrs
 
 
 def original_dtype(n: fx.Node) -> torch.dtype:

@@ -43,7 +43,7 @@ from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .casts import needed_casts
-from .classify import carries_float, original_dtype, other_float
+from .classify import carries_float, original_dtype, other_float, selects_float
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 DYNAMIC = "dynamic"
@@ -396,10 +396,14 @@ def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     return DYNAMIC
 
 
-def _selects(d: Decision) -> bool:
-    """Does the op take a part of its first argument and keep its dtype (``OpEntry.select``: ``x[i]``)?"""
+def _selects(n: fx.Node, d: Decision) -> bool:
+    """Does the op take a part of its first argument and keep its dtype (``OpEntry.select``: ``x[i]``)?
+    An op whose result is non-float by default (``getattr``: ``x.shape``) selects only where shapes
+    show it returns a float tensor (``torch.topk(x, k).values``)."""
     entry = ops.ENTRIES.get(d.op)
-    return entry is not None and entry.select
+    if entry is None or not entry.select:
+        return False
+    return selects_float(n, entry) if entry.result is Result.NONFLOAT else True
 
 
 def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
@@ -419,7 +423,7 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
                 d = dataclasses.replace(d, dtype=dtype, rule=Rule.INPLACE,
                                         reason=f"in-place op keeps the dtype of {n.args[0].name} ({held})")
             out[n] = target
-        elif _selects(d) and n.args and isinstance(n.args[0], fx.Node):
+        elif _selects(n, d) and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])
             if out[n] is None:  # an item of a non-tensor container (DGL's nodes.data['h']): its own dtype
                 infos = out_infos(n)

@@ -81,8 +81,9 @@ def test_per_op_facts_the_passes_read():
     assert having("view") == sorted([
         "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
         "expand_as", "narrow", "select", "getitem", "chunk", "split", "tensor_split", "unbind", "view_as",
-        "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach"])
-    assert having("select") == ["getitem"]
+        "reshape_as", "movedim", "swapaxes", "diagonal", "contiguous", "detach", "getattr"])
+    assert having("select") == ["getattr", "getitem"]
+    assert having("float_attrs") == ["getattr"]
     assert having("reduction") == sorted(["sum", "mean", "var", "std", "norm", "prod", "cumsum", "logsumexp"])
     assert having("fp32_accumulation") == sorted(["mean", "sum", "batch_norm", "instance_norm", "layer_norm",
                                                   "group_norm", "rms_norm"])
