@@ -259,13 +259,29 @@ class _ModuleState:
                 with torch.no_grad():
                     obj.copy_(self.values[name])
         for key in [k for k in now if k not in _INTERNAL and k not in self.attrs and k not in own]:
-            changes.append((f"attribute {key!r} set{_traced(now[key])}", False))
+            if _computes(now[key]):
+                changes.append((f"attribute {key!r} set{_traced(now[key])}", False))
             del now[key]
         for key, value in self.attrs.items():
             if not _unchanged(value, now.get(key, _MISSING)):
-                changes.append((f"attribute {key!r} changed{_traced(now.get(key))}", False))
+                if _computes(value) or _computes(now.get(key)):
+                    changes.append((f"attribute {key!r} changed{_traced(now.get(key))}", False))
                 now[key] = value
         return changes
+
+
+def _computes(value: Any) -> bool:
+    """Can this attribute value feed the computation: a tensor, a traced value, a number or flag
+    (a counter, ``self.first = False``), or a container of tensors? Bookkeeping containers (a
+    library's dict of warnings issued or of sharding plans) are put back but do not make the
+    graph unfaithful.
+
+    >>> _computes(3), _computes(torch.ones(1)), _computes({"warned": True}), _computes([torch.ones(1)])
+    (True, True, False, True)
+    """
+    if isinstance(value, (list, tuple, dict)):
+        return any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in torch.utils._pytree.tree_leaves(value))
+    return isinstance(value, (torch.Tensor, fx.Proxy, int, float))
 
 
 def _unchanged(old: Any, new: Any) -> bool:
