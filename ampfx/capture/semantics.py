@@ -195,23 +195,46 @@ def _wrapped_context(cls: type) -> Iterator[None]:
         cls.__enter__, cls.__exit__ = enter, exit_
 
 
+DERIVATIVE_FUNCTIONS = frozenset({"torch._dynamo._trace_wrapped_higher_order_op.ModIndex"})
+"""``autograd.Function`` classes whose backward is exactly the derivative of their forward's ops
+(``ModIndex``: ``aten.index`` forward, a scatter backward; HF's attention masks use it under
+``torch.vmap``). A graph of their forward's ops gets their gradients right, so they do not make a
+capture unfaithful. Any other Function may define any backward (a straight-through estimator;
+reentrant checkpointing, whose forward runs without gradients) and keeps its module's Python."""
+
+
+def _derivative_only(cls: type) -> bool:
+    """Is ``cls`` one of :data:`DERIVATIVE_FUNCTIONS`, or torch's vmapped variant of one?
+
+    >>> from torch._dynamo._trace_wrapped_higher_order_op import ModIndex
+    >>> _derivative_only(ModIndex), _derivative_only(torch.utils.checkpoint.CheckpointFunction)
+    (True, False)
+    """
+    name = cls.__name__
+    if cls.__module__ == "torch._functorch.autograd_function":  # torch.vmap's generated classes
+        while name.startswith("Vmapped"):
+            name = name[len("Vmapped"):]
+        return any(f.rsplit(".", 1)[1] == name for f in DERIVATIVE_FUNCTIONS)
+    return f"{cls.__module__}.{name}" in DERIVATIVE_FUNCTIONS
+
+
 @contextlib.contextmanager
 def _wrapped_apply() -> Iterator[None]:
     """``torch.autograd.Function.apply`` tells the active :class:`Watch`, until the block ends."""
     function = torch.autograd.Function
-    original = function.__dict__["apply"]
+    original = function.__dict__["apply"]  # a classmethod (torch 2.13) or a C classmethod_descriptor (2.14)
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         watch = _ACTIVE[-1] if _ACTIVE else None
         scope = Scope(Kind.FUNCTION, f"torch.autograd.Function {cls.__qualname__}")
-        if watch is None:
-            return original.__func__(cls, *args, **kwargs)
+        if watch is None or _derivative_only(cls):
+            return original.__get__(None, cls)(*args, **kwargs)
         if watch.export:
             watch.drop("", f"{scope.text}: {scope.kind.value}")
         key = object()
         watch.enter(id(key), scope)
         try:
-            return original.__func__(cls, *args, **kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
         finally:
             watch.exit(id(key))
 

@@ -354,3 +354,49 @@ def test_other_mode_that_drops_an_update_is_not_silent():
         assert "train" in str(e) and "drop" in str(e)
     else:
         assert int(m.count) == 1
+
+
+
+class Checkpointed(nn.Module):
+    """Reentrant checkpointing: a Function torch defines, whose forward runs without gradients and
+    whose backward recomputes it. A graph of its forward's ops would give ``a`` no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("tracer", ["auto", "export"])
+def test_reentrant_checkpointing_keeps_its_gradients(tracer):
+    """Only Functions whose backward is their forward's derivative (``ModIndex``) are traced
+    through; reentrant checkpointing keeps its module's Python, and ``a`` gets its gradient."""
+    torch.manual_seed(0)
+    m, x = Checkpointed(), torch.randn(3, 4, requires_grad=True)
+    ref = copy.deepcopy(m)
+    amp = convert(m, x, tracer=tracer)
+    assert "CheckpointFunction" in steps(amp)
+    amp(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.allclose(m.a.weight.grad, ref.a.weight.grad, rtol=0.05, atol=2e-2)
+
+
+def test_a_function_whose_backward_is_its_derivative_is_traced_through():
+    """``ModIndex`` (``torch.vmap``'s indexing in HF attention masks): the module is still one graph."""
+    from torch._dynamo._trace_wrapped_higher_order_op import mod_index
+
+    class Indexed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return mod_index(self.a(x), [torch.tensor([0, 2])])
+
+    torch.manual_seed(0)
+    m, x = Indexed(), torch.randn(3, 4)
+    amp = convert(m, x, tracer="export")
+    assert [r.method for r in amp.ampfx_report.regions] == ["export"]
+    assert torch.allclose(amp(x), m(x), rtol=0.05, atol=2e-2)
