@@ -9,6 +9,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 DTYPES = [torch.bfloat16, torch.float16]
 
 
+def rel(got, want):
+    """Relative L2 error of ``got`` against ``want`` (both taken as float32)."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def rel_err(got, want):
+    """Largest absolute error of ``got`` against ``want``, relative to ``want``'s largest magnitude."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 @pytest.fixture(autouse=True)
 def _no_ampfx_env(monkeypatch):
     """Tests control the AMPFX_* variables themselves (convert reads os.environ)."""

@@ -12,6 +12,7 @@ import ampfx
 from ampfx import Category, ops
 from ampfx.capture.export import unavailable
 from ampfx.runtime import cast as runtime_cast
+from conftest import rel_err
 from models import Outer
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -96,10 +97,6 @@ class Structured(nn.Module):
     def forward(self, x):
         h = self.fc(x)
         return Out(hidden=h, logits=h.softmax(-1))
-
-
-def rel_err(got, want):
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 def low_records(rep):

@@ -10,10 +10,7 @@ import torch.nn as nn
 import ampfx
 from ampfx.errors import ExampleInputsError, GuardError
 from ampfx.policy import PolicyError
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from conftest import rel
 
 
 class SumList(nn.Module):

@@ -17,10 +17,7 @@ import torch.nn.functional as F
 import ampfx
 from ampfx.errors import TrainingModeError
 from ampfx.graph_module import AmpGraphModule, ModeUnavailable
-
-
-def rel_err(got, want):
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+from conftest import rel_err
 
 
 def distinct(module, x, n=30):

@@ -18,12 +18,9 @@ from torch.nn.utils import parametrizations
 import ampfx
 from ampfx import follow
 from ampfx.errors import StaleModelError, UninitializedModelError
+from conftest import rel
 
 TRACERS = ["auto", "fx", "export"]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 class Meddler(nn.Module):
