@@ -2,9 +2,8 @@
 
 Runs :func:`fuzzgraphs.run_case` (tests/fuzzgraphs.py, the generator and checks of
 tests/test_fuzz.py) on seeds ``S .. S+n-1`` and prints, at the end, what was generated,
-how many cases passed each check, every failure counted by check and class, the cases a
-known issue-17 change explains (:func:`fuzzgraphs.known_cause`), the seeds that failed with
-their first failure, and how ampfx's error compares with autocast's. Record the figures in
+how many cases passed each check, every failure counted by check and class, the seeds that
+failed with their first failure, and how ampfx's error compares with autocast's. Record the figures in
 docs/fuzz.md.
 """
 from __future__ import annotations
@@ -40,18 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.n < 1:
         ap.error("--n must be positive")
     _init()
-    made, passed, failed, known, refused = Counter(), Counter(), Counter(), Counter(), Counter()
+    made, passed, failed, refused = Counter(), Counter(), Counter(), Counter()
     bad_seeds: list[tuple[int, str]] = []
     ratios: list[float] = []
     start = time.time()
     seeds = range(args.seed, args.seed + args.n)
     with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=_init) as pool:
-        for i, (seed, outcome, cause) in enumerate(pool.imap(_run, seeds)):
-            _count(outcome, cause, made, passed, failed, known, refused, bad_seeds, ratios)
+        for i, outcome in enumerate(pool.imap(_run, seeds)):
+            _count(outcome, made, passed, failed, refused, bad_seeds, ratios)
             if args.progress and (i + 1) % args.progress == 0:
-                print(f"{i + 1} cases, {time.time() - start:.0f} s, {len(bad_seeds)} failing, "
-                      f"{sum(known.values())} known", flush=True)
-    _print(args, made, passed, failed, known, refused, bad_seeds, ratios, time.time() - start)
+                print(f"{i + 1} cases, {time.time() - start:.0f} s, {len(bad_seeds)} failing", flush=True)
+    _print(args, made, passed, failed, refused, bad_seeds, ratios, time.time() - start)
     return 1 if bad_seeds else 0
 
 
@@ -60,12 +58,11 @@ def _init() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _run(seed: int) -> tuple[int, fg.Outcome, str | None]:
-    outcome = fg.run_case(fg.generate(seed))
-    return seed, outcome, fg.known_cause(outcome) if outcome.failures else None
+def _run(seed: int) -> fg.Outcome:
+    return fg.run_case(fg.generate(seed))
 
 
-def _count(outcome, cause, made, passed, failed, known, refused, bad_seeds, ratios) -> None:  # noqa: ANN001
+def _count(outcome, made, passed, failed, refused, bad_seeds, ratios) -> None:  # noqa: ANN001
     """Add one case's outcome to the counters."""
     case = outcome.case
     made.update([f"dtype {case.dtype}", f"tracer {case.options['tracer']}", f"pad {case.options['pad']}",
@@ -75,16 +72,12 @@ def _count(outcome, cause, made, passed, failed, known, refused, bad_seeds, rati
     passed.update(set(outcome.passed) - {f.check for f in outcome.failures})
     refused.update(r.split(":")[0] for r in outcome.refused)
     ratios.extend(a / max(c, 1e-12) for _, a, c in outcome.ratios if c == c and c != float("inf"))
-    if not outcome.failures:
-        return
-    if cause is not None:
-        known[cause.split(":")[0]] += 1
-    else:
+    if outcome.failures:
         failed.update((f.check, f.kind) for f in outcome.failures)
         bad_seeds.append((case.seed, str(outcome.failures[0])))
 
 
-def _print(args, made, passed, failed, known, refused, bad_seeds, ratios, elapsed) -> None:  # noqa: ANN001
+def _print(args, made, passed, failed, refused, bad_seeds, ratios, elapsed) -> None:  # noqa: ANN001
     print(f"\nfuzz: {args.n} cases, seeds {args.seed}..{args.seed + args.n - 1}, {elapsed:.0f} s "
           f"(torch {torch.__version__})")
     print(f"  ops per case: {made.pop('steps') / args.n:.1f} on average")
@@ -100,7 +93,6 @@ def _print(args, made, passed, failed, known, refused, bad_seeds, ratios, elapse
     print(f"failures: {sum(failed.values())} in {len(bad_seeds)} cases")
     for (check, kind), n in failed.most_common():
         print(f"  {check:20s} {kind:30s} {n}")
-    print(f"known (xfailed in tests/test_fuzz.py): {dict(known) or 0}")
     for seed, first in bad_seeds[:30]:
         print(f"  seed {seed}: {first[:300]}")
     print(f"ampfx error / autocast error (output and gradients): {_quantiles(ratios)}")

@@ -20,7 +20,6 @@ True
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import random
@@ -804,22 +803,3 @@ def run_case(case: Case) -> Outcome:
             _train_step(ck, model, amp)
     return Outcome(case, tuple(ck.failures), tuple(ck.passed), tuple(ck.refused), tuple(ck.ratios))
 
-
-def known_cause(outcome: Outcome) -> str | None:
-    """The issue-17 case another change fixes, when it alone explains every failure of ``outcome``
-    (checked by converting again without the suspect option), else ``None``.
-
-    - case 4, ``pad`` bakes the example's sizes into the narrow-back slice: every failure is at
-      another size, in a dimension not named in ``dynamic_dims``, and the same case with
-      ``pad="never"`` passes. The call guards (a sibling change) turn these into a clear error.
-    """
-    case = outcome.case
-    if case.options.get("pad", "auto") == "never":
-        return None
-    dynamic = case.options.get("dynamic_dims") or {}
-    fixed = tuple(label for dim, label in ((0, "batch="), (1, "seq=")) if dim not in dynamic)
-    other_size = bool(fixed) and all(f.detail.startswith(fixed) for f in outcome.failures)
-    if other_size and not run_case(dataclasses.replace(case, options={**case.options, "pad": "never"})).failures:
-        return ("issue 17 case 4: pad specialised the example's sizes (passes with pad='never'); the call "
-                "guards must refuse other sizes")
-    return None
