@@ -42,7 +42,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from . import runtime
 from .errors import GuardError
@@ -454,16 +454,33 @@ def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs |
     return Signature(prefix.rstrip("."), params, tuple(guards), tuple(relations)), notes
 
 
+def _flatten_with_names(value: Any) -> tuple[list[tuple[str, Any]], TreeSpec]:
+    """``value``'s pytree leaves, each with its path in words (``[0]``, ``['mask']``), and its spec.
+    torch before 2.3 (the DGL lane's 2.2.1) has no ``tree_flatten_with_path``: leaves are named by
+    their place in the flat order there.
+
+    >>> [path for path, _ in _flatten_with_names([torch.ones(1), {"m": torch.ones(1)}])[0]]
+    ['[0]', "[1]['m']"]
+    """
+    try:
+        from torch.utils._pytree import keystr, tree_flatten_with_path
+    except ImportError:
+        leaves, spec = tree_flatten(value)
+        return [(f"<leaf {i}>" if not spec.is_leaf() else "", v) for i, v in enumerate(leaves)], spec
+    flat, spec = tree_flatten_with_path(value)
+    return [(keystr(path), v) for path, v in flat], spec
+
+
 def _param_guard(name: str, value: Any, baked: bool) -> ParamGuard | None:
     """Structure and leaves of one argument's example value: tensors get their kind; other leaves
     are baked values under torch.export (torch.fx keeps them as inputs of its graph)."""
-    flat, spec = tree_flatten_with_path(value)
+    flat, spec = _flatten_with_names(value)
     holds_tensor = any(isinstance(v, torch.Tensor) for _, v in flat)
     if not holds_tensor and not baked:
         return None
     leaves = []
     for path, v in flat:
-        where = name + keystr(path)
+        where = name + path
         if isinstance(v, torch.Tensor):
             leaves.append(TensorGuard(where, kind_of(v.dtype)))
         elif baked:
