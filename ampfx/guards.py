@@ -213,11 +213,18 @@ class Guard:
                          f"for {expected} ({why}). Fix: {fix}.")
 
 
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    """A spec's child specs: ``children()`` (torch 2.3+; ``children_specs`` is deprecated there) or
+    the ``children_specs`` field (torch 2.2, the DGL lane)."""
+    return list(spec.children()) if hasattr(spec, "children") else spec.children_specs
+
+
 def _shallow(spec: TreeSpec) -> tuple[type, Any] | None:
     """``(list, 3)`` / ``(dict, keys)`` for a list, tuple or dict of leaves (checked without flattening)."""
-    if spec.type not in (list, tuple, dict) or not all(c.is_leaf() for c in spec.children()):
+    children = _children(spec)
+    if spec.type not in (list, tuple, dict) or not all(c.is_leaf() for c in children):
         return None
-    return spec.type, (list(spec.context) if spec.type is dict else spec.num_children)
+    return spec.type, (list(spec.context) if spec.type is dict else len(children))
 
 
 def _check_leaf(guard: Guard, g: TensorGuard | ValueGuard, value: Any) -> None:
@@ -304,8 +311,8 @@ def _describe_spec(spec: TreeSpec | None) -> str:
     name = getattr(spec.type, "__name__", str(spec.type))
     if spec.type is dict:
         return f"dict with keys {list(spec.context)}"
-    if all(c.is_leaf() for c in spec.children()):
-        return f"{name} of {spec.num_children}"
+    if all(c.is_leaf() for c in _children(spec)):
+        return f"{name} of {len(_children(spec))}"
     return f"{name} {spec}".replace("\n", " ")
 
 

@@ -158,9 +158,13 @@ class _SaveBeforeWrite(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_PLAIN = tuple(c for c in (torch.Tensor, nn.Parameter, getattr(nn, "Buffer", None)) if c is not None)
+"""Tensor types with a real storage (``nn.Buffer`` is new in torch 2.5; the DGL lane runs 2.2.1)."""
+
+
 def _storage(t: torch.Tensor) -> int:
     """The address of ``t``'s storage; 0 where it has none to restore (meta, fake, subclasses)."""
-    if t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter, nn.Buffer):
+    if t.device.type == "meta" or type(t) not in _PLAIN:
         return 0
     try:
         return t.untyped_storage().data_ptr()
