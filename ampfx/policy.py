@@ -157,7 +157,13 @@ _BOOLS = ("keep_output_dtype", "probe", "disable")
 
 
 def _check_fields(p: "Policy") -> None:
-    """The scalar fields have the types they need (a string ``"no"`` is not ``False``)."""
+    """The scalar fields have the types and ranges they need (a string ``"no"`` is not ``False``)."""
+    if p.pad not in ("auto", "always", "never"):
+        raise PolicyError(f"pad={p.pad!r}: use 'auto', 'always' or 'never'")
+    if p.pad_multiple is not None and (not isinstance(p.pad_multiple, int) or p.pad_multiple < 2):
+        raise PolicyError(f"pad_multiple={p.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
+    if not isinstance(p.reduction_threshold, int) or p.reduction_threshold < 1:
+        raise PolicyError(f"reduction_threshold={p.reduction_threshold!r}: use a positive integer")
     for name in _BOOLS:
         if not isinstance(getattr(p, name), bool):
             raise PolicyError(f"{name}={getattr(p, name)!r}: use True or False")
@@ -216,12 +222,6 @@ class Policy:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "dtype", parse_dtype(self.dtype))
-        if self.pad not in ("auto", "always", "never"):
-            raise PolicyError(f"pad={self.pad!r}: use 'auto', 'always' or 'never'")
-        if self.pad_multiple is not None and (not isinstance(self.pad_multiple, int) or self.pad_multiple < 2):
-            raise PolicyError(f"pad_multiple={self.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
-        if not isinstance(self.reduction_threshold, int) or self.reduction_threshold < 1:
-            raise PolicyError(f"reduction_threshold={self.reduction_threshold!r}: use a positive integer")
         user = dict((name, obj) for obj, name in self.user_ops)
         for cat in LISTS:
             for action in ("add", "remove"):
