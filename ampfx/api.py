@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import os
 from typing import Any, Mapping
@@ -29,7 +28,7 @@ from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
-from .policy import Policy, PolicyError
+from .policy import Policy, PolicyError, did_you_mean
 from .report import Report, dtype_name
 from .rewrite import Request
 from .state import copy_tree, reset_attributes, untouched
@@ -214,20 +213,17 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     extra = []
     for prefix in policy.fp32_modules:
         if not any(n == prefix or n.startswith(prefix + ".") for n in names):
-            close = difflib.get_close_matches(prefix, names, n=3, cutoff=0.5)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {prefix!r}, which is not a module of "
-                              f"{type(model).__name__}.{hint}")
+                              f"{type(model).__name__}.{did_you_mean(prefix, names, cutoff=0.5)}")
         canonical = first[id(model.get_submodule(prefix))]
         if canonical != prefix and canonical not in policy.fp32_modules + tuple(extra):
             extra.append(canonical)
     leaves = []
     for leaf in policy.leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
-            close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
-                              f"of {type(model).__name__} nor an importable module type.{hint}")
+                              f"of {type(model).__name__} nor an importable module type."
+                              f"{did_you_mean(leaf, names, cutoff=0.5)}")
         if isinstance(leaf, str) and first[id(model.get_submodule(leaf))] not in policy.leaf_modules:
             leaves.append(first[id(model.get_submodule(leaf))])
     if not extra and not leaves:

@@ -17,7 +17,6 @@ ampfx.errors.ArgumentError: mode='inferenc': use 'train' (float32 masters) or 'i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,14 +28,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from .errors import ArgumentError
 from .inputs import ExampleInputs
-from .policy import Policy
+from .policy import Policy, did_you_mean
 
 _PLAIN = (str, bytes, int, float, bool, type(None))  # leaves that cannot be (or hold) model data
-
-
-def _close(word: str, options: Iterable[str]) -> str:
-    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
-    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
 
 
 def _what(value: Any) -> str:
@@ -69,7 +63,7 @@ def check_choice(name: str, value: Any, options: Mapping[str, str]) -> None:
     if isinstance(value, str) and value in options:
         return
     listed = " or ".join(f"{k!r} ({v})" for k, v in options.items())
-    close = _close(value, options) if isinstance(value, str) else ""
+    close = did_you_mean(value, options) if isinstance(value, str) else ""
     raise ArgumentError(f"{name}={value!r}: use {listed}.{close}")
 
 
@@ -81,7 +75,7 @@ def check_policy_options(options: Mapping[str, Any]) -> None:
     known = [f.name for f in dataclasses.fields(Policy) if f.name not in _INTERNAL and f.name != "dtype"]
     for key in options:
         if key not in known:
-            raise ArgumentError(f"convert() got an unknown option {key}={options[key]!r}.{_close(key, known)} "
+            raise ArgumentError(f"convert() got an unknown option {key}={options[key]!r}.{did_you_mean(key, known)} "
                                 f"Options: {', '.join(known)} (see ampfx.Policy).")
 
 

@@ -67,8 +67,14 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
                       "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
 
 
-def _close(word: str, options: Iterable[str]) -> str:
-    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
+    suffix every "unknown name" message of ampfx ends with.
+
+    >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
+    " Did you mean 'softmax'?"
+    """
+    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
     return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
 
 
@@ -118,13 +124,13 @@ def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
             if method.isidentifier() and hasattr(torch.Tensor, method):
                 return f"Tensor.{method}", method
             raise PolicyError(f"{where}: torch.Tensor has no method {method!r}."
-                              f"{_close(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
+                              f"{did_you_mean(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
     if "." in text:
         obj = _import_object(text)
         if obj is not None and callable(obj):
             name = ops.lookup_name(obj)
             return (name, None) if name is not None else (ops.qualified_name(obj), obj)
-    raise PolicyError(f"{where}: unknown op {text!r}.{_close(text, ops.known_names())} "
+    raise PolicyError(f"{where}: unknown op {text!r}.{did_you_mean(text, ops.known_names())} "
                       "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu) or by a qualified "
                       "name of a function or module type (e.g. mypkg.layers.MyBlock).")
 
@@ -151,7 +157,13 @@ _BOOLS = ("keep_output_dtype", "probe", "disable")
 
 
 def _check_fields(p: "Policy") -> None:
-    """The scalar fields have the types they need (a string ``"no"`` is not ``False``)."""
+    """The scalar fields have the types and ranges they need (a string ``"no"`` is not ``False``)."""
+    if p.pad not in ("auto", "always", "never"):
+        raise PolicyError(f"pad={p.pad!r}: use 'auto', 'always' or 'never'")
+    if p.pad_multiple is not None and (not isinstance(p.pad_multiple, int) or p.pad_multiple < 2):
+        raise PolicyError(f"pad_multiple={p.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
+    if not isinstance(p.reduction_threshold, int) or p.reduction_threshold < 1:
+        raise PolicyError(f"reduction_threshold={p.reduction_threshold!r}: use a positive integer")
     for name in _BOOLS:
         if not isinstance(getattr(p, name), bool):
             raise PolicyError(f"{name}={getattr(p, name)!r}: use True or False")
@@ -210,12 +222,6 @@ class Policy:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "dtype", parse_dtype(self.dtype))
-        if self.pad not in ("auto", "always", "never"):
-            raise PolicyError(f"pad={self.pad!r}: use 'auto', 'always' or 'never'")
-        if self.pad_multiple is not None and (not isinstance(self.pad_multiple, int) or self.pad_multiple < 2):
-            raise PolicyError(f"pad_multiple={self.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
-        if not isinstance(self.reduction_threshold, int) or self.reduction_threshold < 1:
-            raise PolicyError(f"reduction_threshold={self.reduction_threshold!r}: use a positive integer")
         user = dict((name, obj) for obj, name in self.user_ops)
         for cat in LISTS:
             for action in ("add", "remove"):
@@ -363,7 +369,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
     seen = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
     for var in seen:
         if var not in ENV_VARS:
-            raise PolicyError(f"unknown environment variable {var}.{_close(var, ENV_VARS)} "
+            raise PolicyError(f"unknown environment variable {var}.{did_you_mean(var, ENV_VARS)} "
                               f"Known: {', '.join(sorted(ENV_VARS))}.")
     if not seen:
         return base

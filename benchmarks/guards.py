@@ -4,6 +4,8 @@ A small MLP (3 Linear layers, batch 32, CPU) is timed eager, converted with its 
 converted with the guard removed; the guard's cost is the difference of the last two, as a
 share of the eager call. The same for an exported model (torch.export: a guard with
 specialised sizes and ranges) and for a model taking a list of tensors (a structure check).
+Each line also times the check that the converted module still follows its model
+(:mod:`ampfx.follow`), run at every call too.
 The target (issue #17) is a guard cost under 5% of the eager call.
 
     .venv/bin/python benchmarks/guards.py [--calls 3000] [--repeats 7]
@@ -63,9 +65,12 @@ def measure(name: str, model: nn.Module, args: tuple, tracer: str, calls: int, r
     if guard is not None:
         amp.__dict__[ATTR] = guard
     check = per_call(lambda *a: guard(a, {}), args, calls, repeats) if guard is not None else 0.0
+    follower = amp.__dict__.get("_ampfx_check")  # ampfx.follow: is the model still the one converted?
+    follow = per_call(lambda *a: follower(amp), args, calls, repeats) if follower is not None else 0.0
     print(f"{name:<22} eager {eager * 1e6:7.1f} us | converted+guard {guarded * 1e6:7.1f} us | converted "
           f"{bare * 1e6:7.1f} us | guard alone {check * 1e6:5.2f} us = {check / eager:6.2%} of eager "
-          f"(difference of the two converted timings: {(guarded - bare) / eager:+6.2%})")
+          f"(difference of the two converted timings: {(guarded - bare) / eager:+6.2%}) | follow check "
+          f"{follow * 1e6:5.2f} us = {follow / eager:6.2%} of eager")
 
 
 def main() -> None:

@@ -249,6 +249,17 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
     return pairs
 
 
+def fp32_slot_inputs(node: fx.Node, entry: ops.OpEntry | None) -> list[fx.Node]:
+    """The input nodes in the slots ``entry`` pins to float32 (``OpEntry.fp32_args``: a norm's
+    running statistics, weight and bias), in slot order."""
+    found: dict[fx.Node, None] = {}
+    for slot in entry.fp32_args if entry is not None else ():
+        arg = node.args[slot] if isinstance(slot, int) and slot < len(node.args) else (
+            node.kwargs.get(slot) if isinstance(slot, str) else None)
+        fx.map_arg(arg, lambda n: found.setdefault(n))
+    return list(found)
+
+
 INSIDE_WORDS = {"buffer": "running statistics", "parameter": "affine parameters", "value": "float32 inputs"}
 """How the report names the float32 tensors in an op's pinned slots (``OpEntry.fp32_args``: the norms')."""
 
@@ -274,14 +285,11 @@ def _fp32_inside(node: fx.Node, entry: ops.OpEntry | None, gm: fx.GraphModule, c
         for name, t in module.named_parameters(recurse=False):
             if t.dtype == torch.float32 and not leaf_params_low:
                 found.setdefault("parameter", []).append(f"{ctx.prefix}{node.target}.{name}")
-    for slot in entry.fp32_args if node.op != "call_module" else ():
-        arg = node.args[slot] if isinstance(slot, int) and slot < len(node.args) else (
-            node.kwargs.get(slot) if isinstance(slot, str) else None)
-        for value in ([arg] if isinstance(arg, fx.Node) else []):
-            held = attr_of(gm, str(value.target)) if value.op == "get_attr" else None
-            kind = ("value" if not isinstance(held, torch.Tensor) else
-                    "parameter" if isinstance(held, torch.nn.Parameter) else "buffer")
-            found.setdefault(kind, []).append(ctx.prefix + str(value.target) if held is not None else value.name)
+    for value in fp32_slot_inputs(node, entry) if node.op != "call_module" else ():
+        held = attr_of(gm, str(value.target)) if value.op == "get_attr" else None
+        kind = ("value" if not isinstance(held, torch.Tensor) else
+                "parameter" if isinstance(held, torch.nn.Parameter) else "buffer")
+        found.setdefault(kind, []).append(ctx.prefix + str(value.target) if held is not None else value.name)
     parts = [f"{INSIDE_WORDS[k]}: {', '.join(found[k])}" for k in INSIDE_WORDS if k in found]
     return tuple(parts) + (("accumulation",) if entry.fp32_accumulation else ())
 

@@ -19,6 +19,7 @@ shares. :func:`_verdict` is the whole chain for one node.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -112,10 +113,7 @@ RUN_TIME = "run-time"
 
 def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     """The dtype PyTorch's type promotion gives ``dtypes`` together (``None`` for none)."""
-    out = None
-    for d in dtypes:
-        out = d if out is None else torch.promote_types(out, d)
-    return out
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else None
 
 
 def _other_float_value(p: fx.Node, gm: fx.GraphModule, decided: dict[fx.Node, Decision]) -> torch.dtype | str | None:
@@ -151,18 +149,19 @@ def _other_float(node: fx.Node, gm: fx.GraphModule,
     asked for them), or its float inputs are all such (``abs`` of a complex tensor). Without:
     one of its inputs holds such a value (see :func:`_other_float_value`); after a complex value
     the dtype is ``None``, known only at run time (``abs(z)`` is real)."""
-    wide_in = [(p, d) for p in node.all_input_nodes if (d := _other_float_value(p, gm, decided)) is not None]
     infos = out_infos(node)
     if infos is not None:
         floats = [i.dtype for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
         if floats and all(other_float(f) for f in floats):
             return _widest(floats), f"produces {', '.join(dict.fromkeys(dtype_name(f) for f in floats))}"
-        castable_in = [p for p in node.all_input_nodes if any(i.dtype in CASTABLE for i in out_infos(p) or ())]
-        if floats and wide_in and not castable_in:
-            return _widest([d for _, d in wide_in]), f"reads only {dtype_name(_widest([d for _, d in wide_in]))} data"
-        return None
+        if not floats or any(i.dtype in CASTABLE for p in node.all_input_nodes for i in out_infos(p) or ()):
+            return None
+    wide_in = [(p, d) for p in node.all_input_nodes if (d := _other_float_value(p, gm, decided)) is not None]
     if not wide_in:
         return None
+    if infos is not None:
+        dtype = _widest([d for _, d in wide_in])
+        return dtype, f"reads only {dtype_name(dtype)} data"
     names = ", ".join(p.name for p, _ in wide_in)
     if any(d is RUN_TIME or d.is_complex for _, d in wide_in):  # abs(z), z.real: complex in, real out
         return None, (f"reads complex (or run-time) data {names}, so the dtype it produces is known only at run "

@@ -42,7 +42,7 @@ from ..ops import Category, Result
 from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .casts import needed_casts
+from .casts import fp32_slot_inputs, needed_casts
 from .classify import carries_float, original_dtype, other_float, selects_float
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
@@ -353,15 +353,7 @@ def _itemsize(dtype: object) -> int:
 def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
     """Input nodes in the slots the op's rule pins to float32 (``OpEntry.fp32_args``):
     a layer norm's weight and bias are float32 whatever dtype its data runs in."""
-    entry = ops.ENTRIES.get(decision(n).op)
-    if entry is None or not entry.fp32_args:
-        return set()
-    pinned: set[fx.Node] = set()
-    for slot in entry.fp32_args:
-        arg = n.args[slot] if isinstance(slot, int) and slot < len(n.args) else (
-            n.kwargs.get(slot) if isinstance(slot, str) else None)
-        fx.map_arg(arg, pinned.add)
-    return pinned
+    return set(fp32_slot_inputs(n, ops.ENTRIES.get(decision(n).op)))
 
 
 def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
