@@ -125,10 +125,6 @@ class Signature:
     guards: tuple[ParamGuard | None, ...]
     relations: tuple[Any, ...] = ()
 
-    def describe(self) -> list[str]:
-        """One line per argument that is checked beyond its kind."""
-        return [_describe_param(g) for g in self.guards if g is not None and _specialised(g)]
-
 
 class Guard:
     """The call-time check of a :class:`Signature`: ``guard(args, kwargs)`` returns ``None`` or
@@ -298,7 +294,7 @@ def _short(value: Any) -> str:
 
 
 def _describe_spec(spec: TreeSpec | None) -> str:
-    """``list of 3`` / ``dict with keys ['a', 'b']`` / ``tensor``; nested containers in full."""
+    """``list of 3`` / ``dict with keys ['a', 'b']`` / ``single value``; nested containers in full."""
     if spec is None or spec.is_leaf():
         return "single value"
     name = getattr(spec.type, "__name__", str(spec.type))
@@ -307,24 +303,6 @@ def _describe_spec(spec: TreeSpec | None) -> str:
     if all(c.is_leaf() for c in spec.children()):
         return f"{name} of {spec.num_children}"
     return f"{name} {spec}".replace("\n", " ")
-
-
-def _specialised(g: ParamGuard) -> bool:
-    return g.spec is not None or any(isinstance(x, ValueGuard) or (isinstance(x, TensorGuard) and x.sizes)
-                                     for x in g.leaves)
-
-
-def _describe_param(g: ParamGuard) -> str:
-    parts = [f"{g.name}: {_describe_spec(g.spec)}"] if g.spec is not None else []
-    for leaf in g.leaves:
-        if isinstance(leaf, ValueGuard):
-            parts.append(f"{leaf.path} = {leaf.value!r} ({leaf.why})")
-        elif isinstance(leaf, TensorGuard) and leaf.sizes:
-            dims = ", ".join(f"dim {s.dim} " + (f"= {s.low}" if s.low == s.high else
-                                                f"in {s.low}..{'' if s.high is None else s.high}")
-                             for s in leaf.sizes)
-            parts.append(f"{leaf.path}: {leaf.kind}, rank {leaf.rank}, {dims}")
-    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
