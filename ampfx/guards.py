@@ -326,15 +326,10 @@ class _Value:
     value: Any
 
 
-def exported(capture: Any) -> tuple[Exported, ...]:
-    """The :class:`Exported` facts of an export capture's graph (the other training mode is
-    converted on its own, with its own guard); ``()`` for a graph whose placeholders carry no
-    values (torch.fx's)."""
-    facts = _exported(capture.graph)
-    return (facts,) if facts is not None else ()
-
-
-def _exported(graph: fx.Graph) -> Exported | None:
+def exported(capture: Any) -> Exported | None:
+    """The :class:`Exported` facts of an export capture's graph; ``None`` for a graph whose
+    placeholders carry no values (torch.fx's)."""
+    graph = capture.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if not placeholders or any("val" not in n.meta for n in placeholders):
         return None
@@ -394,7 +389,7 @@ def _given(inputs: ExampleInputs, fn: Any) -> set[str]:
 
 
 def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
-           dynamic_dims: dict[int, str] | None, prefix: str, facts: tuple[Exported, ...], pad: str) -> list[str]:
+           dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None, pad: str) -> list[str]:
     """Give ``gm`` (the converted graph of ``module``) the :class:`Guard` of what it was built for
     (see :func:`build`); returns the report's notes on it. Nothing to check: no guard, no cost."""
     sig, notes = build(gm, module, capture, inputs, dynamic_dims, prefix, facts, pad)
@@ -404,16 +399,16 @@ def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs 
 
 
 def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
-          dynamic_dims: dict[int, str] | None, prefix: str, facts: tuple[Exported, ...],
+          dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None,
           pad: str) -> tuple[Signature, list[str]]:
     """The :class:`Signature` of ``gm`` (the converted graph of ``module``) and the report's notes on it.
     ``facts`` come from :func:`exported` before the analyses ran."""
     params = _params(module.forward)
     bound = inputs.bind(module.forward).arguments if inputs is not None else {}
     given = _given(inputs, module.forward) if inputs is not None else set()
-    baked = bool(facts)
+    baked = facts is not None
     guards: list[ParamGuard | None] = []
-    for name, _, default in params:
+    for name, _, _ in params:
         if name in capture.fixed_args:
             value = capture.fixed_args[name]
             guards.append(ParamGuard(name, None, (ValueGuard(name, value, "torch.fx fixed it while tracing",
@@ -422,14 +417,10 @@ def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs |
             guards.append(_param_guard(name, bound[name], baked))
         else:
             guards.append(None)
-    notes: list[str] = []
-    relations: list[Any] = []
-    for f in facts:
-        notes += _apply_exported(guards, params, given, f, dynamic_dims)
-        relations += [r for r in f.relations if r not in relations]
+    notes = _apply_exported(guards, params, given, facts, dynamic_dims) if facts is not None else []
     if inputs is not None:
-        _apply_padded(guards, params, _padded(gm, inputs), pad)  # the other mode's module has its own
-    return Signature(prefix.rstrip("."), params, tuple(guards), tuple(relations)), notes
+        _apply_padded(guards, params, _padded(gm, inputs), pad)
+    return Signature(prefix.rstrip("."), params, tuple(guards), facts.relations if facts is not None else ()), notes
 
 
 def _param_guard(name: str, value: Any, baked: bool) -> ParamGuard | None:
