@@ -133,9 +133,13 @@ class Guard:
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
         params = signature.params
-        self._simple = all(kind in (1, 0) for _, kind, _ in params)  # positional-only / positional-or-keyword
+        kinds = [kind for _, kind, _ in params]
+        # forward's leading positional parameters, and those a keyword can name: a call within them binds here
+        self._positional = next((i for i, k in enumerate(kinds) if k not in (0, 1)), len(kinds))
+        self._keyword = {name: i for i, (name, kind, _) in enumerate(params) if kind in (1, 3)}
+        self._signature = inspect.Signature(  # other calls (into *args / **kwargs): built once
+            [inspect.Parameter(n, inspect._ParameterKind(k), default=d) for n, k, d in params])
         self._n = len(params)
-        self._index = {name: i for i, (name, _, _) in enumerate(params)}
         self._symbols = _needs_symbols(signature)
         self._checks = tuple((i, g) for i, g in enumerate(signature.guards) if g is not None)
         self._shallow = {g.name: _shallow(g.spec) for g in signature.guards if g is not None and g.spec is not None}
@@ -146,7 +150,7 @@ class Guard:
         return (Guard, (self.signature,))
 
     def __call__(self, args: tuple, kwargs: dict) -> None:
-        if self._simple and not kwargs and len(args) == self._n:
+        if not kwargs and len(args) == self._n == self._positional:
             values = args
         else:
             values = self._bind(args, kwargs)
@@ -185,23 +189,16 @@ class Guard:
 
     def _bind(self, args: tuple, kwargs: dict) -> list[Any] | None:
         """The value of each parameter, ``_MISSING`` where defaulted; ``None`` if the call does not bind."""
-        if not self._simple:
-            sig = inspect.Signature([inspect.Parameter(n, inspect._ParameterKind(k), default=d)
-                                     for n, k, d in self.signature.params])
-            try:
-                bound = sig.bind(*args, **kwargs)
-            except TypeError:
-                return None
-            return [bound.arguments.get(n, _MISSING) for n, _, _ in self.signature.params]
-        if len(args) > self._n:
+        if len(args) <= self._positional and all(self._keyword.get(k, -1) >= len(args) for k in kwargs):
+            values = [*args, *([_MISSING] * (self._n - len(args)))]
+            for name, value in kwargs.items():
+                values[self._keyword[name]] = value
+            return values
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
             return None
-        values = [*args, *([_MISSING] * (self._n - len(args)))]
-        for name, value in kwargs.items():
-            i = self._index.get(name)
-            if i is None or i < len(args):
-                return None
-            values[i] = value
-        return values
+        return [bound.arguments.get(n, _MISSING) for n, _, _ in self.signature.params]
 
     def fail(self, path: str, got: str, expected: str, why: str, fix: str) -> None:
         where = f" at {self.signature.module!r}" if self.signature.module else ""
