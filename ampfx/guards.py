@@ -380,11 +380,6 @@ def _params(fn: Any) -> tuple[tuple[str, int, Any], ...]:
     return tuple((p.name, int(p.kind), p.default) for p in inspect.signature(fn).parameters.values())
 
 
-def _given(inputs: ExampleInputs, fn: Any) -> set[str]:
-    names = [p for p, _, _ in _params(fn)]
-    return set(names[:len(inputs.args)]) | set(inputs.kwargs)
-
-
 def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
            dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None, pad: str) -> list[str]:
     """Give ``gm`` (the converted graph of ``module``) the :class:`Guard` of what it was built for
@@ -402,7 +397,7 @@ def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs |
     ``facts`` come from :func:`exported` before the analyses ran."""
     params = _params(module.forward)
     bound = inputs.bind(module.forward).arguments if inputs is not None else {}
-    given = _given(inputs, module.forward) if inputs is not None else set()
+    given = set(inputs.given(module.forward)) if inputs is not None else set()
     baked = facts is not None
     guards: list[ParamGuard | None] = []
     for name, _, _ in params:
