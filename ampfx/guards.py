@@ -125,10 +125,6 @@ class Signature:
     guards: tuple[ParamGuard | None, ...]
     relations: tuple[Any, ...] = ()
 
-    def describe(self) -> list[str]:
-        """One line per argument that is checked beyond its kind."""
-        return [_describe_param(g) for g in self.guards if g is not None and _specialised(g)]
-
 
 class Guard:
     """The call-time check of a :class:`Signature`: ``guard(args, kwargs)`` returns ``None`` or
@@ -137,9 +133,13 @@ class Guard:
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
         params = signature.params
-        self._simple = all(kind in (1, 0) for _, kind, _ in params)  # positional-only / positional-or-keyword
+        kinds = [kind for _, kind, _ in params]
+        # forward's leading positional parameters, and those a keyword can name: a call within them binds here
+        self._positional = next((i for i, k in enumerate(kinds) if k not in (0, 1)), len(kinds))
+        self._keyword = {name: i for i, (name, kind, _) in enumerate(params) if kind in (1, 3)}
+        self._signature = inspect.Signature(  # other calls (into *args / **kwargs): built once
+            [inspect.Parameter(n, inspect._ParameterKind(k), default=d) for n, k, d in params])
         self._n = len(params)
-        self._index = {name: i for i, (name, _, _) in enumerate(params)}
         self._symbols = _needs_symbols(signature)
         self._checks = tuple((i, g) for i, g in enumerate(signature.guards) if g is not None)
         self._shallow = {g.name: _shallow(g.spec) for g in signature.guards if g is not None and g.spec is not None}
@@ -150,7 +150,7 @@ class Guard:
         return (Guard, (self.signature,))
 
     def __call__(self, args: tuple, kwargs: dict) -> None:
-        if self._simple and not kwargs and len(args) == self._n:
+        if not kwargs and len(args) == self._n == self._positional:
             values = args
         else:
             values = self._bind(args, kwargs)
@@ -189,23 +189,16 @@ class Guard:
 
     def _bind(self, args: tuple, kwargs: dict) -> list[Any] | None:
         """The value of each parameter, ``_MISSING`` where defaulted; ``None`` if the call does not bind."""
-        if not self._simple:
-            sig = inspect.Signature([inspect.Parameter(n, inspect._ParameterKind(k), default=d)
-                                     for n, k, d in self.signature.params])
-            try:
-                bound = sig.bind(*args, **kwargs)
-            except TypeError:
-                return None
-            return [bound.arguments.get(n, _MISSING) for n, _, _ in self.signature.params]
-        if len(args) > self._n:
+        if len(args) <= self._positional and all(self._keyword.get(k, -1) >= len(args) for k in kwargs):
+            values = [*args, *([_MISSING] * (self._n - len(args)))]
+            for name, value in kwargs.items():
+                values[self._keyword[name]] = value
+            return values
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
             return None
-        values = [*args, *([_MISSING] * (self._n - len(args)))]
-        for name, value in kwargs.items():
-            i = self._index.get(name)
-            if i is None or i < len(args):
-                return None
-            values[i] = value
-        return values
+        return [bound.arguments.get(n, _MISSING) for n, _, _ in self.signature.params]
 
     def fail(self, path: str, got: str, expected: str, why: str, fix: str) -> None:
         where = f" at {self.signature.module!r}" if self.signature.module else ""
@@ -305,7 +298,7 @@ def _short(value: Any) -> str:
 
 
 def _describe_spec(spec: TreeSpec | None) -> str:
-    """``list of 3`` / ``dict with keys ['a', 'b']`` / ``tensor``; nested containers in full."""
+    """``list of 3`` / ``dict with keys ['a', 'b']`` / ``single value``; nested containers in full."""
     if spec is None or spec.is_leaf():
         return "single value"
     name = getattr(spec.type, "__name__", str(spec.type))
@@ -314,24 +307,6 @@ def _describe_spec(spec: TreeSpec | None) -> str:
     if all(c.is_leaf() for c in _children(spec)):
         return f"{name} of {len(_children(spec))}"
     return f"{name} {spec}".replace("\n", " ")
-
-
-def _specialised(g: ParamGuard) -> bool:
-    return g.spec is not None or any(isinstance(x, ValueGuard) or (isinstance(x, TensorGuard) and x.sizes)
-                                     for x in g.leaves)
-
-
-def _describe_param(g: ParamGuard) -> str:
-    parts = [f"{g.name}: {_describe_spec(g.spec)}"] if g.spec is not None else []
-    for leaf in g.leaves:
-        if isinstance(leaf, ValueGuard):
-            parts.append(f"{leaf.path} = {leaf.value!r} ({leaf.why})")
-        elif isinstance(leaf, TensorGuard) and leaf.sizes:
-            dims = ", ".join(f"dim {s.dim} " + (f"= {s.low}" if s.low == s.high else
-                                                f"in {s.low}..{'' if s.high is None else s.high}")
-                             for s in leaf.sizes)
-            parts.append(f"{leaf.path}: {leaf.kind}, rank {leaf.rank}, {dims}")
-    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,15 +330,10 @@ class _Value:
     value: Any
 
 
-def exported(capture: Any) -> tuple[Exported, ...]:
-    """The :class:`Exported` facts of an export capture's graph (the other training mode is
-    converted on its own, with its own guard); ``()`` for a graph whose placeholders carry no
-    values (torch.fx's)."""
-    facts = _exported(capture.graph)
-    return (facts,) if facts is not None else ()
-
-
-def _exported(graph: fx.Graph) -> Exported | None:
+def exported(capture: Any) -> Exported | None:
+    """The :class:`Exported` facts of an export capture's graph; ``None`` for a graph whose
+    placeholders carry no values (torch.fx's)."""
+    graph = capture.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if not placeholders or any("val" not in n.meta for n in placeholders):
         return None
@@ -417,13 +387,8 @@ def _params(fn: Any) -> tuple[tuple[str, int, Any], ...]:
     return tuple((p.name, int(p.kind), p.default) for p in inspect.signature(fn).parameters.values())
 
 
-def _given(inputs: ExampleInputs, fn: Any) -> set[str]:
-    names = [p for p, _, _ in _params(fn)]
-    return set(names[:len(inputs.args)]) | set(inputs.kwargs)
-
-
 def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
-           dynamic_dims: dict[int, str] | None, prefix: str, facts: tuple[Exported, ...], pad: str) -> list[str]:
+           dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None, pad: str) -> list[str]:
     """Give ``gm`` (the converted graph of ``module``) the :class:`Guard` of what it was built for
     (see :func:`build`); returns the report's notes on it. Nothing to check: no guard, no cost."""
     sig, notes = build(gm, module, capture, inputs, dynamic_dims, prefix, facts, pad)
@@ -433,16 +398,16 @@ def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs 
 
 
 def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
-          dynamic_dims: dict[int, str] | None, prefix: str, facts: tuple[Exported, ...],
+          dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None,
           pad: str) -> tuple[Signature, list[str]]:
     """The :class:`Signature` of ``gm`` (the converted graph of ``module``) and the report's notes on it.
     ``facts`` come from :func:`exported` before the analyses ran."""
     params = _params(module.forward)
     bound = inputs.bind(module.forward).arguments if inputs is not None else {}
-    given = _given(inputs, module.forward) if inputs is not None else set()
-    baked = bool(facts)
+    given = set(inputs.given(module.forward)) if inputs is not None else set()
+    baked = facts is not None
     guards: list[ParamGuard | None] = []
-    for name, _, default in params:
+    for name, _, _ in params:
         if name in capture.fixed_args:
             value = capture.fixed_args[name]
             guards.append(ParamGuard(name, None, (ValueGuard(name, value, "torch.fx fixed it while tracing",
@@ -451,14 +416,10 @@ def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs |
             guards.append(_param_guard(name, bound[name], baked))
         else:
             guards.append(None)
-    notes: list[str] = []
-    relations: list[Any] = []
-    for f in facts:
-        notes += _apply_exported(guards, params, given, f, dynamic_dims)
-        relations += [r for r in f.relations if r not in relations]
+    notes = _apply_exported(guards, params, given, facts, dynamic_dims) if facts is not None else []
     if inputs is not None:
-        _apply_padded(guards, params, _padded(gm, inputs), pad)  # the other mode's module has its own
-    return Signature(prefix.rstrip("."), params, tuple(guards), tuple(relations)), notes
+        _apply_padded(guards, params, _padded(gm, inputs), pad)
+    return Signature(prefix.rstrip("."), params, tuple(guards), facts.relations if facts is not None else ()), notes
 
 
 def _flatten_with_names(value: Any) -> tuple[list[tuple[str, Any]], TreeSpec]:

@@ -72,11 +72,14 @@ class ExampleInputs:
         kwargs = dict(sorted(self.kwargs.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         return self.args, kwargs
 
+    def given(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """The value of each of ``fn``'s parameters these inputs give, by name (no defaults)."""
+        return {**dict(zip(inspect.signature(fn).parameters, self.args)), **self.kwargs}
+
     def tensor_names(self, fn: Callable[..., Any]) -> set[str]:
         """Names of ``fn``'s parameters given a value that holds a tensor (the rest may be
         fixed at their defaults while tracing)."""
-        given = {**dict(zip(inspect.signature(fn).parameters, self.args)), **self.kwargs}
-        return {k for k, v in given.items() if any(isinstance(t, torch.Tensor) for t in tree_leaves(v))}
+        return {k for k, v in self.given(fn).items() if any(isinstance(t, torch.Tensor) for t in tree_leaves(v))}
 
     def call(self, module: Callable[..., Any]) -> Any:
         """``module(*args, **kwargs)``."""

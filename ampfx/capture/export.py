@@ -54,10 +54,10 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
-from ..state import kept_buffers, kept_random, modes
+from ..state import kept_random
 from .base import Capture, short
 from .semantics import Watch
-from .tracer import dropped_by, reads_training
+from .tracer import dropped_by
 
 MIN_TORCH = (2, 5)
 """``torch.export`` with the non-strict mode and the pre-dispatch IR (older torch decomposes to core ATen)."""
@@ -263,24 +263,21 @@ def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
     paths = _module_paths(model)
     steps: list[str] = []
     dynamic = _auto_dims(args, kwargs)
-    notes: list[str] = []
-    with kept_buffers(model):
+    try:
+        ep = _export(model, args, kwargs, dynamic)
+    except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
+        if dynamic is None or not _about_sizes(e):
+            steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}")
+            raise ExportFailed(_short(e), steps) from e
+        steps.append(f"torch.export with dynamic sizes ({_mode(model.training)} mode): {_short(e)}")
+        dynamic = None
         try:
-            ep = _export(model, args, kwargs, dynamic)
-        except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
-            if dynamic is None or not _about_sizes(e):
-                steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}")
-                raise ExportFailed(_short(e), steps) from e
-            steps.append(f"torch.export with dynamic sizes ({_mode(model.training)} mode): {_short(e)}")
-            dynamic = None
-            try:
-                ep = _export(model, args, kwargs, None)
-            except Exception as e2:  # noqa: BLE001
-                steps.append(f"torch.export with static sizes ({_mode(model.training)} mode): {_short(e2)}")
-                raise ExportFailed(_short(e2), steps) from e2
+            ep = _export(model, args, kwargs, None)
+        except Exception as e2:  # noqa: BLE001
+            steps.append(f"torch.export with static sizes ({_mode(model.training)} mode): {_short(e2)}")
+            raise ExportFailed(_short(e2), steps) from e2
     gm = _unlift(ep)
-    constants, cleaned = _clean(gm, model, paths)
-    notes.extend(cleaned)
+    constants, notes = _clean(gm, model, paths)
     sizes = "dynamic sizes where the model allows (Dim.AUTO)" if dynamic is not None else "static sizes"
     steps.append(f"exported (torch.export, non-strict, training IR, {sizes})")
     if dynamic is None:

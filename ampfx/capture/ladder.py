@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs
 from ..policy import Policy
-from ..state import kept_buffers, kept_random
+from ..state import kept_random
 from . import export
 from .base import Capture, Uncaptured
 from .tracer import RootUntraceable, trace
@@ -74,8 +74,9 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
     else is never returned. The flag: may torch.export be tried next (not when a forward sets
     Python attributes, :attr:`Capture.python_state`)."""
     try:
-        # tracing runs the Python: `self.count += 1` on a real buffer changes it; a random draw is frozen
-        with kept_buffers(module), kept_random() as draws:
+        # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
+        # random draw is frozen
+        with kept_random() as draws:
             got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]

@@ -115,7 +115,7 @@ class Watch:
         self.dropped: dict[str, tuple[str, ...]] = {}
         self.python_state = False  # a Python attribute was set: torch.export would not repeat it either
         self.grad = self.inference = False
-        self._stack = contextlib.ExitStack()
+        self._stack = contextlib.ExitStack()  # undoes the wrappings (set by __enter__)
         self.where: Callable[[], str] = lambda: ""  # the tracer says which module's forward runs now
         self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
         self._state: dict[str, _ModuleState] = {}
@@ -124,9 +124,11 @@ class Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         if self.root is not None:
             self._state = {path: _ModuleState.of(m) for path, m in self.root.named_modules()}
-        for cls in (*GRAD_CONTEXTS, torch.autocast):
-            self._stack.enter_context(_wrapped_context(cls))
-        self._stack.enter_context(_wrapped_apply())
+        with contextlib.ExitStack() as stack:  # a wrapping that fails undoes those made before it
+            for cls in (*GRAD_CONTEXTS, torch.autocast):
+                stack.enter_context(_wrapped_context(cls))
+            stack.enter_context(_wrapped_apply())
+            self._stack = stack.pop_all()
         _ACTIVE.append(self)
         return self
 

@@ -30,8 +30,9 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
     gm = graph_module(model, graph)
     try:
         want = _run(model, model, inputs)
-    except Exception as e:  # noqa: BLE001 - the model itself does not run on its example inputs
-        _rejects(model, inputs, e)
+    except ExampleInputsError:
+        raise
+    except Exception:  # noqa: BLE001 - nothing to compare (a meta-device model; outputs that take no weighting)
         return None
     try:
         got = _run(gm, model, inputs)
@@ -56,8 +57,13 @@ def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs) -> _Run:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with kept_rng(*model.parameters()), kept_buffers(model), torch.enable_grad():
         torch.manual_seed(0)
-        # a copy of the inputs each time: the forward may change what it is given (caches)
-        out = [t for t in torch.utils._pytree.tree_leaves(inputs.snapshot().call(m)) if isinstance(t, torch.Tensor)]
+        try:  # a copy of the inputs each time: the forward may change what it is given (caches)
+            result = inputs.snapshot().call(m)
+        except Exception as e:  # noqa: BLE001
+            if m is model:
+                _reject(model, inputs, e)
+            raise
+        out = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         grads, backward = _grads(out, params)
     return _Run([t.detach() for t in out], grads, buffers, backward)
@@ -114,19 +120,12 @@ def _compare_named(want: _Run, got: _Run, rtol: float) -> str | None:
     return None
 
 
-def _rejects(model: nn.Module, inputs: ExampleInputs, error: Exception) -> None:
-    """Raise :class:`~ampfx.errors.ExampleInputsError` when ``model`` does not run on ``inputs`` in
-    float32 (an integer example for a float model); a model on the meta device (no values) or
-    one that needs gradients inside its forward is left to the later stages."""
-    tensors = [*inputs.tensors(), *model.parameters(), *model.buffers()]
-    if any(t.device.type == "meta" for t in tensors):
+def _reject(model: nn.Module, inputs: ExampleInputs, error: Exception) -> None:
+    """Raise :class:`~ampfx.errors.ExampleInputsError`: ``model`` does not run on ``inputs`` in
+    float32 (an integer example for a float model). A model on the meta device (no values) is
+    left to the later stages."""
+    if any(t.device.type == "meta" for t in [*inputs.tensors(), *model.parameters(), *model.buffers()]):
         return
-    try:
-        with kept_rng(*model.parameters()), kept_buffers(model), torch.enable_grad():
-            inputs.snapshot().call(model)
-        return
-    except Exception:  # noqa: BLE001 - fails with gradients too: the inputs are wrong for this model
-        pass
     raise ExampleInputsError(f"the model does not run on example_inputs ({short(error)}); example_inputs: "
                              f"{inputs.describe()}. Give inputs it accepts, with the dtypes its forward expects "
                              "(a tuple of positional inputs or a dict of keyword inputs)") from error

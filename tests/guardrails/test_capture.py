@@ -316,6 +316,24 @@ def test_watch_undoes_its_patches_and_the_module_state():
     assert m.calls == 0 and "attribute 'calls' changed" in w.dropped[""]
 
 
+def test_watch_that_fails_to_start_undoes_the_patches_it_made(monkeypatch):
+    """If wrapping ``Function.apply`` fails (a torch that defines it otherwise), the context managers
+    wrapped before it are torch's own again at once, not when the Watch is garbage-collected."""
+    from ampfx.capture import semantics
+
+    enter = torch.no_grad.__enter__
+
+    def fails():
+        raise RuntimeError("no apply here")
+
+    monkeypatch.setattr(semantics, "_wrapped_apply", fails)
+    with pytest.raises(RuntimeError, match="no apply here") as caught:
+        with Watch(nn.Linear(2, 2)):
+            pass
+    assert caught.value.__traceback__ is not None  # the failed Watch is still reachable from here
+    assert torch.no_grad.__enter__ is enter and not semantics._ACTIVE
+
+
 def test_plain_model_is_still_one_fx_graph():
     """A model with none of these constructs is captured by fx, and the report says what was checked."""
     amp = convert(Net("plain"), torch.randn(3, 4))

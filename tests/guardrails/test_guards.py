@@ -235,6 +235,33 @@ def test_keyword_calls_are_checked_like_positional_ones():
         amp(**{name: torch.ones(2, 4, dtype=torch.long)})
 
 
+
+class Extras(nn.Module):
+    """A forward with *args, a keyword-only argument and **kwargs (as HF models have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, *rest, scale=2.0, **extra):
+        return self.fc(x) * scale
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_forwards_with_star_args_and_keyword_only_arguments_are_checked(tracer):
+    """The guard binds calls to a forward with *args / keyword-only / **kwargs: x is checked given positionally
+    or by keyword, also when other keywords go into **kwargs; a call the forward rejects keeps its TypeError."""
+    model = Extras()
+    amp = ampfx.convert(model, example_inputs=(torch.randn(2, 4),), tracer=tracer)
+    x, bad = torch.randn(2, 4), torch.ones(2, 4, dtype=torch.long)
+    assert rel(amp(x), model(x)) < 0.03 and rel(amp(x=x), model(x)) < 0.03
+    for args, kwargs in [((bad,), {}), ((), {"x": bad}), ((bad,), {"scale": 2.0}), ((), {"x": bad, "other": 1})]:
+        with pytest.raises(GuardError, match="converted for a floating-point tensor"):
+            amp(*args, **kwargs)
+    with pytest.raises(TypeError, match="multiple values"):
+        amp(x, x=x)
+
+
 # -- dynamic_dims checked at convert -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dims, words", [
