@@ -61,6 +61,7 @@ import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
 from .errors import StaleModelError
+from .graph_module import AmpGraphModule
 
 _TRACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model module -> WeakSet of followers
 _HANDLES: list[Any] = []  # the three global hooks while a follower lives
@@ -110,19 +111,17 @@ def _ref(value: Any) -> Any:
 
 
 def _converted_modules(result: nn.Module) -> list[nn.Module]:
-    """Every module of ``result``, with the graphs a converted module keeps outside its
-    tree (the other training mode's graph sits in its ``__dict__``)."""
+    """Every module of ``result``, with the other training mode's conversions its graph modules
+    keep outside their tree (:meth:`~ampfx.graph_module.AmpGraphModule.mode_module`)."""
     seen: dict[int, nn.Module] = {}
     todo = [result]
     while todo:
-        m = todo.pop()
-        if id(m) in seen:
-            continue
-        seen[id(m)] = m
-        todo.extend(m._modules.values() if m._modules else ())
-        for v in m.__dict__.values():
-            todo.extend(x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, nn.Module))
-    return [m for m in seen.values() if m is not None]
+        for m in todo.pop().modules():
+            if id(m) not in seen:
+                seen[id(m)] = m
+                if isinstance(m, AmpGraphModule):
+                    todo.extend(other for other in (m.mode_module(True), m.mode_module(False)) if other is not m)
+    return list(seen.values())
 
 
 class Follower:

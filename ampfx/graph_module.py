@@ -132,7 +132,8 @@ class AmpGraphModule(fx.GraphModule):
         if alt is None or self.training != alt[0]:
             return None
         for mine, theirs in self._mode_pairs():
-            theirs.training = mine.training
+            if theirs.training != mine.training:  # nn.Module.__setattr__ costs most of this loop: only on a change
+                theirs.training = mine.training
             for own, their in ((mine._parameters, theirs._parameters), (mine._buffers, theirs._buffers)):
                 for name, value in own.items():
                     if name in their and their[name] is not value:

@@ -30,17 +30,26 @@ from torch.utils._pytree import tree_leaves
 def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
     """Restore every buffer (batch-norm statistics and counters) on exit, and
     with ``grads`` every parameter's ``.grad``."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
     # clones: backward accumulates into an existing .grad in place
     before = {p: (p.grad.clone() if p.grad is not None else None) for p in module.parameters()} if grads else {}
+    try:
+        with _kept_values(list(module.buffers())):
+            yield
+    finally:
+        for p, g in before.items():
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _kept_values(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """The values of ``tensors`` put back in place on exit (clones taken now)."""
+    saved = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-        for p, g in before.items():
-            p.grad = g
+            for t, value in saved:
+                t.copy_(value)
 
 
 @contextlib.contextmanager
@@ -206,10 +215,10 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     small = [t for t in held if id(t) not in params]  # buffers, tensor attributes: cloned now (export's
     # non-strict tracing writes tensor attributes it keeps as constants outside any dispatch mode)
     data = [(t, t.data, t._version) for t in held]
-    attrs = [(m, dict(m.__dict__), {k: _shallow(v) for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
+    attrs = [(m, dict(m.__dict__), {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
              for m in model.modules()]
     guard = _SaveBeforeWrite([t for t in held if id(t) in params])  # parameters: copied on first write
-    with kept_buffers(model), _kept_values(small):
+    with _kept_values(small):
         try:
             with kept_rng(*held, *tensors), guard:
                 yield
@@ -221,17 +230,6 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
                 for k, v in contents.items():
                     _refill(before[k], v)
             _put_back(data, guard.saved)
-
-
-@contextlib.contextmanager
-def _kept_values(tensors: list[torch.Tensor]) -> Iterator[None]:
-    saved = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, value in saved:
-                t.copy_(value)
 
 
 def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict) -> None:
@@ -249,10 +247,6 @@ def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict) -
         raise RuntimeError(f"ampfx.convert changed {len(lost)} parameter(s) of the model in place and could not "
                            "put them back (a forward that writes its parameters outside torch's dispatch); "
                            "please report this with the model")
-
-
-def _shallow(v: Any) -> Any:
-    return v.copy()
 
 
 def _refill(container: Any, contents: Any) -> None:

@@ -40,7 +40,7 @@ from .inputs import ExampleInputs
 from .report import Region, Report
 from .rewrite import NotReproduced, Request, convert_graph, device_of
 from .observe import Observation, observe
-from .state import copy_tree
+from .state import HOOK_DICTS, copy_tree
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,9 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
     name, path = ("train" if training else "eval"), job.prefix.rstrip(".") or "<root>"
     for m in twin.modules():
         m.training = training
+    if any(getattr(gm, hooks) for hooks in HOOK_DICTS):  # gm runs the module's own hooks in both modes
+        for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
+            getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
     try:
         alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False)
     except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do

@@ -255,6 +255,35 @@ def test_regions_inside_regions_switch_with_their_parent():
     assert train.inner.a is not amp.inner.a and train.inner.a.weight is amp.inner.a.weight
 
 
+class Doubles(nn.Module):
+    """Reads self.training: each mode gets its own conversion."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if self.training else h
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("start", [True, False])
+def test_the_models_own_hooks_run_once_in_either_mode(tracer, start):
+    """A forward hook and pre-hook on the converted module run once per call in both modes: the other
+    mode's conversion runs inside the converted module's call, whose hooks have already run (under
+    torch.fx they ran twice in the other mode: the input tripled twice, +1 added twice)."""
+    torch.manual_seed(0)
+    m, x = Doubles().train(start), torch.randn(4, 8)
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
+    m.register_forward_hook(lambda mod, args, out: out + 1)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer=tracer)
+    assert amp.mode_module(not start) is not amp
+    for training in (start, not start):
+        amp.train(training), m.train(training)
+        assert rel_err(amp(x), m(x)) < 0.03
+
+
 def test_a_failed_other_mode_conversion_raises_an_ampfx_error_with_the_fix():
     stand_in = ModeUnavailable(True, "ValueError: bad")
     with pytest.raises(TrainingModeError, match=r"no train-mode conversion.*ampfx.convert\(model.train\(\)"):
