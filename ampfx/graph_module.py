@@ -53,13 +53,6 @@ class AmpGraphModule(fx.GraphModule):
     ``copy.deepcopy`` and pickling (plain ``GraphModule`` keeps only what the
     graph references), and keeps its ``ampfx_report``."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``nn.Module.__call__``, after the call-time guard (:mod:`ampfx.guards`) checked the inputs."""
-        guard = self.__dict__.get("_ampfx_guard")
-        if guard is not None:
-            guard(args, kwargs)
-        return super().__call__(*args, **kwargs)
-
     def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
         res = super().__deepcopy__(memo)
         tree = copy.deepcopy({"_modules": self._modules, "_parameters": self._parameters,
@@ -74,7 +67,7 @@ class AmpGraphModule(fx.GraphModule):
         if "ampfx_report" in self.__dict__:
             res.ampfx_report = self.ampfx_report  # frozen: safe to share
         if "_ampfx_guard" in self.__dict__:
-            res.__dict__["_ampfx_guard"] = self.__dict__["_ampfx_guard"]  # immutable: safe to share
+            res.set_guard(self.__dict__["_ampfx_guard"])  # immutable: safe to share
         alt = self.__dict__.get("_ampfx_alt")
         if alt is not None:
             res.set_mode_graph(alt[0], copy.deepcopy(alt[1], memo))
@@ -102,6 +95,13 @@ class AmpGraphModule(fx.GraphModule):
         ``.train()`` / ``.eval()`` / ``.to()`` did here holds there."""
         self.__dict__["_ampfx_alt"] = (training, other)
         self.__dict__.pop("_ampfx_pairs", None)
+        self._install_dispatch()
+
+    def set_guard(self, guard: Any) -> None:
+        """Call ``guard(args, kwargs)`` (:mod:`ampfx.guards`) before this module's own graph runs:
+        after the follow check and the mode choice, so a call in the other training mode is
+        checked by that mode's conversion alone (it may accept what this graph would not)."""
+        self.__dict__["_ampfx_guard"] = guard
         self._install_dispatch()
 
     def set_check(self, check: Any) -> None:
@@ -152,7 +152,7 @@ class AmpGraphModule(fx.GraphModule):
     def recompile(self) -> Any:
         """``GraphModule.recompile`` (pickling calls it too), keeping the mode dispatch."""
         code = super().recompile()
-        if "_ampfx_alt" in self.__dict__ or "_ampfx_check" in self.__dict__:
+        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard"} & self.__dict__.keys():
             self._install_dispatch()
         return code
 
@@ -169,6 +169,9 @@ class AmpGraphModule(fx.GraphModule):
             target = self._mode_target()
             if target is not None:
                 return target(*args, **kwargs)
+            guard = self.__dict__.get("_ampfx_guard")
+            if guard is not None:
+                guard(args, kwargs)
             return graph_forward(self, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(graph_forward)
@@ -220,7 +223,7 @@ def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # n
     if alt is not None:
         gm.set_mode_graph(*alt)
     if guard is not None:
-        gm.__dict__["_ampfx_guard"] = guard
+        gm.set_guard(guard)
     return gm
 
 

@@ -393,7 +393,7 @@ def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs 
     (see :func:`build`); returns the report's notes on it. Nothing to check: no guard, no cost."""
     sig, notes = build(gm, module, capture, inputs, dynamic_dims, prefix, facts, pad)
     if any(g is not None for g in sig.guards):
-        gm.__dict__[ATTR] = Guard(sig)
+        gm.set_guard(Guard(sig))
     return notes
 
 

@@ -415,3 +415,29 @@ def test_a_training_step_through_regions_under_user_autocast():
         loss = F.cross_entropy(amp(ids, dec).float().flatten(0, 1), dec.flatten())
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+class ScaledLayerDrop(LayerDrop):
+    """A layerdrop model with a Python int argument: torch.export bakes ``n`` into the eval graph."""
+
+    def forward(self, x, n):
+        for layer in self.layers:
+            if self.training and torch.rand(()) < self.p:
+                continue
+            x = x + layer(x)
+        return x * n
+
+
+def test_the_other_modes_call_is_checked_by_that_modes_conversion_alone():
+    """Converted in eval mode by export (``n=1`` baked, guarded), then ``.train()``: the train mode
+    keeps the model's Python, which takes any ``n``; the eval graph's guard must not refuse that
+    call. Back in eval mode, ``n=2`` is refused by the eval graph's guard, not computed with 1."""
+    torch.manual_seed(0)
+    m, x = ScaledLayerDrop().eval(), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, 1), tracer="export")
+    amp.train()
+    assert amp(x, 2).shape == x.shape
+    amp.eval()
+    with pytest.raises(ampfx.errors.GuardError, match="n"):
+        amp(x, 2)
+    assert rel_err(amp(x, 1), m.eval()(x, 1)) < 0.03
