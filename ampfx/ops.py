@@ -102,6 +102,12 @@ class OpEntry:
     ``float_attrs``: for ``getattr``, the attribute names that hold a float
     tensor of the container (``topk(...).values``, ``x.T``), so that without
     shapes the attribute is known to be a selection, not a size or a dtype.
+
+    What fidelity needs (``ampfx.passes.fidelity``): ``additive``: the result
+    carries an operand's magnitude (``coords + delta``): a float32 operand's low
+    bits survive only if the op computes in float32. ``exact``: the result
+    depends on exact input values (an integer conversion, a comparison, an
+    argmax): the float32 values it reads must not be rounded first.
     """
 
     name: str
@@ -124,6 +130,8 @@ class OpEntry:
     cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
     cast_like: tuple[str, ...] = ()
     float_attrs: tuple[str, ...] = ()
+    additive: bool = False
+    exact: bool = False
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -286,7 +294,8 @@ for _name, _extra_fns, _methods, _mod in [
     ("erf", [], ["erf"], ()),
 ]:
     _op(_name, I, _ELEMENTWISE, fns=[*_torch_fns(_name), *_extra_fns], methods=_methods, modules=_mods(*_mod),
-        aten=[_name], promotes=_name in ("add", "sub", "mul", "div"))
+        aten=[_name], promotes=_name in ("add", "sub", "mul", "div"),
+        additive=_name in ("add", "sub", "addcmul", "addcdiv", "lerp"))
 _op("avg_pool", I, "window mean: the kernel accumulates in float32",
     fns=_torch_fns("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                    "adaptive_avg_pool3d"),
@@ -396,7 +405,8 @@ for _name, _fns, _methods in [
                 *([torch.fx._symbolic_trace._assert_is_none]
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
-    _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT)
+    _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT,
+        exact=_name in ("compare", "argmax"))
 _op("getattr", P, _NONFLOAT + "; an attribute that holds a float tensor (topk(...).values) is a selection: it "
     "keeps the dtype the container's tensor has", fns=[builtins.getattr], result=Result.NONFLOAT, view=True,
     select=True, float_attrs=("values", "T", "mT", "H", "mH", "real", "imag", "data"))

@@ -153,7 +153,7 @@ def _module_names(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-_BOOLS = ("keep_output_dtype", "probe", "disable")
+_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values")
 
 
 def _check_fields(p: "Policy") -> None:
@@ -209,6 +209,11 @@ class Policy:
     #: calibration keeps float32 the nodes whose values exceed the dtype's max divided by this
     calibration_margin: float = 2.0
     probe: bool = True
+    #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
+    #: promotion keeps; switch one off to trade its fidelity for fewer bytes
+    float32_stream: bool = True
+    float32_operands: bool = True
+    exact_values: bool = True
     log_path: str | None = None
     disable: bool = False
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
@@ -339,7 +344,15 @@ ENV_VARS: dict[str, str] = {
     "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
     "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
     "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
+    "AMPFX_FLOAT32_STREAM": "0 to let float32 activations (residual streams, carried state) be cast down "
+                            "(rule fidelity:stream; default 1)",
+    "AMPFX_FLOAT32_OPERANDS": "0 to let add/sub cast float32 parameters, buffers and factory values down "
+                              "(rule fidelity:operand; default 1)",
+    "AMPFX_EXACT_VALUES": "0 to let values that reach integer conversions or comparisons be rounded "
+                          "(rule fidelity:exact; default 1)",
 }
+_BOOL_VARS = {"AMPFX_DISABLE": "disable", "AMPFX_FLOAT32_STREAM": "float32_stream",
+              "AMPFX_FLOAT32_OPERANDS": "float32_operands", "AMPFX_EXACT_VALUES": "exact_values"}
 
 
 def _int_env(var: str, value: str) -> int:
@@ -399,11 +412,12 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
         changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
     if "AMPFX_PAD" in seen:
         changes["pad"] = seen["AMPFX_PAD"].strip().lower()
-    if "AMPFX_DISABLE" in seen:
-        flag = seen["AMPFX_DISABLE"].strip().lower()
-        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise PolicyError(f"AMPFX_DISABLE={seen['AMPFX_DISABLE']!r}: use 1 or 0 (true/false, yes/no also work)")
-        changes["disable"] = flag in ("1", "true", "yes")
+    for var, fname in _BOOL_VARS.items():
+        if var in seen:
+            flag = seen[var].strip().lower()
+            if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+                raise PolicyError(f"{var}={seen[var]!r}: use 1 or 0 (true/false, yes/no also work)")
+            changes[fname] = flag in ("1", "true", "yes") if flag else getattr(Policy, fname)
     try:
         return dataclasses.replace(base, origins=tuple(origins.items()), env=tuple(sorted(seen.items())),
                                    user_ops=base.user_ops, **changes)

@@ -117,6 +117,15 @@ class Rule(str, enum.Enum):
         "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
         "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
         word="saves a cast")
+    FIDELITY_STREAM = "fidelity:stream", _about(
+        "reads a float32 activation (a residual stream, a carried state, positions): computes in float32 as "
+        "type promotion would, instead of casting that value down (Policy.float32_stream)", word="float32 stream")
+    FIDELITY_OPERAND = "fidelity:operand", _about(
+        "an add/sub of a float32 parameter, buffer or factory value (arange, meshgrid): computes in float32, "
+        "so the operand's low bits survive (Policy.float32_operands)", word="float32 operand")
+    FIDELITY_EXACT = "fidelity:exact", _about(
+        "its value reaches an integer conversion, an index or a comparison: float32 inputs are not rounded "
+        "(Policy.exact_values)", word="exact value")
     PAINT_DEFAULT = "paint:default", _about("an infer/clear op with no low-precision neighbours: stays float32",
                                             word="no low neighbour")
     SELECT = "select", _about("indexing keeps its input's dtype; consumers cast the (smaller) selection")

@@ -5,6 +5,10 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 1. every ALLOW node is low precision;
 2. deny propagation: from each DENY node walk forward into INFER/CLEAR nodes
    that lead (through CLEAR nodes) to an INFER or DENY node; paint them float32;
+   2b. fidelity (:mod:`ampfx.passes.fidelity`, not TF-AMP's): float32 values
+   stay float32 where autocast's type promotion keeps them: residual streams,
+   carried states, positions, adds of float32 parameters, values that reach an
+   integer conversion or comparison. These nodes block steps 3-5 as denied ones do;
 3. between-allow: INFER/CLEAR nodes on a path from one low node to another
    (not through float32 nodes) go low;
 4. follow-allow, in graph order: a CLEAR node fed by a low node and no deny
@@ -42,6 +46,7 @@ from ..ops import Category, Result
 from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
+from . import fidelity
 from .casts import fp32_slot_inputs, needed_casts
 from .classify import carries_float, original_dtype, other_float, selects_float
 
@@ -83,7 +88,10 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     # 1. allow; an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
     color: Color = {n: (decision(n).dtype or low, decision(n).rule, decision(n).reason) for n in allow}
-    denied = _deny_propagation(nodes, cat, ins, outs, color)
+    u_set = _leads_to_infer_or_deny(nodes, cat, ins)
+    denied = _deny_propagation(nodes, cat, u_set, outs, color)
+    # 2b. fidelity: float32 values stay float32 where type promotion keeps them (residual streams, positions)
+    denied |= fidelity.float32_values(nodes, cat, u_set, color, denied, ctx.policy)
     _between_allow(allow, cat, ins, outs, color, denied, low)
     # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
@@ -105,14 +113,17 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
         _values(gm, low)
 
 
-def _deny_propagation(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours,
+def _leads_to_infer_or_deny(nodes: list[fx.Node], cat: dict, ins: Neighbours) -> set[fx.Node]:
+    """TF-AMP's U: the infer/deny nodes and the clear nodes leading to them through clear nodes."""
+    seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
+    return set(seeds) | set(_walk(seeds, ins, lambda p: cat[p] is Category.CLEAR))
+
+
+def _deny_propagation(nodes: list[fx.Node], cat: dict, u_set: set[fx.Node], outs: Neighbours,
                       color: Color) -> set[fx.Node]:
     """Step 2: paint float32 the infer/clear nodes a deny node reaches through
-    U = infer/deny nodes and the clear nodes leading to them. Returns the
-    denied nodes: the deny nodes and every node painted float32 so far."""
-    seeds = [n for n in nodes if cat[n] in (Category.DENY, Category.INFER)]
-    feeders = _walk(seeds, ins, lambda p: cat[p] is Category.CLEAR)
-    u_set = set(seeds) | set(feeders)
+    U (:func:`_leads_to_infer_or_deny`). Returns the denied nodes: the deny
+    nodes and every node painted float32 so far."""
     deny = [n for n in nodes if cat[n] is Category.DENY]
     for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
         color[n] = (torch.float32, Rule.PAINT_DENY,
@@ -152,6 +163,9 @@ def _record_paint(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighb
     for n in nodes:
         d: Decision = decision(n)
         earlier = f" ({d.reason})" if d.rule in SIZE_RULES else ""  # keep the size facts
+        if n in color and color[n][1] in fidelity.RULES and not any(
+                color.get(p, (None,))[0] == low for p in (*ins(n), *outs(n))):
+            del color[n]  # float32 with no low neighbour: no fidelity rule was needed (paint:default)
         if n in color:
             dtype, rule, reason = color[n]
             d = dataclasses.replace(d, dtype=dtype, rule=rule, reason=reason + earlier)

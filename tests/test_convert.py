@@ -163,7 +163,8 @@ def test_fp16_layer_norm_after_a_clear_op_goes_low_its_affine_slots_do_not_count
             h = F.dropout(x + 1, 0.1, self.training)  # fed by float32: low only by clear propagation
             return self.b(self.norm(h) + self.a(h))
 
-    amp = ampfx.convert(Net(), "fp16", example_inputs=(torch.randn(2, 8),))
+    tfamp = ampfx.Policy("fp16", float32_stream=False, float32_operands=False, exact_values=False)  # TF-AMP's steps
+    amp = ampfx.convert(Net(), policy=tfamp, example_inputs=(torch.randn(2, 8),))
     norm = record(amp.ampfx_report, op="layer_norm")[0]
     assert norm.dtype == torch.float16, norm
     assert record(amp.ampfx_report, op="dropout")[0].dtype == torch.float16
@@ -329,7 +330,8 @@ def test_outputs_and_gradients_close_to_fp32(name, dtype, with_shapes):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fewer_casts_than_autocast_per_training_step(name, dtype):
     """Counted at the ATen level (dtype-changing _to_copy), forward + backward, loss inside
-    the autocast region as PyTorch's recipe writes it."""
+    the autocast region as PyTorch's recipe writes it. The post-LN encoder layer keeps its
+    residual stream and norms float32 as autocast does (rule fidelity:stream): the same casts."""
     m, ex, loss = build(name)
     gm = ampfx.convert(m, dtype, example_inputs=ex)
 
@@ -341,22 +343,35 @@ def test_fewer_casts_than_autocast_per_training_step(name, dtype):
             value = loss(m(*ex))
         value.backward()
 
-    assert ampfx.count_casts(ours) < ampfx.count_casts(autocast)
+    if name == "encoder_layer":
+        assert ampfx.count_casts(ours) <= ampfx.count_casts(autocast)
+    else:
+        assert ampfx.count_casts(ours) < ampfx.count_casts(autocast)
 
 
 def test_transformer_encoder_layer_reference_case():
-    """The issue's reference: one TransformerEncoderLayer(64, 4, 128) step under CPU autocast."""
+    """The issue's reference: one TransformerEncoderLayer(64, 4, 128) step under CPU autocast.
+    With example inputs, as many casts as autocast (the residual stream stays float32 as under
+    autocast: rule fidelity:stream); the TF-AMP plan alone (stream rounded) needs fewer. Without
+    example inputs ampfx cannot tell that the residual add's float32 operand has dimensions (a 0-dim
+    one would not promote), so it casts the low branch explicitly: two casts more than autocast."""
     layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
     x = torch.randn(2, 5, 64)
-    gm = ampfx.convert(layer, torch.bfloat16)
-    ours = ampfx.count_casts(lambda: gm(x).float().sum().backward())
+
+    def ours(**options):
+        gm = ampfx.convert(layer, policy=ampfx.Policy(torch.bfloat16, **options), example_inputs=(x,))
+        return ampfx.count_casts(lambda: gm(x).float().sum().backward())
 
     def autocast():
         with torch.autocast("cpu", torch.bfloat16):
             y = layer(x)
         y.float().sum().backward()
 
-    assert ours < ampfx.count_casts(autocast)
+    theirs = ampfx.count_casts(autocast)
+    assert ours() == theirs
+    assert ours(float32_stream=False) < theirs
+    blind = ampfx.convert(layer, torch.bfloat16)
+    assert ampfx.count_casts(lambda: blind(x).float().sum().backward()) == theirs + 2
 
 
 # ------------------------------------------------------------------ contracts

@@ -15,6 +15,9 @@ from ampfx.passes import paint
 from .helpers import calls, rec, run
 
 PAINT = dict(upto=paint.paint)
+TFAMP = dict(float32_stream=False, float32_operands=False, exact_values=False)
+"""TF-AMP's steps alone: without ampfx's fidelity rules (tests/passes/test_fidelity.py), which keep the float32
+graph inputs these graphs add to GEMM outputs in float32."""
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -81,9 +84,9 @@ def test_step2_deny_does_not_flow_backward():
 def test_step3_infer_ops_between_allow_ops_go_low():
     """Under float16 an add of a GEMM output and a float32 input is low only because it
     sits between two GEMMs ("paint:between-allow"); with no GEMM after it, float32 ("paint:default")."""
-    gm = paints(lambda m, x, y: F.linear(F.linear(x, m.w) + y, m.v), 2, dtype=torch.float16)
+    gm = paints(lambda m, x, y: F.linear(F.linear(x, m.w) + y, m.v), 2, dtype=torch.float16, **TFAMP)
     assert dtype_rule(gm, "add") == [(torch.float16, "paint:between-allow")]
-    gm = paints(lambda m, x, y: F.linear(x, m.w) + y, 2, dtype=torch.float16)
+    gm = paints(lambda m, x, y: F.linear(x, m.w) + y, 2, dtype=torch.float16, **TFAMP)
     assert dtype_rule(gm, "add") == [(torch.float32, "paint:default")]
 
 
@@ -92,7 +95,7 @@ def test_step3_infer_ops_between_allow_ops_go_low():
 def test_step4_follow_allow_differs_between_bfloat16_and_float16(low, expect):
     """An infer op fed by a GEMM and a float32 input: under bfloat16 it follows the GEMM
     (float32's range); under float16 it needs *all* its float inputs low, so it stays float32."""
-    gm = paints(lambda m, x, y: torch.lerp(F.linear(x, m.w), y, 0.5), 2, dtype=low, keep_output_dtype=False)
+    gm = paints(lambda m, x, y: torch.lerp(F.linear(x, m.w), y, 0.5), 2, dtype=low, keep_output_dtype=False, **TFAMP)
     assert dtype_rule(gm, "lerp") == [expect]
 
 
@@ -110,7 +113,7 @@ def test_steps4_and_5_repeat_until_nothing_changes():
         t = torch.relu(x)
         return torch.lerp(F.linear(t, m.w), t, 0.5)
 
-    gm = paints(fn, dtype=torch.float16, keep_output_dtype=False)
+    gm = paints(fn, dtype=torch.float16, keep_output_dtype=False, **TFAMP)
     assert dtype_rule(gm, "relu", "lerp") == [(torch.float16, "paint:clear"), (torch.float16, "paint:follow-allow")]
 
 

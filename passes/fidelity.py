@@ -1,0 +1,209 @@
+"""Paint's fidelity step: float32 values stay float32 where autocast's type promotion keeps them.
+
+Not a pass of its own: :func:`ampfx.passes.paint.paint` calls :func:`float32_values` after deny
+propagation, and the nodes it paints float32 block the later steps as denied nodes do.
+
+TF-AMP's painting puts an infer op between two GEMMs in the low dtype, and casts any float32
+value it reads down. Under ``torch.autocast`` the same op reads a float32 tensor and computes in
+float32 (type promotion). Where that value's low bits matter, rounding it loses what the model
+computes (docs/numerics.md has the measurements). Three rules, each a :class:`~ampfx.policy.Policy`
+switch:
+
+- ``float32_stream`` (rule ``fidelity:stream``): an infer op reading a float32 *activation* — a
+  graph input, an embedding's rows, a float32 op's output, a value ``.float()`` made, a factory's
+  ``arange``/``zeros``, or an op this rule already made float32 — computes in float32. The residual
+  stream of a transformer stays float32 (its adds read the float32 stream and a low branch, as
+  under autocast), so do carried states (``h = a * h + b``) and positions. Clear ops join only on
+  the way to an infer/deny op (as in TF-AMP's deny propagation): a view that only feeds a GEMM is
+  cast after, not computed in float32.
+- ``float32_operands`` (rule ``fidelity:operand``): an add/sub (``OpEntry.additive``) of a float32
+  parameter, buffer or view of one computes in float32: ``x + pos_embed``, ``attn + bias_table[idx]``.
+  A product with a parameter does not (rounding a factor costs what rounding the product does).
+- ``exact_values`` (rule ``fidelity:exact``): an infer/clear op whose value reaches an integer
+  conversion, a comparison or an argmax (``OpEntry.exact``; ``x.to(torch.int64)``) computes in
+  float32 whenever it reads a float32 value: ``(gemm + arange).long()`` gives the float32 indices
+  (bfloat16 holds integers exactly only up to 256).
+
+A tensor with no dimensions does not promote one that has dimensions (PyTorch's rule), so a 0-dim
+float32 value is no reason here. A norm's pinned slots (its weight and bias) are no reason either.
+
+Before (bfloat16, pre-LN block)::  x[input] -> layer_norm -> linear -> add(x, linear) -> layer_norm_1
+After::                             float32    float32       bf16      float32           float32
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import ops
+from ..meta import decision, out_infos
+from ..ops import Category, Result
+from ..policy import Policy
+from ..report import Decision, Rule
+from .casts import fp32_slot_inputs
+from .classify import carries_float, original_dtype
+
+PAINTED = (Category.INFER, Category.CLEAR)
+RULES = (Rule.FIDELITY_STREAM, Rule.FIDELITY_OPERAND, Rule.FIDELITY_EXACT)
+_STREAM, _PARAM = "activation", "parameter"
+
+
+def float32_values(nodes: list[fx.Node], cat: dict, u_set: set[fx.Node], color: dict, denied: set[fx.Node],
+                   policy: Policy) -> set[fx.Node]:
+    """Paint float32 (in ``color``) the infer/clear nodes the three rules keep float32; return them."""
+    if not (policy.float32_stream or policy.float32_operands or policy.exact_values):
+        return set()
+    decided = {n: decision(n) for n in nodes}
+    exact = _exact_cone(nodes, cat, decided) if policy.exact_values else set()
+    kinds: dict[fx.Node, str] = {}
+    for n in nodes:  # graph order: a view of a parameter is a parameter too
+        kind = _float32_kind(n, cat, decided, denied) or _parameter_view(n, cat, kinds)
+        if kind is not None:
+            kinds[n] = kind
+    queue = deque(kinds)
+    painted: set[fx.Node] = set()
+    while queue:
+        v = queue.popleft()
+        for u in v.users:
+            if u in color or u in denied or cat.get(u) not in PAINTED or u in painted or u in kinds:
+                continue
+            rule = _promotes(v, kinds[v], u, cat, u_set, exact, policy)
+            if rule is None:
+                continue
+            color[u] = (torch.float32, rule, _reason(rule, v, kinds[v]))
+            painted.add(u)
+            painted |= _keep_parameter_views(v, u, cat, kinds, color)
+            kinds[u] = _STREAM
+            queue.append(u)
+    return painted
+
+
+def _parameter_view(n: fx.Node, cat: dict, kinds: dict[fx.Node, str]) -> str | None:
+    """A clear op (a view, a selection) of float32 parameters only is a parameter value too."""
+    floats = [p for p in n.all_input_nodes if p in kinds or cat.get(p) is not Category.PASS]
+    if cat.get(n) is Category.CLEAR and floats and all(kinds.get(p) == _PARAM for p in floats):
+        return _PARAM
+    return None
+
+
+def _keep_parameter_views(v: fx.Node, reader: fx.Node, cat: dict, kinds: dict[fx.Node, str],
+                          color: dict) -> set[fx.Node]:
+    """Paint float32 the clear ops between a parameter and ``reader``, which reads it in float32
+    (else a later step could paint such a view low next to another, low, user)."""
+    chain: set[fx.Node] = set()
+    stack = [v]
+    while stack:
+        n = stack.pop()
+        if kinds.get(n) != _PARAM or cat.get(n) is not Category.CLEAR or n in color:
+            continue
+        color[n] = (torch.float32, Rule.FIDELITY_OPERAND,
+                    f"a view of a float32 parameter that {reader.name!r} reads in float32: float32")
+        chain.add(n)
+        stack.extend(n.all_input_nodes)
+    return chain
+
+
+def _promotes(v: fx.Node, kind: str, u: fx.Node, cat: dict, u_set: set[fx.Node], exact: set[fx.Node],
+              policy: Policy) -> Rule | None:
+    """The rule by which ``u`` reading the float32 value ``v`` computes in float32, else ``None``."""
+    if v in fp32_slot_inputs(u, ops.ENTRIES.get(decision(u).op)) or not _has_dims(v):
+        return None
+    if u in exact:
+        return Rule.FIDELITY_EXACT
+    if cat[u] is Category.CLEAR and u not in u_set:
+        return None  # a view or clear op that only leads to a GEMM: cast after it, not computed in float32
+    if kind == _STREAM and policy.float32_stream:
+        return Rule.FIDELITY_STREAM
+    entry = ops.ENTRIES.get(decision(u).op)
+    if kind == _PARAM and policy.float32_operands and entry is not None and entry.additive:
+        return Rule.FIDELITY_OPERAND
+    return None
+
+
+def _reason(rule: Rule, v: fx.Node, kind: str) -> str:
+    what = f"float32 {kind} {v.name!r}"
+    return {Rule.FIDELITY_STREAM: f"reads the {what}: computes in float32 as type promotion would, instead of "
+                                  "rounding it (a residual stream, carried state or position keeps its low bits)",
+            Rule.FIDELITY_OPERAND: f"adds the {what}: computes in float32 so the operand's low bits survive",
+            Rule.FIDELITY_EXACT: f"reads the {what} and its value reaches an integer conversion, index or "
+                                 "comparison: computes in float32 so that value stays exact",
+            }[rule]
+
+
+def _has_dims(v: fx.Node) -> bool:
+    """A 0-dim tensor does not promote a dimensioned one (unknown shapes: assume it has dimensions)."""
+    infos = out_infos(v)
+    return not infos or len(infos[0].shape) > 0
+
+
+def _float32_kind(n: fx.Node, cat: dict, decided: dict[fx.Node, Decision], denied: set[fx.Node]) -> str | None:
+    """``"parameter"`` for a float32 parameter or buffer, ``"activation"`` for any other value that is
+    float32 whatever the painting does (graph inputs, float32 ops, embeddings, factories, ``.float()``),
+    ``None`` for the rest."""
+    d = decided[n]
+    if d.kind == "get_attr":
+        return _PARAM if d.out == torch.float32 else None
+    if d.kind == "placeholder":
+        return _STREAM if d.out == torch.float32 else None
+    if d.kind == "output" or not _produces_float32(n, decided):
+        return None
+    if n in denied or d.category is Category.DENY or (d.category is Category.FP32 and d.dtype == torch.float32):
+        return _STREAM
+    if d.category is Category.PASS and _pass_float32(n, d, decided):
+        return _STREAM
+    return None
+
+
+def _produces_float32(n: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
+    infos = out_infos(n)
+    if infos is None:
+        return carries_float(n, decided)
+    return original_dtype(n) == torch.float32 and any(i.dtype == torch.float32 for i in infos)
+
+
+def _pass_float32(n: fx.Node, d: Decision, decided: dict[fx.Node, Decision]) -> bool:
+    """A left-as-written op that makes float32 whatever its inputs' dtype: an embedding's gather
+    from a float32 table, an explicit ``.float()`` / ``.to(torch.float32)``, a factory whose dtype
+    its constant arguments fix (``arange``, ``zeros``; not ``zeros_like(x)``)."""
+    entry = ops.ENTRIES.get(d.op)
+    if entry is None or d.rule is Rule.NON_FLOAT:
+        return False
+    if entry.result is Result.FP32:
+        return True
+    if entry.result is Result.CAST:
+        named = [dict(entry.cast_to).get(str(n.target)), *n.args[1:], *n.kwargs.values()]
+        return torch.float32 in [a for a in named if isinstance(a, torch.dtype)]
+    if entry.result is None:  # a factory
+        return not any(carries_float(p, decided) for p in n.all_input_nodes)
+    return False
+
+
+def _exact_cone(nodes: list[fx.Node], cat: dict, decided: dict[fx.Node, Decision]) -> set[fx.Node]:
+    """The infer/clear nodes whose value reaches an exact consumer through infer/clear nodes."""
+    starts = [n for n in nodes if _exact_consumer(n, decided[n])]
+    cone: set[fx.Node] = set()
+    queue = deque(starts)
+    while queue:  # through infer/clear ops, and through the float32 ops they feed (floor, round)
+        n = queue.popleft()
+        for p in n.all_input_nodes:
+            if p not in cone and cat.get(p) in (*PAINTED, Category.FP32):
+                cone.add(p)
+                queue.append(p)
+    return {n for n in cone if cat.get(n) in PAINTED}
+
+
+def _exact_consumer(n: fx.Node, d: Decision) -> bool:
+    """Does ``n`` need the exact values of the float data it reads (``x.long()``, ``x > t``, argmax)?"""
+    entry = ops.ENTRIES.get(d.op)
+    if entry is None or d.category is not Category.PASS:
+        return False
+    if entry.exact:
+        return True
+    return entry.result is Result.CAST and any(_integer_dtype(a) for a in (*n.args[1:], *n.kwargs.values()))
+
+
+def _integer_dtype(a: Any) -> bool:
+    return isinstance(a, torch.dtype) and not (a.is_floating_point or a.is_complex)
