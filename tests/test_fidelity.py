@@ -66,7 +66,8 @@ def test_positions_after_long_are_exact(dtype):
     assert torch.equal(want, torch.arange(600).expand(2, 600)), "the model's own premise: float32 gives positions"
     assert int((auto != want).sum()) == 0, "the model's own premise: autocast is exact"
     wrong = int((got != want).sum())
-    assert wrong == 0, f"{wrong} of {want.numel()} indices differ from float32's (first at {(got != want).nonzero()[:3].tolist()})"
+    first = (got != want).nonzero()[:3].tolist()
+    assert wrong == 0, f"{wrong} of {want.numel()} indices differ from float32's (first at {first})"
 
 
 # ----------------------------------------------------------------------------- the measurement itself
