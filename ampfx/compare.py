@@ -12,7 +12,8 @@ The loss is computed inside the autocast region, as torch's AMP recipe does
 
 Each run starts from the same state: the model's buffers (batch-norm
 statistics), its modules' attributes and the random state are put back after
-each run (so dropout draws the same masks in all three), each parameter's
+each run (so dropout draws the same masks in all three: checked on the
+device, a note says where the low dtype's masks would differ), each parameter's
 ``.grad`` is cleared before and the caller's ``.grad`` put back after, and
 the model keeps its training mode. ``amp`` shares ``model``'s parameters
 (that is checked: an ``amp`` converted from another model is refused), so
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from .arguments import check_inputs
@@ -45,7 +47,7 @@ from .errors import ArgumentError, ExampleInputsError
 from .inputs import ExampleInputs
 from .passes.calibrate import _default_loss
 from .report import Report, dtype_name
-from .state import untouched
+from .state import kept_random, kept_rng, untouched
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,7 @@ class _Run:
 
     outputs: tuple[tuple[str, torch.Tensor], ...]
     grads: dict[str, torch.Tensor | None]
+    drew: bool = False  # the run drew random numbers (dropout)
 
 
 def compare(model: nn.Module, amp: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
@@ -231,6 +234,10 @@ def compare(model: nn.Module, amp: nn.Module, batch: Any, loss_fn: Callable[[Any
         for p, g in saved.items():
             p.grad = g
     notes = _notes(report, ref, mine, theirs, why) + node_notes
+    if ref.drew and not _dropout_masks_match(device, report.dtype):
+        notes += (f"the model draws random numbers (dropout) and on {device} dropout draws other masks for "
+                  f"{dtype_name(report.dtype)} than for float32: the errors include different masks; compare in "
+                  "eval mode (model.eval()) for rounding alone",)
     return _comparison(report.dtype, device, (ref, mine, theirs), top, nodes, notes, why)
 
 
@@ -272,7 +279,7 @@ def _run(model: nn.Module, module: nn.Module, inputs: ExampleInputs, loss: _Loss
     gradients are taken off the parameters (each ``.grad`` left ``None``)."""
     for p in params.values():
         p.grad = None
-    with untouched(model, *inputs.tensors()):
+    with untouched(model, *inputs.tensors()), kept_random() as seen, torch.enable_grad():
         with context:
             try:
                 out = inputs.snapshot().call(module)
@@ -286,7 +293,19 @@ def _run(model: nn.Module, module: nn.Module, inputs: ExampleInputs, loss: _Loss
     grads = {n: (p.grad.detach() if p.grad is not None else None) for n, p in params.items()}
     for p in params.values():
         p.grad = None
-    return _Run(_float_leaves(out), grads)
+    return _Run(_float_leaves(out), grads, seen.drew)
+
+
+def _dropout_masks_match(device: str, dtype: torch.dtype) -> bool:
+    """Whether dropout on ``device`` draws the same mask for a float32 tensor and a ``dtype`` one
+    from the same random state (so the three runs drop the same units). It does on CPU; a
+    device whose kernel draws per dtype differently would make the errors compare masks."""
+    x = torch.ones(4096, device=device)
+    masks = []
+    for t in (x, x.to(dtype)):
+        with kept_rng(x):
+            masks.append(F.dropout(t, 0.5, training=True) != 0)
+    return torch.equal(masks[0], masks[1])
 
 
 def _float_leaves(out: Any) -> tuple[tuple[str, torch.Tensor], ...]:

@@ -1,4 +1,5 @@
 """ampfx.compare and `ampfx compare`: ampfx and torch.autocast measured against float32 on one batch."""
+import importlib
 import json
 import math
 
@@ -180,6 +181,31 @@ class Counter(nn.Module):
     def forward(self, x):
         self.calls.add_(1)
         return self.fc(x) * self.calls
+
+
+def test_a_device_whose_dropout_masks_differ_by_dtype_gets_a_note(monkeypatch):
+    """Where dropout would draw other masks in the low dtype (checked on the device), a model that
+    draws random numbers gets a note saying its errors include different masks; one that draws
+    none gets no such note."""
+    compare_module = importlib.import_module("ampfx.compare")  # ampfx.compare is the function
+    assert compare_module._dropout_masks_match("cpu", torch.bfloat16)  # CPU: same masks
+    monkeypatch.setattr(compare_module, "_dropout_masks_match", lambda device, dtype: False)
+    torch.manual_seed(4)
+    model, x = Noisy(), torch.randn(8, 8)
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,))
+    assert any("other masks" in n for n in ampfx.compare(model, amp, x).notes)
+    model.eval()
+    assert not any("other masks" in n for n in ampfx.compare(model, amp, x).notes)
+
+
+def test_compare_measures_gradients_under_no_grad():
+    """A caller's torch.no_grad() does not turn the gradients off: compare needs them."""
+    torch.manual_seed(11)
+    model, x = MLP(), torch.randn(4, 12)
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,))
+    with torch.no_grad():
+        c = ampfx.compare(model, amp, x)
+    assert c.gradient is not None and c.gradient.ampfx > 0 and c.params[0].ampfx is not None
 
 
 def test_buffers_do_not_leak_between_runs():
