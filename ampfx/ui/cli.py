@@ -1,8 +1,9 @@
-"""The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``plot``.
+"""The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``compare``, ``plot``.
 
     ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png]
     ampfx lists [--dtype bf16|fp16]
     ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json|html] [--out DIR] [--html FILE]
+    ampfx compare TARGET --input 8,16 [--dtype bf16|fp16] [--top N] [--json FILE] [--seed N]
     ampfx plot TARGET [--dtype fp16|bf16] --input 8,3,32,32 [--loss ce|mse] [--by module|op] [--log-y] [--out FILE.png]
 
 ``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
@@ -23,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from ..api import convert
+from ..compare import compare
 from ..ops import LISTS
 from ..policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
 
@@ -179,6 +181,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Convert the model and print :func:`ampfx.compare`'s tables (and write them as JSON)."""
+    if not args.input:
+        raise CLIError("compare runs the model: give at least one --input, e.g. --input 8,16")
+    _check_writable(args.json, "--json")
+    torch.manual_seed(args.seed)  # the model's initial weights and the random inputs, repeatable
+    model = load_target(args.target)
+    inputs = tuple(parse_input(s) for s in args.input)
+    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
+    result = compare(model, amp, inputs, top=args.top)
+    print(result.table(color=sys.stdout.isatty()))
+    if args.json:
+        _write(args.json, json.dumps(result.to_dict(), indent=2) + "\n", "--json")
+        print(f"comparison written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo
 
@@ -234,6 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
     e.add_argument("--html", metavar="FILE", help="write the decision log as a self-contained HTML page")
     e.set_defaults(func=cmd_explain)
+    c = sub.add_parser("compare", help="convert a model, then measure its output and gradient errors against "
+                                       "float32 beside torch.autocast's")
+    c.add_argument("target", help="module.path:callable or file.py:callable returning the float32 model")
+    c.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
+    c.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an input of the batch, e.g. 8,16 or 8,128:int64 (repeat for several)")
+    c.add_argument("--top", type=_positive, default=10, help="parameters listed, worst first (default 10)")
+    c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    c.add_argument("--seed", type=int, default=0,
+                   help="torch's seed for the model's weights and the inputs (default 0)")
+    c.add_argument("--tracer", choices=["auto", "fx", "export"], default="auto",
+                   help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
+    c.set_defaults(func=cmd_compare)
     pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
                                      "(needs matplotlib)")
     pl.add_argument("target", help="module.path:callable or file.py:callable returning the float32 model")
