@@ -9,10 +9,12 @@ from . import integrations  # noqa: F401 - registers other libraries' op tables 
 from .debug import NonFiniteError, debug
 from .measure import count_casts
 from .api import convert
+from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
-           "debug", "NonFiniteError"]
+           "debug", "NonFiniteError",
+           "sensitivity", "SensitivityResult", "NodeSensitivity"]
 __version__ = "0.1.0"
