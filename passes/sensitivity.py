@@ -109,7 +109,7 @@ def search(evaluate: Callable[[tuple], Errors], items: Sequence[Any], threshold:
     >>> bad = {3, 11}
     >>> s = search(lambda g: Errors(1.0 if bad & set(g) else 0.0), range(16), 0.5, Budget())
     >>> [item for item, _ in s.found], s.evaluations, s.complete
-    ([3, 11], 14, True)
+    ([3, 11], 16, True)
     """
     started = time.monotonic() if started is None else started
     used, order = spent, itertools.count()
