@@ -10,11 +10,13 @@ from .debug import NonFiniteError, debug
 from .measure import count_casts
 from .api import convert
 from .compare import Comparison, ParamError, compare
+from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
-           "compare", "Comparison", "ParamError"]
+           "compare", "Comparison", "ParamError",
+           "sensitivity", "SensitivityResult", "NodeSensitivity"]
 __version__ = "0.1.0"

@@ -8,6 +8,8 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 - ``OUT_INFOS``: a tuple of :class:`~ampfx.passes.shapes.TensorInfo`, the dtype and
   sizes of each tensor the node produced before conversion (shape propagation);
 - ``CALIB``: what calibration saw of the node's output and gradient;
+- ``SENSITIVITY``: how far rounding the node's result alone to the low dtype moved the output and
+  the gradients in calibration (:class:`~ampfx.passes.sensitivity.Errors`), for nodes over the threshold;
 - ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call;
 - ``USER_FLOAT32``: why the user asked for the node to stay float32 (it was traced inside
   ``torch.autocast(..., enabled=False)``), written while capturing (:mod:`ampfx.capture.semantics`).
@@ -26,6 +28,7 @@ import torch.fx as fx
 RECORD = "ampfx"
 OUT_INFOS = "ampfx_out"
 CALIB = "ampfx_calib"
+SENSITIVITY = "ampfx_sensitivity"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 
@@ -48,6 +51,11 @@ def out_infos(node: fx.Node) -> tuple | None:
 def calib(node: fx.Node) -> Any:
     """What calibration recorded for ``node``, or ``None``."""
     return node.meta.get(CALIB)
+
+
+def sensitivity(node: fx.Node) -> Any:
+    """How far rounding ``node`` alone moved the model in calibration, or ``None`` (not found sensitive)."""
+    return node.meta.get(SENSITIVITY)
 
 
 def user_float32(node: fx.Node) -> str | None:

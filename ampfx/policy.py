@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -153,6 +154,10 @@ def _module_names(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+SENSITIVITY_THRESHOLD = 0.1
+"""Calibration keeps float32 a node whose rounding alone moves the output or a parameter gradient by more
+than this (relative): chosen by measurement, see docs/numerics.md ("Precision sensitivity")."""
+
 _BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values")
 
 
@@ -167,6 +172,11 @@ def _check_fields(p: "Policy") -> None:
     for name in _BOOLS:
         if not isinstance(getattr(p, name), bool):
             raise PolicyError(f"{name}={getattr(p, name)!r}: use True or False")
+    threshold = p.sensitivity_threshold
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0 <= threshold < math.inf):
+        raise PolicyError(f"sensitivity_threshold={threshold!r}: use a relative error >= 0 (default "
+                          f"{SENSITIVITY_THRESHOLD:g}), or 0 / None to turn the precision check of calibration off")
     margin = p.calibration_margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
@@ -208,6 +218,9 @@ class Policy:
     pad_multiple: int | None = None
     #: calibration keeps float32 the nodes whose values exceed the dtype's max divided by this
     calibration_margin: float = 2.0
+    #: calibration keeps float32 the nodes whose rounding alone moves the output or a parameter gradient
+    #: by more than this relative error (ampfx.passes.sensitivity); 0 or None: off
+    sensitivity_threshold: float | None = SENSITIVITY_THRESHOLD
     probe: bool = True
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
@@ -350,6 +363,9 @@ ENV_VARS: dict[str, str] = {
                               "(rule fidelity:operand; default 1)",
     "AMPFX_EXACT_VALUES": "0 to let values that reach integer conversions or comparisons be rounded "
                           "(rule fidelity:exact; default 1)",
+    "AMPFX_SENSITIVITY_THRESHOLD": "calibration keeps float32 the nodes whose rounding alone moves the output or a "
+                                   f"gradient by more than this relative error (default {SENSITIVITY_THRESHOLD:g}; "
+                                   "0 or off: no precision check)",
 }
 _BOOL_VARS = {"AMPFX_DISABLE": "disable", "AMPFX_FLOAT32_STREAM": "float32_stream",
               "AMPFX_FLOAT32_OPERANDS": "float32_operands", "AMPFX_EXACT_VALUES": "exact_values"}
@@ -360,6 +376,20 @@ def _int_env(var: str, value: str) -> int:
         return int(value.replace("_", "").replace(",", ""))
     except ValueError:
         raise PolicyError(f"{var}={value!r}: use a whole number, e.g. 65536") from None
+
+
+def _threshold_env(value: str) -> float | None:
+    """``AMPFX_SENSITIVITY_THRESHOLD``: a number, or ``off`` / ``none`` / empty for no precision check.
+
+    >>> _threshold_env("0.1"), _threshold_env("off")
+    (0.1, None)
+    """
+    if value.strip().lower() in ("", "off", "none"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise PolicyError(f"AMPFX_SENSITIVITY_THRESHOLD={value!r}: use a relative error such as 0.05, or off") from None
 
 
 def _split(var: str, value: str) -> tuple[str, ...]:
@@ -410,6 +440,8 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
         changes["reduction_threshold"] = _int_env("AMPFX_REDUCTION_THRESHOLD", seen["AMPFX_REDUCTION_THRESHOLD"])
     if "AMPFX_PAD_MULTIPLE" in seen:
         changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
+    if "AMPFX_SENSITIVITY_THRESHOLD" in seen:
+        changes["sensitivity_threshold"] = _threshold_env(seen["AMPFX_SENSITIVITY_THRESHOLD"])
     if "AMPFX_PAD" in seen:
         changes["pad"] = seen["AMPFX_PAD"].strip().lower()
     for var, fname in _BOOL_VARS.items():

@@ -142,6 +142,9 @@ class Rule(str, enum.Enum):
         "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32")
     CALIBRATION_OVERFLOW = "calibration:overflow", _about(
         "calibration saw this node's output or gradient exceed the low dtype's range")
+    CALIBRATION_SENSITIVE = "calibration:sensitive", _about(
+        "calibration saw that rounding this node's result alone to the low dtype moves the output or a parameter "
+        "gradient by more than sensitivity_threshold", word="precision-sensitive")
     PAD = "pad", _about("a node ampfx added to slice a padded GEMM's output back", inserted=True)
     INPLACE = "inplace", _about("an in-place op keeps the dtype of the tensor it mutates", word="in-place")
     RANGE_CONSTANT = "range:constant", _about(

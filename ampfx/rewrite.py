@@ -13,10 +13,12 @@ captured graph (the whole model, or one region of it):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 from . import guards
@@ -25,10 +27,10 @@ from .graph_module import AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from . import runtime
 from .meta import RECORD, leaf_param_casts, record
-from .passes import PIPELINE, calibrate, shapes
+from .passes import PIPELINE, calibrate, paint, sensitivity, shapes
 from .passes.context import PassContext
 from .policy import Policy
-from .report import CastInfo, Decision, Region, Report
+from .report import COMPUTE, CastInfo, Decision, Region, Report
 from .state import keep_hooks
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
@@ -73,8 +75,9 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       leaf_facts=leaf_facts)
+    precision = find_sensitive(gm, ctx, request) if prefix == "" else []
     run_passes(gm, ctx)
-    notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes]
+    notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes, *precision]
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
@@ -101,6 +104,39 @@ def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, 
         if advice:
             notes.append(advice)
     return Analysis(symbols, note, tuple(notes))
+
+
+SENSITIVITY_BUDGET = sensitivity.Budget(evaluations=256)
+"""What the precision check of calibration may spend: with k sensitive nodes among n it needs
+about 2 k log2(n) evaluations (each a forward and backward per calibration batch)."""
+
+
+def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request) -> list[str]:
+    """With ``calibrate=`` batches and a ``sensitivity_threshold``, the nodes the passes would paint
+    low are searched for those whose rounding alone hurts (:func:`ampfx.passes.sensitivity.record`
+    marks them; the calibrate pass keeps them float32). Returns the report's note."""
+    threshold = request.policy.sensitivity_threshold
+    if request.calibrate is None or not threshold or not ctx.has_shapes:
+        return []
+    low = planned_low(gm, ctx)
+    candidates = [n for n in gm.graph.nodes if n.name in low]
+    batches, loss_fn = request.calibrate
+    found = sensitivity.record(gm, batches, loss_fn, ctx.policy.dtype, candidates, threshold, SENSITIVITY_BUDGET)
+    whole = "" if found.whole is None else (f"; all of them rounded together: output {found.whole.out_err:.2g}, "
+                                            f"gradient {found.whole.grad_err:.2g}")
+    unfinished = "" if found.complete else f" (stopped at the budget of {SENSITIVITY_BUDGET.evaluations})"
+    return [f"calibration: precision sensitivity of {len(candidates)} low-precision nodes in {found.evaluations} "
+            f"evaluations{unfinished}: {len(found.found)} over sensitivity_threshold {threshold:g}{whole}"]
+
+
+def planned_low(gm: AmpGraphModule, ctx: PassContext) -> set[str]:
+    """Names of the nodes the pipeline would compute in the low dtype: the passes up to painting,
+    run on a copy of the graph (``gm`` and its ``node.meta`` are left as they are)."""
+    dry = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node.meta dicts are copied: the passes write the copies
+    for pass_ in PIPELINE[:PIPELINE.index(paint.paint) + 1]:
+        pass_(dry, ctx)
+    return {n.name for n in dry.graph.nodes if isinstance(record(n), Decision) and record(n).kind in COMPUTE
+            and record(n).dtype == ctx.policy.dtype}
 
 
 def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:

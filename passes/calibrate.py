@@ -11,7 +11,11 @@ whose output or gradient would overflow the low dtype with the policy's
 safety margin: it becomes DENY (rule ``calibration:overflow``), so float32
 also flows forward through the infer/clear ops that would carry the large
 values. Nodes losing more than 1% of their gradient values to underflow are
-flagged in the reason. :func:`loss_scale_advice` turns the gradients into the
+flagged in the reason. A node whose rounding alone moved the output or a
+parameter gradient by more than ``Policy.sensitivity_threshold`` in
+calibration (``node.meta['ampfx_sensitivity']``, written by
+:func:`ampfx.passes.sensitivity.record`) becomes DENY float32 too (rule
+``calibration:sensitive``). :func:`loss_scale_advice` turns the gradients into the
 NVIDIA guide's static loss-scale choice.
 
 Before: ``linear`` Decision(category=ALLOW, rule='table'), calibration saw max |output| 3.1e+05 under fp16
@@ -110,15 +114,18 @@ def _default_loss(out: Any) -> torch.Tensor:
 
 
 def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Keep float32 the nodes calibration saw overflow the low dtype (see module docstring)."""
+    """Keep float32 the nodes calibration saw overflow the low dtype, or found precision-sensitive
+    (see the module docstring)."""
     low = ctx.policy.dtype
     limit = torch.finfo(low).max / ctx.policy.calibration_margin
     name = dtype_name(low)
     for node in gm.graph.nodes:
         s: Stats | None = meta.calib(node)
         d = meta.record(node)
-        if s is None or not isinstance(d, Decision) or d.category not in (
-                Category.ALLOW, Category.INFER, Category.CLEAR):
+        if not isinstance(d, Decision) or d.category not in (Category.ALLOW, Category.INFER, Category.CLEAR):
+            continue
+        if s is None:
+            node.meta[meta.RECORD] = _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
             continue
         flag = ""
         if s.grad_below_subnormal > UNDERFLOW_FLAG:
@@ -130,9 +137,22 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
                 d, category=Category.DENY, dtype=torch.float32, rule=Rule.CALIBRATION_OVERFLOW,
                 reason=f"max |{worst[0]}| {worst[1]:.3g} in calibration exceeds {name}'s {torch.finfo(low).max:.0f} "
                        f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
-        elif flag:
-            d = dataclasses.replace(d, reason=d.reason + flag)
+        else:
+            d = _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
+            d = dataclasses.replace(d, reason=d.reason + flag) if flag else d
         node.meta[meta.RECORD] = d
+
+
+def _sensitive(d: Decision, errors: Any, threshold: float | None, name: str) -> Decision:
+    """``d`` made DENY float32 (rule ``calibration:sensitive``) when rounding the node alone moved
+    the model by more than ``threshold`` in calibration (:mod:`ampfx.passes.sensitivity`)."""
+    if errors is None or not threshold or errors.score <= threshold:
+        return d
+    return dataclasses.replace(
+        d, category=Category.DENY, dtype=torch.float32, rule=Rule.CALIBRATION_SENSITIVE,
+        reason=f"rounding its result alone to {name} in calibration moves the output by {errors.out_err:.3g} and a "
+               f"parameter gradient by {errors.grad_err:.3g} (relative), over sensitivity_threshold {threshold:g}: "
+               "float32")
 
 
 def loss_scale_advice(gm: fx.GraphModule, low: torch.dtype) -> str | None:
