@@ -377,6 +377,8 @@ def variants(switches: bool = True) -> dict[str, Callable[[nn.Module, torch.dtyp
     out = {"ampfx": _ampfx()}
     if switches:
         out.update({f"ampfx {name}=False": _ampfx(**{name: False}) for name in fidelity_switches()})
+        if len(fidelity_switches()) > 1:  # TF-AMP's painting alone: the plan before issue #16's rules
+            out["ampfx all off"] = _ampfx(**{name: False for name in fidelity_switches()})
     out["autocast"] = _autocast
     return out
 
