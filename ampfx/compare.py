@@ -483,6 +483,10 @@ def _notes(report: Report, ref: _Run, mine: _Run, theirs: _Run | None, why: str 
     return tuple(notes)
 
 
+NODE_BUDGET = 64
+"""Forward/backward runs :func:`compare` lets ``ampfx.sensitivity`` spend ranking the nodes."""
+
+
 def _nodes(model: nn.Module, amp: nn.Module, batch: tuple[Any, ExampleInputs], loss_fn: Any,
            top: int) -> tuple[tuple[NodeError, ...], tuple[str, ...]]:
     """The nodes ``ampfx.sensitivity(amp, batch, loss_fn=, top=)`` finds most responsible (worst
@@ -493,7 +497,8 @@ def _nodes(model: nn.Module, amp: nn.Module, batch: tuple[Any, ExampleInputs], l
         return (), ("nodes most responsible: not measured (this ampfx has no ampfx.sensitivity)",)
     try:
         with untouched(model, *inputs.tensors()):
-            records = list(sensitivity(amp, given, loss_fn=loss_fn, top=top))
+            # threshold 0 ranks every low node (bisecting down to single nodes), capped by NODE_BUDGET evaluations
+            records = list(sensitivity(amp, given, loss_fn=loss_fn, top=top, threshold=0.0, budget=NODE_BUDGET))
     except Exception as e:  # noqa: BLE001 - an optional figure: reported, the comparison stands
         return (), (f"nodes most responsible: ampfx.sensitivity failed ({type(e).__name__}: {e})",)
     return tuple(_node_error(r) for r in records[:top]), ()
