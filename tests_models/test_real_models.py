@@ -88,7 +88,7 @@ def test_timm_vit_tiny():
     mods = {(r.module, r.op): r for r in o.report.compute}
     assert mods[("blocks.0.attn.qkv", "linear")].dtype == torch.bfloat16
     # layer_norm is on the infer list (its kernel keeps statistics in float32): it follows its neighbours
-    assert mods[("blocks.0.norm1", "layer_norm")].rule.startswith("paint:")
+    assert mods[("blocks.0.norm1", "layer_norm")].rule.startswith(("paint:", "fidelity:"))  # norm1 reads the float32 stream
     assert mods[("head", "linear")].dtype == torch.bfloat16
     softmaxes = [r for r in o.report.compute if r.op in ("softmax", "scaled_dot_product_attention")]
     assert softmaxes and all(r.module.startswith("blocks.") for r in softmaxes)
@@ -141,7 +141,8 @@ def test_hf_gpt2_lm():
             lambda out: out.loss.float())
 
     assert o.rel_err < 0.05
-    assert o.casts_ampfx < o.casts_autocast, (o.casts_ampfx, o.casts_autocast)
+    # the residual stream stays float32 as under autocast; CPU autocast runs softmax low (#15)
+    assert o.casts_ampfx <= o.casts_autocast, (o.casts_ampfx, o.casts_autocast)
     assert_trains_like_fp32(o)
     assert_captured_whole(o.report)
     recs = {(r.module, r.op): r for r in o.report.compute}
