@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 from .arguments import check_inputs
 from .errors import ArgumentError, ExampleInputsError
 from .inputs import ExampleInputs
-from .passes.calibrate import _default_loss
+from .passes.calibrate import default_loss
 from .report import Report, dtype_name
 from .state import kept_random, kept_rng, untouched
 
@@ -252,7 +252,7 @@ class _Loss:
     fn: Callable[[Any], Any] | None
 
     def __call__(self, output: Any) -> torch.Tensor:
-        value = self.fn(output) if self.fn is not None else _default_loss(output)
+        value = self.fn(output) if self.fn is not None else default_loss(output)
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
             return value.reshape(())
         got = (f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)

@@ -95,7 +95,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
     with kept_buffers(gm, grads=True), kept_rng(*gm.parameters()):  # dropout draws nothing from the caller's
         for batch in batches:
             out = Recorder(gm).run(*ExampleInputs.of(batch).positional(gm))
-            loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+            loss = loss_fn(out) if loss_fn is not None else default_loss(out)
             if loss.requires_grad:
                 loss.backward()
             count += 1
@@ -104,7 +104,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
     return count
 
 
-def _default_loss(out: Any) -> torch.Tensor:
+def default_loss(out: Any) -> torch.Tensor:
     """The model's own output if it is a scalar (a model that returns its loss), else
     the mean of its float outputs (pass ``calibrate_loss`` for realistic gradients)."""
     floats = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]

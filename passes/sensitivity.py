@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import meta
 from ..inputs import ExampleInputs
 from ..state import kept_buffers, kept_rng
-from .calibrate import _default_loss
+from .calibrate import default_loss
 
 
 GRAD_FLOOR = 1e-2
@@ -210,7 +210,7 @@ def run_once(call: Callable[[], Any], module: torch.nn.Module, params: Sequence[
     with kept_rng(*params), kept_buffers(module), torch.enable_grad():
         out = call()
         outputs = tuple(t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
-        loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+        loss = loss_fn(out) if loss_fn is not None else default_loss(out)
         if not (params and isinstance(loss, torch.Tensor) and loss.requires_grad):
             return Run(outputs, ())
         grads = torch.autograd.grad(loss, list(params), allow_unused=True)

@@ -26,3 +26,13 @@ def _no_ampfx_env(monkeypatch):
         if k.startswith("AMPFX_"):
             monkeypatch.delenv(k)
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (two threads on a busy two-core machine make a small conv 100x
+    slower). Modules use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -255,13 +255,20 @@ class SelectiveScan(nn.Module):
         return self.out(torch.stack(ys, dim=1))
 
 
+def _mse_case(build: Callable[[], nn.Module], shape: tuple[int, ...], seed: int,
+              output: Callable[[Any], torch.Tensor] = lambda out: out):
+    """``build()`` under the weight seed, an input and a random target of ``shape`` from ``seed``, and
+    the MSE of ``output(model's output)`` to the target."""
+    with _seeded(WEIGHT_SEED):
+        model = build()
+    g = torch.Generator().manual_seed(seed)
+    x, target = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    return model, (x,), lambda out: F.mse_loss(output(out), target)
+
+
 def ssm(seed: int = 0):
     """The scan over 16 steps (batch 4, width 16, state 8); MSE to a random target."""
-    with _seeded(WEIGHT_SEED):
-        model = SelectiveScan()
-    g = torch.Generator().manual_seed(seed)
-    u, target = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 16, generator=g)
-    return model, (u,), lambda y: F.mse_loss(y, target)
+    return _mse_case(SelectiveScan, (4, 16, 16), seed)
 
 
 # ----------------------------------------------------------------------------- positions
@@ -284,11 +291,7 @@ class Positions(nn.Module):
 
 def positions(seed: int = 0):
     """T = 600 positions, batch 2, width 16; MSE on the output (the indices carry no gradient)."""
-    with _seeded(WEIGHT_SEED):
-        model = Positions()
-    g = torch.Generator().manual_seed(seed)
-    x, target = torch.randn(2, 600, 16, generator=g), torch.randn(2, 600, 16, generator=g)
-    return model, (x,), lambda out: F.mse_loss(out[0], target)
+    return _mse_case(Positions, (2, 600, 16), seed, output=lambda out: out[0])
 
 
 # ----------------------------------------------------------------------------- small norm
@@ -307,11 +310,7 @@ class SmallNorm(nn.Module):
 
 def small_norm(seed: int = 0):
     """Batch 8 x 4 tokens x width 16; MSE to a random target."""
-    with _seeded(WEIGHT_SEED):
-        model = SmallNorm()
-    g = torch.Generator().manual_seed(seed)
-    x, target = torch.randn(8, 4, 16, generator=g), torch.randn(8, 4, 16, generator=g)
-    return model, (x,), lambda y: F.mse_loss(y, target)
+    return _mse_case(SmallNorm, (8, 4, 16), seed)
 
 
 FAMILIES: dict[str, Callable[..., tuple[nn.Module, tuple, Callable[[Any], torch.Tensor]]]] = {

@@ -17,13 +17,7 @@ import fuzzgraphs as fg
 N_CI = 200
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two threads on a busy two-core machine make a small conv 100x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("seed", range(N_CI))

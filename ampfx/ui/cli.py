@@ -230,6 +230,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tracer_option(p: argparse.ArgumentParser) -> None:
+    """``--tracer``, as :func:`ampfx.convert`'s ``tracer=`` takes it."""
+    p.add_argument("--tracer", choices=["auto", "fx", "export"], default="auto",
+                   help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampfx", description="Automatic mixed precision as a torch.fx graph rewrite.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,8 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
     e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
-    e.add_argument("--tracer", choices=["auto", "fx", "export"], default="auto",
-                   help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
+    _tracer_option(e)
     e.add_argument("--format", choices=["table", "json", "html"], default="table",
                    help="table (default), json (one record per line) or html (the graph page, to stdout)")
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
@@ -263,8 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     c.add_argument("--seed", type=int, default=0,
                    help="torch's seed for the model's weights and the inputs (default 0)")
-    c.add_argument("--tracer", choices=["auto", "fx", "export"], default="auto",
-                   help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
+    _tracer_option(c)
     c.set_defaults(func=cmd_compare)
     pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
                                      "(needs matplotlib)")
