@@ -107,6 +107,9 @@ def other_float(dtype: Any) -> bool:
     return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex) and dtype not in CASTABLE
 
 
+DYNAMIC = "dynamic"
+"""A value whose dtype ampfx knows only at run time (``x.to(y)``, a factory without example inputs)."""
+
 RUN_TIME = "run-time"
 """A value of a float dtype ampfx does not convert whose exact dtype is known only at run time."""
 
@@ -333,3 +336,36 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
         verdict = decide.Verdict(Category.FP32, torch.float32, Rule.RANGE_CONSTANT,
                                  f"{name} uses the constant {big:.4g}, outside {dtype_name(low)}'s range: float32")
     return verdict
+
+
+def pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
+    """The dtype a PASS node (explicit cast, factory, table gather) produces, given ``out``, the dtypes
+    of the values before it (:data:`DYNAMIC`: known only at run time)."""
+    entry = ops.ENTRIES.get(d.op)
+    infos = out_infos(n)
+    meta_dtype = None
+    if infos is not None:
+        floats = [i.dtype for i in infos if i.dtype in CASTABLE]
+        meta_dtype = floats[0] if floats else None
+        if not floats:
+            return None
+    kind = entry.result if entry is not None else None
+    if d.rule is Rule.NON_FLOAT or kind is Result.NONFLOAT:
+        return None
+    if kind is Result.FP32:
+        return torch.float32
+    first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if kind is Result.CAST:
+        spelling = str(n.target)
+        fixed = dict(entry.cast_to)  # x.half(): a fixed dtype
+        if spelling in fixed:
+            return fixed[spelling]
+        for a in (*n.args[1:], *n.kwargs.values()):
+            if isinstance(a, torch.dtype):
+                return a if a in CASTABLE or other_float(a) else None
+            if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
+                return out.get(a, DYNAMIC) if spelling in entry.cast_like or out.get(a) in CASTABLE else DYNAMIC
+        return first  # .to(device), .cpu(): same dtype
+    if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
+        return meta_dtype  # factories: dtype fixed by constant arguments
+    return DYNAMIC

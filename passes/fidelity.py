@@ -44,11 +44,12 @@ from ..ops import Category, Result
 from ..policy import Policy
 from ..report import Decision, Rule
 from .casts import fp32_slot_inputs
-from .classify import carries_float, original_dtype
+from .classify import carries_float, original_dtype, pass_result
 
 PAINTED = (Category.INFER, Category.CLEAR)
 RULES = (Rule.FIDELITY_STREAM, Rule.FIDELITY_OPERAND, Rule.FIDELITY_EXACT)
 _STREAM, _PARAM = "activation", "parameter"
+_ASSUMED = "assumed activation"  # a factory's value without example inputs: float32 or not, the run shows
 
 
 def float32_values(nodes: list[fx.Node], cat: dict, u_set: set[fx.Node], color: dict, denied: set[fx.Node],
@@ -115,7 +116,7 @@ def _promotes(v: fx.Node, kind: str, u: fx.Node, cat: dict, u_set: set[fx.Node],
         return Rule.FIDELITY_EXACT
     if cat[u] is Category.CLEAR and u not in u_set:
         return None  # a view or clear op that only leads to a GEMM: cast after it, not computed in float32
-    if kind == _STREAM and policy.float32_stream:
+    if kind in (_STREAM, _ASSUMED) and policy.float32_stream:
         return Rule.FIDELITY_STREAM
     entry = ops.ENTRIES.get(decision(u).op)
     if kind == _PARAM and policy.float32_operands and entry is not None and entry.additive:
@@ -124,7 +125,8 @@ def _promotes(v: fx.Node, kind: str, u: fx.Node, cat: dict, u_set: set[fx.Node],
 
 
 def _reason(rule: Rule, v: fx.Node, kind: str) -> str:
-    what = f"float32 {kind} {v.name!r}"
+    what = f"float32 {_STREAM if kind == _ASSUMED else kind} {v.name!r}" + (
+        " (assumed: without example_inputs its dtype is known only at run time)" if kind == _ASSUMED else "")
     return {Rule.FIDELITY_STREAM: f"reads the {what}: computes in float32 as type promotion would, instead of "
                                   "rounding it (a residual stream, carried state or position keeps its low bits)",
             Rule.FIDELITY_OPERAND: f"adds the {what}: computes in float32 so the operand's low bits survive",
@@ -142,7 +144,7 @@ def _has_dims(v: fx.Node) -> bool:
 def _float32_kind(n: fx.Node, cat: dict, decided: dict[fx.Node, Decision], denied: set[fx.Node]) -> str | None:
     """``"parameter"`` for a float32 parameter or buffer, ``"activation"`` for any other value that is
     float32 whatever the painting does (graph inputs, float32 ops, embeddings, factories, ``.float()``),
-    ``None`` for the rest."""
+    ``"assumed activation"`` for a factory whose dtype only the run shows, ``None`` for the rest."""
     d = decided[n]
     if d.kind == "get_attr":
         return _PARAM if d.out == torch.float32 else None
@@ -152,8 +154,9 @@ def _float32_kind(n: fx.Node, cat: dict, decided: dict[fx.Node, Decision], denie
         return None
     if n in denied or d.category is Category.DENY or (d.category is Category.FP32 and d.dtype == torch.float32):
         return _STREAM
-    if d.category is Category.PASS and _pass_float32(n, d, decided):
-        return _STREAM
+    if d.category is Category.PASS:
+        made = _pass_float32(n, d, decided)
+        return _STREAM if made else (_ASSUMED if made is None else None)
     return None
 
 
@@ -164,21 +167,23 @@ def _produces_float32(n: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
     return original_dtype(n) == torch.float32 and any(i.dtype == torch.float32 for i in infos)
 
 
-def _pass_float32(n: fx.Node, d: Decision, decided: dict[fx.Node, Decision]) -> bool:
-    """A left-as-written op that makes float32 whatever its inputs' dtype: an embedding's gather
-    from a float32 table, an explicit ``.float()`` / ``.to(torch.float32)``, a factory whose dtype
-    its constant arguments fix (``arange``, ``zeros``; not ``zeros_like(x)``)."""
+def _pass_float32(n: fx.Node, d: Decision, decided: dict[fx.Node, Decision]) -> bool | None:
+    """Does a left-as-written op make float32 whatever its inputs' dtype? An embedding's gather from a
+    float32 table, an explicit ``.float()`` / ``.to(torch.float32)`` (:func:`~.classify.pass_result`
+    says), a factory whose dtype its constant arguments fix (``arange(T, dtype=torch.float32)``,
+    ``zeros``; not ``zeros_like(x)``). ``None``: a factory whose dtype only the run shows (no
+    example inputs, no ``dtype=``: ``arange(T)`` is int64, ``zeros(T)`` float32)."""
     entry = ops.ENTRIES.get(d.op)
     if entry is None or d.rule is Rule.NON_FLOAT:
         return False
-    if entry.result is Result.FP32:
-        return True
-    if entry.result is Result.CAST:
-        named = [dict(entry.cast_to).get(str(n.target)), *n.args[1:], *n.kwargs.values()]
-        return torch.float32 in [a for a in named if isinstance(a, torch.dtype)]
-    if entry.result is None:  # a factory
-        return not any(carries_float(p, decided) for p in n.all_input_nodes)
-    return False
+    if entry.result is not None:
+        return pass_result(n, d, {}) == torch.float32
+    if any(carries_float(p, decided) for p in n.all_input_nodes):
+        return False  # zeros_like(x): x's dtype
+    named = n.kwargs.get("dtype")
+    if isinstance(named, torch.dtype):
+        return named == torch.float32
+    return True if out_infos(n) is not None else None
 
 
 def _exact_cone(nodes: list[fx.Node], cat: dict, decided: dict[fx.Node, Decision]) -> set[fx.Node]:

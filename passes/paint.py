@@ -48,10 +48,9 @@ from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
 from .casts import fp32_slot_inputs, needed_casts
-from .classify import carries_float, original_dtype, other_float, selects_float
+from .classify import DYNAMIC, carries_float, original_dtype, other_float, pass_result, selects_float
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
-DYNAMIC = "dynamic"
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
 Neighbours = Callable[[fx.Node], list[fx.Node]]
 Color = dict[fx.Node, tuple[torch.dtype, Rule, str]]  # node -> (dtype, entry, reason) painted so far
@@ -370,38 +369,6 @@ def _fp32_slot_inputs(n: fx.Node) -> set[fx.Node]:
     return set(fp32_slot_inputs(n, ops.ENTRIES.get(decision(n).op)))
 
 
-def _pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
-    """The dtype a PASS node (explicit cast, factory, table gather) produces."""
-    entry = ops.ENTRIES.get(d.op)
-    infos = out_infos(n)
-    meta_dtype = None
-    if infos is not None:
-        floats = [i.dtype for i in infos if i.dtype in CASTABLE]
-        meta_dtype = floats[0] if floats else None
-        if not floats:
-            return None
-    kind = entry.result if entry is not None else None
-    if d.rule is Rule.NON_FLOAT or kind is Result.NONFLOAT:
-        return None
-    if kind is Result.FP32:
-        return torch.float32
-    first = out.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    if kind is Result.CAST:
-        spelling = str(n.target)
-        fixed = dict(entry.cast_to)  # x.half(): a fixed dtype
-        if spelling in fixed:
-            return fixed[spelling]
-        for a in (*n.args[1:], *n.kwargs.values()):
-            if isinstance(a, torch.dtype):
-                return a if a in CASTABLE or other_float(a) else None
-            if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
-                return out.get(a, DYNAMIC) if spelling in entry.cast_like or out.get(a) in CASTABLE else DYNAMIC
-        return first  # .to(device), .cpu(): same dtype
-    if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
-        return meta_dtype  # factories: dtype fixed by constant arguments
-    return DYNAMIC
-
-
 def _selects(n: fx.Node, d: Decision) -> bool:
     """Does the op take a part of its first argument and keep its dtype (``OpEntry.select``: ``x[i]``)?
     An op whose result is non-float by default (``getattr``: ``x.shape``) selects only where shapes
@@ -440,7 +407,7 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
                                     reason="selects from its input; keeps the input's dtype (consumers cast the "
                                            "selection, which is smaller)")
         elif d.category is Category.PASS:
-            out[n] = _pass_result(n, d, out)
+            out[n] = pass_result(n, d, out)
         elif d.rule is Rule.OTHER_FLOAT:  # runs as written: what it produced before conversion
             floats = [i.dtype for i in out_infos(n) or () if i.dtype.is_floating_point or i.dtype.is_complex]
             out[n] = floats[0] if floats else (d.dtype or DYNAMIC)

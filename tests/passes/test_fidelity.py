@@ -164,3 +164,22 @@ def test_report_says_which_value_kept_the_node_float32():
     r = amp.ampfx_report.by_node("add")
     assert r.rule == "fidelity:stream" and "'x'" in r.reason and "type promotion" in r.reason
     assert "float32 stream" in amp.ampfx_report.summary()
+
+
+@pytest.mark.parametrize("dtype_kw,shapes,expect", [
+    ({}, True, None),  # arange(T) is int64: no float32 value to keep
+    ({"dtype": torch.float32}, False, "reads the float32 activation 'arange':"),
+    ({}, False, "(assumed: without example_inputs"),  # int64 or float32: only the run shows
+])
+def test_a_factory_is_a_float32_value_only_when_its_dtype_says_so(dtype_kw, shapes, expect):
+    """``gemm + arange(T)``: with example inputs an int64 ``arange`` is no reason for float32; with
+    ``dtype=torch.float32`` it is; without either the record says the float32 is assumed."""
+    def fn(m, x):
+        return F.linear(F.linear(x, m.w) + torch.arange(x.shape[1], **dtype_kw), m.v)
+
+    gm, _ = run(OneInput(fn), (torch.randn(2, 4),) if shapes else None, **PAINT)
+    d = rec(gm, "add")
+    if expect is None:
+        assert d.dtype == torch.bfloat16, d
+    else:
+        assert d.dtype == torch.float32 and d.rule == "fidelity:stream" and expect in d.reason, d.reason
