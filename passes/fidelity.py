@@ -52,12 +52,11 @@ _STREAM, _PARAM = "activation", "parameter"
 _ASSUMED = "assumed activation"  # a factory's value without example inputs: float32 or not, the run shows
 
 
-def float32_values(nodes: list[fx.Node], cat: dict, u_set: set[fx.Node], color: dict, denied: set[fx.Node],
-                   policy: Policy) -> set[fx.Node]:
+def float32_values(nodes: list[fx.Node], cat: dict, decided: dict[fx.Node, Decision], u_set: set[fx.Node],
+                   color: dict, denied: set[fx.Node], policy: Policy) -> set[fx.Node]:
     """Paint float32 (in ``color``) the infer/clear nodes the three rules keep float32; return them."""
     if not (policy.float32_stream or policy.float32_operands or policy.exact_values):
         return set()
-    decided = {n: decision(n) for n in nodes}
     exact = _exact_cone(nodes, cat, decided) if policy.exact_values else set()
     kinds: dict[fx.Node, str] = {}
     for n in nodes:  # graph order: a view of a parameter is a parameter too

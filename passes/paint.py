@@ -87,10 +87,11 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     # 1. allow; an integration may have chosen the dtype already (DGL: bfloat16 under float16 on CPU)
     allow = [n for n in nodes if cat[n] is Category.ALLOW]
     color: Color = {n: (decision(n).dtype or low, decision(n).rule, decision(n).reason) for n in allow}
+    decided = {n: decision(n) for n in nodes}
     u_set = _leads_to_infer_or_deny(nodes, cat, ins)
     denied = _deny_propagation(nodes, cat, u_set, outs, color)
     # 2b. fidelity: float32 values stay float32 where type promotion keeps them (residual streams, positions)
-    denied |= fidelity.float32_values(nodes, cat, u_set, color, denied, ctx.policy)
+    denied |= fidelity.float32_values(nodes, cat, decided, u_set, color, denied, ctx.policy)
     _between_allow(allow, cat, ins, outs, color, denied, low)
     # 4. follow-allow, in graph order: a clear op fed by a low op and no deny op goes low; an infer op
     #    does too under bfloat16 (float32's range), and under float16 only when all its float inputs are
@@ -98,7 +99,6 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     #    deny list)
     #    Steps 4 and 5 repeat until nothing changes: a clear op painted in 5 can make an infer op's
     #    inputs all low.
-    decided = {n: decision(n) for n in nodes}
     while True:
         painted = len(color)
         _follow_allow(nodes, cat, color, denied, decided, low)
