@@ -14,9 +14,11 @@ from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy, PolicyError
 from .report import CastInfo, Decision, Report
+from .tune import TuneError, TuneResult, tune
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
-           "sensitivity", "SensitivityResult", "NodeSensitivity"]
+           "sensitivity", "SensitivityResult", "NodeSensitivity",
+           "tune", "TuneResult", "TuneError"]
 __version__ = "0.1.0"

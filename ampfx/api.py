@@ -24,6 +24,7 @@ from . import guards
 from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, UninitializedModelError
+from .decide import check_tuned
 from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
@@ -105,6 +106,7 @@ def convert(
     with untouched(model, *(request.inputs.tensors() if request.inputs is not None else ())):
         result, report = convert_tree(work, request)
     reset_attributes(copies)
+    check_tuned(request.policy, report.records)
     follow(model, result)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
@@ -137,6 +139,7 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
     if not isinstance(environ, Mapping):
         raise ArgumentError(f"environ={type(environ).__name__}: give a mapping of variable names to strings "
                             "(like os.environ), or leave it out to read os.environ")
+    dtype_given = dtype is not None or policy is not None  # else AMPFX_POLICY_FILE's dtype is taken
     if policy is None:
         args.check_policy_options(policy_options)
         policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)
@@ -148,7 +151,7 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
             raise ArgumentError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
         if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
             raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
-    policy = _check_module_names(model, policy_mod.from_env(policy, environ))
+    policy = _check_module_names(model, policy_mod.from_env(policy, environ, dtype_given=dtype_given))
     _check_initialised(model)
     if policy.disable:
         return Request(policy, None)
@@ -242,7 +245,7 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
     return {"dtype": dtype_name(policy.dtype), "edits": edits,
             "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
-            "fp32_modules": list(policy.fp32_modules),
+            "fp32_modules": list(policy.fp32_modules), "tuned": dict(policy.tuned),
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

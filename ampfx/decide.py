@@ -31,14 +31,14 @@ whose rule is in :data:`FINAL_RULES`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
 from . import ops
 from .ops import Category
-from .policy import Policy
+from .policy import Policy, PolicyError, did_you_mean
 from .report import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
@@ -108,3 +108,17 @@ def decide_leaf(policy: Policy, root: nn.Module, path: str, prefix: str = "", wh
         return Verdict(Category.FP32, torch.float32, *hit)
     module = root.get_submodule(path) if path else root
     return decide_op(policy, leaf_name(policy, module), why)
+
+
+def check_tuned(policy: Policy, records: Iterable[Decision]) -> None:
+    """Every node ``policy.tuned`` names is a node of the conversion whose ``records`` are given
+    (:attr:`Decision.key`); else a :class:`PolicyError`: the model changed since it was tuned,
+    and a tuned choice must not silently stop applying."""
+    keys = {r.key for r in records}
+    missing = [key for key, _ in policy.tuned if key not in keys]
+    if missing:
+        raise PolicyError(
+            f"Policy.tuned / the policy file names {len(missing)} node(s) that this conversion does not have: "
+            f"{', '.join(repr(k) for k in missing[:5])}{' ...' if len(missing) > 5 else ''}."
+            f"{did_you_mean(missing[0], keys)} The model (or its capture) changed since ampfx.tune chose them: "
+            "run ampfx.tune again, or drop `tuned` from the policy.")

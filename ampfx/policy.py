@@ -154,6 +154,26 @@ def _module_names(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _tuned_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """``tuned`` as ``((key, reason), ...)``: a mapping or pairs; a key is a node's
+    :attr:`~ampfx.report.Decision.key` (``module:node``, or the node at the root).
+
+    >>> _tuned_pairs({"head:linear": "tuned"})
+    (('head:linear', 'tuned'),)
+    """
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else value
+    if isinstance(pairs, str) or not isinstance(pairs, Iterable):
+        raise PolicyError(f"tuned={value!r}: give (node key, reason) pairs or a dict, as ampfx.tune writes them")
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
+                and pair[0].strip()):
+            raise PolicyError(f"tuned: {pair!r} is not a (node key, reason) pair of strings, e.g. "
+                              "('encoder.layers.0:add_3', 'kept float32 by ampfx.tune')")
+        out[pair[0].strip()] = pair[1]
+    return tuple(out.items())
+
+
 SENSITIVITY_THRESHOLD = 0.1
 """Calibration keeps float32 a node whose rounding alone moves the output or a parameter gradient by more
 than this (relative): chosen by measurement, see docs/numerics.md ("Precision sensitivity")."""
@@ -227,6 +247,8 @@ class Policy:
     float32_stream: bool = True
     float32_operands: bool = True
     exact_values: bool = True
+    #: nodes ampfx.tune keeps float32: (node key, reason) pairs (Decision.key: "module:node"; rule "tune")
+    tuned: tuple[tuple[str, str], ...] = ()
     log_path: str | None = None
     disable: bool = False
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
@@ -256,6 +278,7 @@ class Policy:
                         names.append(name)
                 set_(self, fname, tuple(names))
         set_(self, "fp32_modules", _module_names(self.fp32_modules))
+        set_(self, "tuned", _tuned_pairs(self.tuned))
         if isinstance(self.leaf_modules, (str, type)):
             set_(self, "leaf_modules", (self.leaf_modules,))
         set_(self, "leaf_modules", tuple(self.leaf_modules))
@@ -337,6 +360,18 @@ class Policy:
                 return uname
         return None
 
+    def save(self, path: str | os.PathLike) -> Any:
+        """Write this policy to ``path`` as JSON (:mod:`ampfx.policy_file`), to load with
+        :meth:`from_file` or ``AMPFX_POLICY_FILE``; returns the path."""
+        from . import policy_file
+        return policy_file.save(self, path)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Policy":
+        """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy_file`)."""
+        from . import policy_file
+        return policy_file.load(path)
+
     def is_user_leaf(self, module_type: type) -> bool:
         """A module type named on a list or in ``leaf_modules`` is traced as one opaque op."""
         for obj, _ in self.user_ops:
@@ -352,6 +387,8 @@ ENV_VARS: dict[str, str] = {
     **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
     "AMPFX_FP32_MODULES": "comma-separated module-name prefixes kept float32 (e.g. head,encoder.layers.0)",
     "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
+    "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tune) merged into convert()'s policy before the other "
+                         "variables: list edits and tuned nodes added, unset fields taken from it",
     "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
     "AMPFX_DISABLE": "1 to return an unconverted copy (the report says so)",
     "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
@@ -399,10 +436,12 @@ def _split(var: str, value: str) -> tuple[str, ...]:
     return tuple(v for v in items if v)
 
 
-def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
+def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_given: bool = True) -> Policy:
     """``base`` with the ``AMPFX_*`` variables of ``environ`` applied on top.
 
-    Unknown ``AMPFX_*`` variables are an error (a typo must not be ignored).
+    Unknown ``AMPFX_*`` variables are an error (a typo must not be ignored). ``AMPFX_POLICY_FILE``
+    is merged first (:func:`ampfx.policy_file.merge`; ``dtype_given``: the call named a dtype,
+    which the file's must then equal).
 
     >>> p = from_env(Policy(), {"AMPFX_DENYLIST_ADD": "gelu", "AMPFX_INFERLIST_REMOVE": "gelu"})
     >>> p.category_of("gelu")[:2]
@@ -416,6 +455,9 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None) -> Policy:
                               f"Known: {', '.join(sorted(ENV_VARS))}.")
     if not seen:
         return base
+    if seen.get("AMPFX_POLICY_FILE", "").strip():  # the file first: the other variables apply on top of it
+        from . import policy_file
+        base = policy_file.merge(base, seen["AMPFX_POLICY_FILE"].strip(), dtype_given=dtype_given)
     changes: dict[str, Any] = {}
     origins = dict(base.origins)
     for var, fname in _LIST_VARS.items():

@@ -145,6 +145,9 @@ class Rule(str, enum.Enum):
     CALIBRATION_SENSITIVE = "calibration:sensitive", _about(
         "calibration saw that rounding this node's result alone to the low dtype moves the output or a parameter "
         "gradient by more than sensitivity_threshold", word="precision-sensitive")
+    TUNE = "tune", _about(
+        "ampfx.tune found that keeping this node float32 brings the user's metric within tolerance of the float32 "
+        "model's (Policy.tuned, or a policy file)", word="tuned")
     PAD = "pad", _about("a node ampfx added to slice a padded GEMM's output back", inserted=True)
     INPLACE = "inplace", _about("an in-place op keeps the dtype of the tensor it mutates", word="in-place")
     RANGE_CONSTANT = "range:constant", _about(
@@ -234,6 +237,16 @@ class Decision:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rule", Rule(self.rule))
+
+    @property
+    def key(self) -> str:
+        """The node's name across the whole conversion, as ``Policy.tuned`` names it: ``module:node``
+        (``node`` alone at the root); a name repeats in different graphs, a module's graph is one.
+
+        >>> Decision("linear", "linear", "linear", "head", Category.ALLOW, None, "table", "").key
+        'head:linear'
+        """
+        return f"{self.module}:{self.node}" if self.module else self.node
 
     def as_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -11,13 +11,14 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import calibrate, casts, classify, pad, paint, reductions
+from . import calibrate, casts, classify, pad, paint, reductions, tuned
 from .context import PassContext
 
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
+    tuned.tuned,  # nodes ampfx.tune kept float32 (Policy.tuned): float32 (no-op without them)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
