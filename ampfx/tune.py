@@ -279,7 +279,7 @@ def _print(i: int, what: str, value: float, target: float | None) -> None:
     from rich.console import Console
     mark = "" if target is None else ("[green]meets[/]" if value >= target else "[red]below[/]") + f" {target:.6g}"
     Console(stderr=True).print(f"[bold]ampfx.tune[/] evaluation {i}: {what}: metric {value:.6g} {mark}",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)
 
 
 def _check(model: Any, metric: Any, tolerance: Any, candidates: Any) -> None:
