@@ -218,3 +218,38 @@ def test_what_a_file_cannot_name_is_refused_when_saving(tmp_path):
     with pytest.raises(ampfx.PolicyError, match="cannot save denylist_add"):
         ampfx.Policy(denylist_add=(local_op,)).save(tmp_path / "p.json")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_nodes_of_a_model_converted_region_by_region_are_tuned_by_their_module_key():
+    class Branchy(nn.Module):  # data-dependent control flow: the root runs eagerly, children are graphs
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(self.fc(x).relu() if x.sum() > 0 else self.fc(x))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, h):
+            return (self.lin(h) + 300.0) - 300.0
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = Branchy(), Head()
+
+        def forward(self, x):
+            h = self.enc(x)
+            return self.head(h * 2 if h.mean() > 100 else h)
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(16, 8) + 0.5
+    metric = Counted(net, x)
+    amp = ampfx.tune(net, "bf16", example_inputs=(x,), metric=metric, tolerance=1e-3, progress=False)
+    assert amp.ampfx_tune.kept == ("head:add",)
+    assert {r.key: r.rule for r in amp.ampfx_report.compute}["head:add"] == Rule.TUNE
+    assert amp.ampfx_tune.metric_tuned >= -1e-3
