@@ -13,10 +13,12 @@ from .compare import Comparison, ParamError, compare
 from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy, PolicyError
+from .register import register_op
 from .report import CastInfo, Decision, Report
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
-           "sensitivity", "SensitivityResult", "NodeSensitivity"]
+           "sensitivity", "SensitivityResult", "NodeSensitivity",
+           "register_op"]
 __version__ = "0.1.0"
