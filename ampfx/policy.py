@@ -7,7 +7,8 @@ arguments and from environment variables; the environment is read once, by
 
 Precedence, lowest first (each record in the report names the rule that won):
 
-1. ``table``: the default op tables in :mod:`ampfx.ops` for the chosen dtype;
+1. ``table``: the default op tables in :mod:`ampfx.ops` for the chosen dtype, with the ops
+   libraries registered (:func:`ampfx.register_op`);
 2. ``argument``: list edits given as ``Policy(...)`` arguments;
 3. ``env:AMPFX_...``: list edits from the environment, applied after the arguments;
 4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name;
