@@ -151,3 +151,18 @@ def parse(text: str) -> OpRef | None:
         raise LookupError(f"{ns}::{op} has no overload {overload!r}; its overloads: {', '.join(ref.overloads())} "
                           f"(or name the op without overload, {ns}::{op}, for all of them)")
     return ref
+
+
+def writes_inputs(target: Any) -> bool:
+    """Does ``target``, a library's op (not torch's own), write into an argument (``mutates_args``, a
+    ``Tensor(a!)`` in its schema)? For a packet: does any overload? A cast copy would take the write.
+
+    >>> writes_inputs(torch.ops.aten.add_.Tensor), writes_inputs(len)
+    (False, False)
+    """
+    ref = ref_of(target)
+    if ref is None or ref.namespace in TORCH_NAMESPACES:
+        return False
+    packet = getattr(getattr(torch.ops, ref.namespace), ref.op)
+    overloads = [target] if ref.overload is not None else [getattr(packet, o) for o in packet.overloads()]
+    return any(o._schema.is_mutable for o in overloads)

@@ -276,3 +276,34 @@ def test_cli_lists_shows_registered_ops(capsys):
     assert cli.main(["lists"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if "ampfxt::scale2" in l)
     assert "[table] registered by mylib: elementwise" in line
+
+
+@torch.library.custom_op("ampfxt::bump", mutates_args=("x",))
+def bump(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+bump.register_fake(lambda x: None)
+
+
+class Bumped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.softmax(self.a(x), -1)
+        bump(y)
+        return self.a(y), y
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_op_that_writes_its_argument_is_inplace(tracer):
+    """A custom op whose schema writes an argument (mutates_args) computes on the tensor it writes, never on a cast
+    copy (rule 'inplace'), even on the allowlist: the float32 tensor the model returns carries the write."""
+    model = Bumped()
+    amp = ampfx.convert(model, torch.bfloat16, example_inputs=(X,), tracer=tracer, allowlist_add=(bump,))
+    (rec,) = _records(amp, "bump")
+    assert (rec.rule, rec.dtype, rec.inplace) == ("inplace", torch.float32, True)
+    (out, y), (want_out, want_y) = amp(X), model(X)
+    assert y.dtype == torch.float32 and y.min() > 1 and rel(y, want_y) < 1e-2 and rel(out, want_out) < 2e-2
