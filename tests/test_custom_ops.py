@@ -307,3 +307,14 @@ def test_op_that_writes_its_argument_is_inplace(tracer):
     assert (rec.rule, rec.dtype, rec.inplace) == ("inplace", torch.float32, True)
     (out, y), (want_out, want_y) = amp(X), model(X)
     assert y.dtype == torch.float32 and y.min() > 1 and rel(y, want_y) < 1e-2 and rel(out, want_out) < 2e-2
+
+
+def test_exported_graph_keeps_the_ops_own_backward():
+    """torch.library runs a custom op's autograd kernel as an autograd.Function inside the op; the exported graph
+    holds the op itself, so the capture is kept (method 'export') and gradients match the model's."""
+    model = Scaled()
+    amp = ampfx.convert(model, torch.bfloat16, example_inputs=(X,), tracer="export", allowlist_add=(scale2,))
+    assert [r.method for r in amp.ampfx_report.regions] == ["export"]
+    (got,) = torch.autograd.grad(amp(X).sum(), model.a.weight)  # the converted module shares the parameters
+    (want,) = torch.autograd.grad(model(X).sum(), model.a.weight)
+    assert rel(got, want) < 2e-2
