@@ -13,6 +13,7 @@ from .compare import Comparison, ParamError, compare
 from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy, PolicyError
+from .register import register_op
 from .report import CastInfo, Decision, Report
 from .tune import TuneError, TuneResult, tune
 
@@ -20,5 +21,5 @@ __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
            "sensitivity", "SensitivityResult", "NodeSensitivity",
-           "tune", "TuneResult", "TuneError"]
+           "tune", "TuneResult", "TuneError", "register_op"]
 __version__ = "0.1.0"

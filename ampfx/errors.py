@@ -37,3 +37,9 @@ class GuardError(ValueError):
 
 class ExampleInputsError(ValueError):
     """The model itself does not run on the ``example_inputs`` given to :func:`ampfx.convert`."""
+
+
+class OpRegistrationError(PolicyError):
+    """A bad :func:`ampfx.register_op` call: a target that is not an op, a category that is not a
+    list, an argument slot the op does not have, an op ampfx's tables already hold, or a second
+    registration with another rule (``replace=True`` allows it). A ``PolicyError``, so a ``ValueError``."""

@@ -139,7 +139,22 @@ class OpEntry:
         return variant if variant is not None else (self.category, self.reason)
 
 
-ENTRIES: dict[str, OpEntry] = {}
+class _Entries(dict):
+    """Op name -> :class:`OpEntry`. ``get`` of one overload of a custom op (``"ns::op.overload"``,
+    named on a list by itself) finds the op's entry (``"ns::op"``, :func:`ampfx.register_op`) when
+    the overload has none of its own: the facts about an op's arguments (``fp32_args``) hold for
+    every overload."""
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        hit = dict.get(self, name)
+        if hit is None and isinstance(name, str) and "::" in name and "." in name:
+            hit = dict.get(self, name.rpartition(".")[0])
+        return default if hit is None else hit
+
+
+ENTRIES: dict[str, OpEntry] = _Entries()
+REGISTERED: dict[str, str] = {}
+"""Ops added by :func:`ampfx.register_op`: name -> the library that registered it."""
 _ALIASES: dict[Any, str] = {}  # callable | module type | method name | "aten::name" -> canonical name
 
 
@@ -511,6 +526,16 @@ def register_library(entries: Iterable[tuple[str, Category, str, Iterable[str]]]
             _BY_QUALNAME[q] = name
 
 
+def register(entry: OpEntry, library: str, qualname: str | None = None) -> None:
+    """Put ``entry`` in the tables for ``library`` (replacing its earlier entry), matched by name and, for a
+    Python function, by ``qualname``. :func:`ampfx.register_op` checks the call and builds the entry."""
+    ENTRIES[entry.name] = entry
+    REGISTERED[entry.name] = library
+    _ALIASES.setdefault(entry.name, entry.name)
+    if qualname is not None:
+        _BY_QUALNAME[qualname] = entry.name
+
+
 # --------------------------------------------------------------------------- lookup
 def library_functions() -> list[Callable]:
     """The functions of other libraries named in the tables (``_BY_QUALNAME``)
@@ -543,7 +568,9 @@ def lookup_name(key: Any) -> str | None:
         return None
     if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         packet = key.overloadpacket if isinstance(key, torch._ops.OpOverload) else key
-        name = packet.__name__
+        namespace, _, name = packet._qualified_op_name.partition("::")
+        if namespace != "aten":  # mylib::relu is not aten's relu (custom ops: ampfx.custom_ops)
+            return None
         return _ALIASES.get(f"aten::{name}") or _ALIASES.get(f"aten::{name.rstrip('_')}")
     try:
         hit = _ALIASES.get(key)

@@ -7,7 +7,8 @@ arguments and from environment variables; the environment is read once, by
 
 Precedence, lowest first (each record in the report names the rule that won):
 
-1. ``table``: the default op tables in :mod:`ampfx.ops` for the chosen dtype;
+1. ``table``: the default op tables in :mod:`ampfx.ops` for the chosen dtype, with the ops
+   libraries registered (:func:`ampfx.register_op`);
 2. ``argument``: list edits given as ``Policy(...)`` arguments;
 3. ``env:AMPFX_...``: list edits from the environment, applied after the arguments;
 4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name;
@@ -37,7 +38,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import ops
+from . import custom_ops, ops
 from .ops import LISTS, Category
 from .report import Rule
 
@@ -106,7 +107,7 @@ def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
     calling it can be matched.
     """
     if not isinstance(spec, str):
-        name = ops.lookup_name(spec)
+        name = ops.lookup_name(spec) or _torch_op_name(custom_ops.ref_of(spec))
         if name is not None:
             return name, None
         if callable(spec):
@@ -126,14 +127,30 @@ def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
                 return f"Tensor.{method}", method
             raise PolicyError(f"{where}: torch.Tensor has no method {method!r}."
                               f"{did_you_mean(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
+    try:
+        name = _torch_op_name(custom_ops.parse(text))
+    except LookupError as e:
+        raise PolicyError(f"{where}: {e}") from None
+    if name is not None:
+        return name, None
     if "." in text:
         obj = _import_object(text)
         if obj is not None and callable(obj):
             name = ops.lookup_name(obj)
             return (name, None) if name is not None else (ops.qualified_name(obj), obj)
-    raise PolicyError(f"{where}: unknown op {text!r}.{did_you_mean(text, ops.known_names())} "
-                      "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu) or by a qualified "
-                      "name of a function or module type (e.g. mypkg.layers.MyBlock).")
+    close = did_you_mean(text, [*ops.known_names(), *custom_ops.close_names(text)])
+    raise PolicyError(f"{where}: unknown op {text!r}.{close} "
+                      "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu), by a qualified "
+                      "name of a function or module type (e.g. mypkg.layers.MyBlock), or, for a torch.library "
+                      "op, as 'namespace::op' (e.g. mylib::scale2; import its library first).")
+
+
+def _torch_op_name(ref: custom_ops.OpRef | None) -> str | None:
+    """The list name of a torch op: its table name (``aten::softmax.int`` is ``softmax``: ampfx's
+    tables name an op with all its overloads), else ``"ns::op"`` / ``"ns::op.overload"``."""
+    if ref is None:
+        return None
+    return ops.lookup_name(ref.target()) or ref.name
 
 
 def _module_names(value: Any) -> tuple[str, ...]:
@@ -351,6 +368,9 @@ class Policy:
         name = ops.lookup_name(key)
         if name is not None:
             return name
+        ref = custom_ops.ref_of(key)
+        if ref is not None:
+            return self._torch_op_name(ref)
         for obj, uname in self.user_ops:
             if isinstance(obj, str):
                 if key == obj:
@@ -371,6 +391,29 @@ class Policy:
         """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy_file`)."""
         from . import policy_file
         return policy_file.load(path)
+
+    def _torch_op_name(self, ref: custom_ops.OpRef) -> str:
+        """A graph's torch op (not in ampfx's tables) by its list name: ``"ns::op.overload"`` when a list
+        names that overload, else ``"ns::op"``. A call of the op without overload (``torch.ops.ns.op(x)``
+        under ``torch.fx``) runs an overload only torch's dispatch picks: when the lists give some
+        overload another list than the op's, which one is unknown, and that is an error."""
+        listed = self._lists_cached()
+        if ref.overload is not None:
+            return ref.name if ref.name in listed else ref.packet
+        overloads = ref.overloads()
+        named = [f"{ref.packet}.{o}" for o in overloads if f"{ref.packet}.{o}" in listed]
+        if len(overloads) == 1 and named:
+            return named[0]
+        whole = listed.get(ref.packet, (None,))[0]
+        other = [n for n in named if listed[n][0] is not whole]
+        if other:
+            raise PolicyError(
+                f"the graph calls torch.ops.{ref.namespace}.{ref.op}(...) without naming an overload, and the lists "
+                f"put {', '.join(other)} on another list than {ref.packet} ({whole.value if whole else 'no list'}): "
+                f"which overload runs is unknown. Name the op without overload ({ref.packet}) on the lists, call "
+                f"the overload in the model (torch.ops.{ref.namespace}.{ref.op}.<overload>(...)), or convert with "
+                "tracer='export' (its graphs name overloads).")
+        return ref.packet
 
     def is_user_leaf(self, module_type: type) -> bool:
         """A module type named on a list or in ``leaf_modules`` is traced as one opaque op."""

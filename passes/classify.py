@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import decide, integrations, ops, probes
+from .. import custom_ops, decide, integrations, ops, probes
 from ..meta import RECORD, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
@@ -47,7 +47,7 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
             return True
         packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
         name = getattr(packet if packet is not None else node.target, "__name__", "")
-        return ops.is_inplace_operator(node.target) or (
+        return ops.is_inplace_operator(node.target) or custom_ops.writes_inputs(node.target) or (
             name.endswith("_") and not name.endswith("__") and node.target not in (torch._assert,))
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True

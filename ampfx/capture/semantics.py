@@ -220,6 +220,13 @@ def _derivative_only(cls: type) -> bool:
     return f"{cls.__module__}.{name}" in DERIVATIVE_FUNCTIONS
 
 
+def _op_autograd(cls: type) -> bool:
+    """Is ``cls`` the autograd kernel torch.library makes for a custom op (``GeneratedBackwardFor_<ns>_<op>_<overload>``,
+    applied inside the op's call)? The graph records the op itself, whose kernel runs again when the graph runs: its
+    backward is kept."""
+    return cls.__module__ == "torch._library.autograd"
+
+
 @contextlib.contextmanager
 def _wrapped_apply() -> Iterator[None]:
     """``torch.autograd.Function.apply`` tells the active :class:`Watch`, until the block ends."""
@@ -229,7 +236,7 @@ def _wrapped_apply() -> Iterator[None]:
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         watch = _ACTIVE[-1] if _ACTIVE else None
         scope = Scope(Kind.FUNCTION, f"torch.autograd.Function {cls.__qualname__}")
-        if watch is None or _derivative_only(cls):
+        if watch is None or _derivative_only(cls) or _op_autograd(cls):
             return original.__get__(None, cls)(*args, **kwargs)
         if watch.export:
             watch.drop("", f"{scope.text}: {scope.kind.value}")
