@@ -253,3 +253,15 @@ def test_nodes_of_a_model_converted_region_by_region_are_tuned_by_their_module_k
     assert amp.ampfx_tune.kept == ("head:add",)
     assert {r.key: r.rule for r in amp.ampfx_report.compute}["head:add"] == Rule.TUNE
     assert amp.ampfx_tune.metric_tuned >= -1e-3
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch.library.custom_op needs torch >= 2.4")
+def test_a_custom_op_on_a_list_is_saved_by_its_name_and_found_again(tmp_path):
+    @torch.library.custom_op("ampfx_tune_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_fake(lambda x: torch.empty_like(x))
+    path = ampfx.Policy(allowlist_add=(twice,)).save(tmp_path / "p.json")
+    assert json.loads(path.read_text())["allowlist_add"] == ["ampfx_tune_test::twice"]
+    assert ampfx.Policy.from_file(path).category_of("ampfx_tune_test::twice")[0] is ampfx.Category.ALLOW
