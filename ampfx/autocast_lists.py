@@ -106,6 +106,13 @@ LISTS: dict[str, dict[Cast, tuple[str, ...]]] = {
 }
 """device type -> :class:`Cast` -> ATen op names (``"op"`` or ``"op.overload"``) autocast has a kernel for."""
 
+DECOMPOSED: dict[str, dict[str, Cast]] = {
+    "cpu": {"einsum": Cast.LOWER},  # its CompositeImplicit kernel calls bmm, lower_precision_fp on CPU
+    "cuda": {"cross_entropy_loss": Cast.FP32},  # calls log_softmax (fp32_set_opt_dtype) and nll_loss (fp32)
+}
+"""Ops autocast does not list that run, inside their kernel, a listed op that sets their dtype (found by
+``tests/test_autocast_diff.py``, which runs every op ampfx knows under autocast): they act as that kind."""
+
 BANNED: dict[str, frozenset[str]] = {"cuda": frozenset({"binary_cross_entropy"})}
 """Ops autocast refuses on a device (it raises and says to use the ``_with_logits`` form)."""
 
@@ -143,10 +150,24 @@ def kind_of_aten(device: str, name: str, overload: str | None = None) -> Cast | 
     (<Cast.FP32_SET_OPT_DTYPE: 'fp32_set_opt_dtype'>, None)
     """
     table = _overloads(device)
+    decomposed = DECOMPOSED.get(device, {}).get(name)
     if overload is not None:
-        return table.get((name, overload))
+        return table.get((name, overload), decomposed)
     kinds = {kind for (packet, _), kind in table.items() if packet == name}
-    return kinds.pop() if len(kinds) == 1 else None
+    return kinds.pop() if len(kinds) == 1 else decomposed
+
+
+def is_composite(name: str) -> bool:
+    """Does ATen op ``name`` run as other ATen ops (a CompositeImplicitAutograd kernel)? Under autocast
+    such an op may take the dtype of a listed op inside it (:data:`DECOMPOSED`).
+
+    >>> is_composite("einsum"), is_composite("gelu")
+    (True, False)
+    """
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CompositeImplicitAutograd")
+    except RuntimeError:  # no default overload
+        return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,304 @@
+"""What torch.autocast would do, on every record (Decision.autocast), and Report.autocast_diff().
+
+Three layers: the table (ampfx.autocast_lists) against the installed torch (its dispatcher, and each op
+run under real CPU autocast and CUDA autocast on fake CUDA tensors); the analysis (passes/autocast.py)
+against the captured graph run node by node under real CPU autocast; the report's views of it.
+"""
+from __future__ import annotations
+
+import doctest
+import json
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves
+
+import ampfx
+from ampfx import autocast_lists, ops
+from ampfx.autocast_lists import AMBIGUOUS, COMPOSITE, FLOAT32_KINDS, LISTS, Cast
+from ampfx.capture import ladder
+from ampfx.graph_module import graph_module
+from ampfx.inputs import ExampleInputs
+from ampfx.meta import AUTOCAST
+from ampfx.passes import autocast as ac_pass
+from ampfx.passes import shapes
+from ampfx.passes.context import PassContext
+from ampfx.report import AutocastDiff, computes_in, dtype_name
+from conftest import DTYPES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+
+# ------------------------------------------------------------------ the table against the installed torch
+@pytest.mark.parametrize("device", sorted(LISTS))
+def test_table_names_exactly_the_ops_torch_registers_an_autocast_kernel_for(device):
+    """Every ATen op (overload) with an Autocast<device> kernel in the installed torch is in the table,
+    and the table names no other (a torch upgrade that adds or drops one fails here)."""
+    registered = {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, KEYS[device])}
+    listed = [n for names in LISTS[device].values() for n in names]
+    assert len(listed) == len(set(listed)), "an op is on two lists"
+    assert sorted(set(listed) - registered) == [] and sorted(registered - set(listed)) == []
+
+
+def _t(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.rand(shape, dtype=torch.float32).add(0.5).to(dtype)
+
+
+CASES: dict[str, Callable[..., Any]] = {
+    # one call per ampfx op: t(*shape) makes a float tensor of the dtype under test (float32 with f32=True),
+    # i(values) an int64 tensor, both on the device under test
+    "linear": lambda t, i: F.linear(t(2, 4), t(3, 4)),
+    "bilinear": lambda t, i: F.bilinear(t(2, 3), t(2, 3), t(4, 3, 3)),
+    "matmul": lambda t, i: torch.matmul(t(2, 4), t(4, 3)),
+    "mm": lambda t, i: torch.mm(t(2, 4), t(4, 3)),
+    "mv": lambda t, i: torch.mv(t(2, 4), t(4)),
+    "bmm": lambda t, i: torch.bmm(t(2, 2, 4), t(2, 4, 3)),
+    "baddbmm": lambda t, i: torch.baddbmm(t(2, 2, 3), t(2, 2, 4), t(2, 4, 3)),
+    "addmm": lambda t, i: torch.addmm(t(2, 3), t(2, 4), t(4, 3)),
+    "addbmm": lambda t, i: torch.addbmm(t(2, 3), t(2, 2, 4), t(2, 4, 3)),
+    "einsum": lambda t, i: torch.einsum("ij,jk->ik", t(2, 4), t(4, 3)),
+    "conv1d": lambda t, i: F.conv1d(t(1, 2, 5), t(3, 2, 3)),
+    "conv2d": lambda t, i: F.conv2d(t(1, 2, 5, 5), t(3, 2, 3, 3)),
+    "conv3d": lambda t, i: F.conv3d(t(1, 2, 4, 4, 4), t(3, 2, 3, 3, 3)),
+    "conv_transpose1d": lambda t, i: F.conv_transpose1d(t(1, 2, 5), t(2, 3, 3)),
+    "conv_transpose2d": lambda t, i: F.conv_transpose2d(t(1, 2, 5, 5), t(2, 3, 3, 3)),
+    "conv_transpose3d": lambda t, i: F.conv_transpose3d(t(1, 2, 3, 3, 3), t(2, 3, 2, 2, 2)),
+    "convolution": lambda t, i: torch.convolution(t(1, 2, 5, 5), t(3, 2, 3, 3), None, [1, 1], [0, 0], [1, 1],
+                                               False, [0, 0], 1),
+    "scaled_dot_product_attention": lambda t, i: F.scaled_dot_product_attention(t(1, 2, 4, 8), t(1, 2, 4, 8),
+                                                                             t(1, 2, 4, 8)),
+    "prelu": lambda t, i: F.prelu(t(2, 3), t(1)),
+    "gelu": lambda t, i: F.gelu(t(2, 3)),
+    "silu": lambda t, i: F.silu(t(2, 3)),
+    "tanh": lambda t, i: torch.tanh(t(2, 3)),
+    "sigmoid": lambda t, i: torch.sigmoid(t(2, 3)),
+    "relu": lambda t, i: F.relu(t(2, 3)),
+    "softplus": lambda t, i: F.softplus(t(2, 3)),
+    "add": lambda t, i: torch.add(t(2, 3), t(2, 3)),
+    "mul": lambda t, i: torch.mul(t(2, 3), t(2, 3)),
+    "addcmul": lambda t, i: torch.addcmul(t(2, 3), t(2, 3), t(2, 3)),
+    "addcdiv": lambda t, i: torch.addcdiv(t(2, 3), t(2, 3), t(2, 3)),
+    "sqrt": lambda t, i: torch.sqrt(t(2, 3)),
+    "rsqrt": lambda t, i: torch.rsqrt(t(2, 3)),
+    "reciprocal": lambda t, i: torch.reciprocal(t(2, 3)),
+    "exp": lambda t, i: torch.exp(t(2, 3)),
+    "expm1": lambda t, i: torch.expm1(t(2, 3)),
+    "pow": lambda t, i: torch.pow(t(2, 3), 2.0),
+    "log": lambda t, i: torch.log(t(2, 3)),
+    "log1p": lambda t, i: torch.log1p(t(2, 3)),
+    "log2": lambda t, i: torch.log2(t(2, 3)),
+    "log10": lambda t, i: torch.log10(t(2, 3)),
+    "sin": lambda t, i: torch.sin(t(2, 3)),
+    "tan": lambda t, i: torch.tan(t(2, 3)),
+    "softmax": lambda t, i: F.softmax(t(2, 3), -1),
+    "log_softmax": lambda t, i: F.log_softmax(t(2, 3), -1),
+    "sum": lambda t, i: torch.sum(t(2, 3)),
+    "mean": lambda t, i: torch.mean(t(2, 3)),
+    "prod": lambda t, i: torch.prod(t(2, 3)),
+    "cumsum": lambda t, i: torch.cumsum(t(2, 3), 1),
+    "var": lambda t, i: torch.var(t(2, 3)),
+    "norm": lambda t, i: torch.norm(t(2, 3)),
+    "logsumexp": lambda t, i: torch.logsumexp(t(2, 3), 1),
+    "layer_norm": lambda t, i: F.layer_norm(t(2, 4), (4,), t(4, f32=True), t(4, f32=True)),
+    "group_norm": lambda t, i: F.group_norm(t(2, 4, 3), 2, t(4, f32=True), t(4, f32=True)),
+    "batch_norm": lambda t, i: F.batch_norm(t(2, 4, 3), t(4, f32=True), t(4, f32=True)),
+    "rms_norm": lambda t, i: F.rms_norm(t(2, 4), (4,), t(4, f32=True)),
+    "interpolate": lambda t, i: F.interpolate(t(1, 2, 4, 4), scale_factor=2.0, mode="bilinear"),
+    "avg_pool": lambda t, i: F.avg_pool2d(t(1, 2, 4, 4), 2),
+    "max_pool": lambda t, i: F.max_pool2d(t(1, 2, 4, 4), 2),
+    "cat": lambda t, i: torch.cat([t(2, 3), t(2, 3)]),
+    "stack": lambda t, i: torch.stack([t(2, 3), t(2, 3)]),
+    "transpose": lambda t, i: t(2, 3).transpose(0, 1),
+    "where": lambda t, i: torch.where(i([1, 0, 1]).bool(), t(3), t(3)),
+    "dropout": lambda t, i: F.dropout(t(2, 3), 0.5, training=False),
+    "embedding": lambda t, i: F.embedding(i([0, 2]), t(3, 4)),
+    "mse_loss": lambda t, i: F.mse_loss(t(2, 3), t(2, 3)),
+    "l1_loss": lambda t, i: F.l1_loss(t(2, 3), t(2, 3)),
+    "smooth_l1_loss": lambda t, i: F.smooth_l1_loss(t(2, 3), t(2, 3)),
+    "huber_loss": lambda t, i: F.huber_loss(t(2, 3), t(2, 3)),
+    "cross_entropy": lambda t, i: F.cross_entropy(t(2, 3), i([0, 2])),
+    "nll_loss": lambda t, i: F.nll_loss(t(2, 3), i([0, 2])),
+    "binary_cross_entropy_with_logits": lambda t, i: F.binary_cross_entropy_with_logits(t(2, 3), t(2, 3)),
+    "kl_div": lambda t, i: F.kl_div(t(2, 3), t(2, 3), reduction="batchmean"),
+    "cosine_embedding_loss": lambda t, i: F.cosine_embedding_loss(t(2, 3), t(2, 3), t(2)),
+}
+
+
+CASE_ATEN = {"avg_pool": "avg_pool2d", "max_pool": "max_pool2d"}
+"""The ATen op a case of an op :func:`~ampfx.autocast_lists.kind_of_op` calls ambiguous runs."""
+
+
+def _makers(dtype: torch.dtype, mode: FakeTensorMode | None) -> tuple[Callable, Callable]:
+    """``t`` and ``i`` of :data:`CASES`: real CPU tensors, or with ``mode`` fake CUDA tensors (CUDA autocast
+    runs its real dtype rules on them with no GPU: the AutocastCUDA key is in a fake CUDA tensor's key set)."""
+    def place(x: torch.Tensor) -> torch.Tensor:
+        return x if mode is None else FakeTensor(mode, x.to("meta"), torch.device("cuda"))
+
+    return (lambda *shape, f32=False: place(_t(shape, torch.float32 if f32 else dtype)),
+            lambda values: place(torch.tensor(values)))
+
+
+def _out_dtype(device: str, low: torch.dtype, op: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``CASES[op]`` returns under ``torch.autocast(device, low)`` with ``dtype`` inputs."""
+    out = None
+    if device == "cpu":
+        with torch.autocast("cpu", dtype=low), torch.no_grad():
+            out = CASES[op](*_makers(dtype, None))
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        prev = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
+        torch.set_autocast_dtype("cuda", low)
+        torch.set_autocast_enabled("cuda", True)
+        try:
+            with mode, torch.no_grad():
+                out = CASES[op](*_makers(dtype, mode))
+        finally:
+            torch.set_autocast_dtype("cuda", prev[0])
+            torch.set_autocast_enabled("cuda", prev[1])
+    return next(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point)
+
+
+def test_every_op_the_table_lists_for_an_ampfx_op_has_a_case():
+    """The kind checks below cover every ampfx op the table gives a kind (ops autocast lists)."""
+    listed = {op for device in LISTS for op in ops.ENTRIES
+              if autocast_lists.kind_of_op(device, op) not in (None, AMBIGUOUS) and op not in COMPOSITE}
+    assert sorted(listed - set(CASES) - {"lstm_cell", "gru_cell", "rnn_cell", "ctc_loss", "binary_cross_entropy",
+                                         "poisson_nll_loss", "margin_ranking_loss", "triplet_margin_loss",
+                                         "multi_margin_loss", "soft_margin_loss", "hinge_embedding_loss"}) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("low", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_each_ops_kind_matches_what_autocast_does(device, low, op):
+    """float32 inputs: a lower_precision_fp op returns the low dtype, every other op float32 (an op
+    not in the table keeps float32 in -> float32 out). Low inputs: a float32-list op returns float32,
+    every other op the low dtype. CPU runs real autocast; CUDA runs CUDA autocast on fake CUDA tensors."""
+    kind = autocast_lists.kind_of_op(device, op)
+    if kind == AMBIGUOUS:  # the case calls one of the op's ATen ops: that one's kind
+        kind = autocast_lists.kind_of_aten(device, CASE_ATEN[op])
+    try:
+        from_fp32 = _out_dtype(device, low, op, torch.float32)
+        from_low = _out_dtype(device, low, op, low)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"{op} has no {dtype_name(low)} kernel on {device} here: {str(e)[:80]}")
+    assert from_fp32 == (low if kind is Cast.LOWER else torch.float32), kind
+    assert from_low == (torch.float32 if kind in FLOAT32_KINDS else low), kind
+
+
+def test_cuda_rows_on_a_real_gpu():
+    """Where a GPU is present, the CUDA rows hold on it too (softmax float32, linear low)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA rows are checked on fake CUDA tensors above")
+    x = torch.randn(2, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert F.linear(x, x).dtype == torch.float16 and F.softmax(x.half(), -1).dtype == torch.float32
+
+
+# ------------------------------------------------------------------ the analysis against real autocast
+class Block(nn.Module):
+    """GEMMs, softmax, norms, pointwise ops, a float32 residual added to a low value, a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.ln, self.act = nn.LayerNorm(8), nn.GELU()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.act(self.fc1(x)))  # low under autocast
+        h = self.ln(h + x)  # bfloat16 + float32: promotes to float32
+        att = torch.softmax(torch.matmul(h, h.transpose(-1, -2)) / 8 ** 0.5, dim=-1)
+        y = torch.matmul(att, h) * torch.sigmoid(att).mean(-1, keepdim=True) + F.gelu(h).sum(-1, keepdim=True)
+        return F.mse_loss(y, target) + F.cross_entropy(y.mean(1), target.argmax(-1)[:, 0])
+
+
+class ConvNet(nn.Module):
+    """Convolutions with batch, group and layer norm, pooling, a residual, a classifier and its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.gn = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv1(x)))
+        h = F.silu(self.gn(self.conv2(h))) + h
+        h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        logits = self.head(F.layer_norm(h, (8,)))
+        return F.cross_entropy(logits, labels) + torch.exp(logits).mean()
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
+    "block": lambda: (Block(), (torch.randn(2, 4, 8), torch.randn(2, 4, 8))),
+    "convnet": lambda: (ConvNet().eval(), (torch.randn(2, 3, 6, 6), torch.tensor([1, 3]))),
+}
+
+
+class _Record(fx.Interpreter):
+    """Runs a graph and keeps the dtype of each node's first float output."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.seen: dict[str, torch.dtype | None] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        floats = [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+        if n.op != "output":
+            self.seen[n.name] = floats[0] if floats else None
+        return out
+
+
+def _captured(model: nn.Module, inputs: tuple, tracer: str = "auto") -> fx.GraphModule:
+    capture = ladder.capture(model, ampfx.Policy(), ExampleInputs.of(inputs), tracer)
+    return graph_module(model, capture.graph)
+
+
+def _under_autocast(gm: fx.GraphModule, inputs: tuple, low: torch.dtype) -> dict[str, torch.dtype | None]:
+    """Each node's output dtype when the graph (the model's own ops) runs under real CPU autocast."""
+    rec = _Record(gm)
+    with torch.autocast("cpu", dtype=low), torch.no_grad():
+        rec.run(*inputs)
+    return rec.seen
+
+
+@pytest.mark.parametrize("low", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("with_shapes", [True, False], ids=["shapes", "no-shapes"])
+def test_analysis_gives_each_node_the_dtype_real_cpu_autocast_computes(name, low, with_shapes):
+    """The analysis, on the captured graph before casts (with example inputs or without), gives every
+    node the dtype its op returns when the graph runs under torch.autocast("cpu", low): GEMMs and
+    convolutions low, softmax/norms/pointwise following their inputs, bfloat16 + float32 promoted,
+    losses float32, non-float values None."""
+    model, inputs = MODELS[name]()
+    gm = _captured(model, inputs)
+    seen = _under_autocast(gm, inputs, low)
+    if with_shapes:
+        shapes.propagate(gm, inputs)
+    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
+    got = {n.name: n.meta[AUTOCAST] for n in gm.graph.nodes if n.op != "output"}
+    if not with_shapes:  # without shapes, non-float values cannot be told apart: compare float values only
+        got = {k: v for k, v in got.items() if seen[k] is not None}
+        seen = {k: v for k, v in seen.items() if v is not None}
+    assert got == seen
+    assert {low, torch.float32} <= set(seen.values())  # the models exercise both
+
+
+@pytest.mark.parametrize("low", DTYPES, ids=dtype_name)
+def test_exported_graph_nodes_get_the_dtype_real_cpu_autocast_computes(low):
+    """On a torch.export graph (ATen overloads) the exact overload is looked up: same agreement."""
+    model, inputs = MODELS["block"]()
+    gm = _captured(model, inputs, tracer="export")
+    assert any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    seen = _under_autocast(gm, inputs, low)
+    shapes.propagate(gm, inputs)
+    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
+    assert {n.name: n.meta[AUTOCAST] for n in gm.graph.nodes if n.op != "output"} == seen
