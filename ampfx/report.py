@@ -375,8 +375,8 @@ class Report:
         diff, unknown = self.autocast_diff(), self.autocast_unknown()
         if not any(r.autocast is not None for r in self.records):
             return "autocast: not compared (no autocast op lists for this device, or no graph was converted)"
-        groups = Counter((d.op, dtype_name(d.dtype, short=True), dtype_name(d.autocast, short=True), d.rule.word)
-                         for d in diff)
+        groups = Counter((d.op, dtype_name(d.dtype, short=True), dtype_name(d.autocast, short=True),
+                          d.rule.word if d.dtype == torch.float32 else str(d.rule)) for d in diff)  # words say float32
         parts = [f"{op} {n} ({mine}/{theirs}, {why})"
                  for (op, mine, theirs, why), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))]
         line = f"differs from autocast on {len(diff)}/{len(self.compute)} nodes"

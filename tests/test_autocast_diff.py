@@ -302,3 +302,141 @@ def test_exported_graph_nodes_get_the_dtype_real_cpu_autocast_computes(low):
     shapes.propagate(gm, inputs)
     ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
     assert {n.name: n.meta[AUTOCAST] for n in gm.graph.nodes if n.op != "output"} == seen
+
+
+# ------------------------------------------------------------------ the report
+def _converted(name: str, low: torch.dtype) -> tuple[ampfx.report.Report, dict[str, torch.dtype | None]]:
+    model, inputs = MODELS[name]()
+    seen = _under_autocast(_captured(model, inputs), inputs, low)
+    return ampfx.convert(model, low, example_inputs=inputs).ampfx_report, seen
+
+
+@pytest.mark.parametrize("low", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_records_carry_autocasts_dtype_and_the_diff_lists_exactly_the_differing_nodes(name, low):
+    """After convert, each record of a model's own node carries the dtype real CPU autocast computes it
+    in (nodes ampfx inserted carry None); autocast_diff() is exactly the compute nodes where ampfx's
+    dtype is another, each with the record's rule and reason, and the summary line counts them."""
+    rep, seen = _converted(name, low)
+    own = [r for r in rep.records if r.node in seen]
+    assert len(own) == len(seen) and all(r.autocast == seen[r.node] for r in own)
+    assert all(r.autocast is None for r in rep.records if r.node not in seen)
+    want = [(r.node, computes_in(r), seen[r.node], r.rule, r.reason) for r in rep.compute
+            if r.node in seen and seen[r.node] is not None and computes_in(r) != seen[r.node]]
+    diff = rep.autocast_diff()
+    assert [(d.node, d.dtype, d.autocast, d.rule, d.reason) for d in diff] == want and want
+    assert rep.autocast_summary().startswith(f"differs from autocast on {len(want)}/{len(rep.compute)} nodes: ")
+
+
+def test_softmax_kept_float32_is_the_one_difference_of_linear_softmax():
+    """Linear + Softmax in bfloat16 on CPU: autocast runs both in bfloat16 (softmax is on no CPU list);
+    ampfx keeps softmax float32 by its deny list: that node, with that rule and reason, and nothing else."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    rep = ampfx.convert(m, "bf16", example_inputs=torch.randn(2, 4)).ampfx_report
+    (d,) = rep.autocast_diff()
+    assert (d.op, d.dtype, d.autocast, d.rule) == ("softmax", torch.float32, torch.bfloat16, "table")
+    assert d.reason == rep.by_node(d.node).reason and "overflow" in d.reason
+    assert rep.autocast_summary() == "differs from autocast on 1/2 nodes: softmax 1 (fp32/bf16, deny list)"
+
+
+def test_json_carries_autocast_and_round_trips(tmp_path):
+    """as_json writes autocast as a dtype name ("unknown", null as they are); decisions.jsonl holds it;
+    the diff records serialise and read back equal."""
+    rep, _ = _converted("block", torch.bfloat16)
+    rows = [json.loads(line) for line in (rep.save(tmp_path) / "decisions.jsonl").read_text().splitlines()]
+    assert [row["autocast"] for row in rows] == [
+        dtype_name(r.autocast) if isinstance(r.autocast, torch.dtype) else r.autocast for r in rep.records]
+    assert {"bfloat16", "float32", None} <= {row["autocast"] for row in rows}
+    for d in rep.autocast_diff():
+        j = json.loads(json.dumps(d.as_json()))
+        assert j == d.as_json() and j["dtype"] == dtype_name(d.dtype) and j["autocast"] == dtype_name(d.autocast)
+        assert AutocastDiff(**{**j, "dtype": d.dtype, "autocast": d.autocast}) == d
+
+
+def test_html_page_lists_the_diff_and_an_autocast_column():
+    """The HTML report has a 'Differs from torch.autocast' table whose rows are autocast_diff(), an
+    autocast column in the decisions table, and the summary line in its header."""
+    from test_html import Tags
+    rep, _ = _converted("convnet", torch.bfloat16)
+    page = rep.html()
+    tags = Tags(page)
+    assert [tuple(r[:5]) for r in tags.rows["autocast-diff"][1:]] == [
+        (d.node, d.op, d.module, dtype_name(d.dtype), dtype_name(d.autocast)) for d in rep.autocast_diff()]
+    assert [r[6] for r in tags.rows["decisions"][1:]] == [dtype_name(r.autocast) for r in rep.records]
+    assert f"Differs from torch.autocast ({len(rep.autocast_diff())})" in page
+    assert rep.autocast_summary() in page
+
+
+def test_table_shows_an_autocast_column_on_request_marking_differences():
+    """table(autocast=True) adds the column, marking differing rows with '≠'; the default table is as before."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    rep = ampfx.convert(m, "bf16", example_inputs=torch.randn(2, 4)).ampfx_report
+    plain, wide = rep.table(width=200), rep.table(width=200, autocast=True)
+    assert "autocast" not in plain and "≠" not in plain
+    rows = {line.split("│")[1].strip(): line for line in wide.splitlines() if line.count("│") > 5}
+    header = next(line for line in wide.splitlines() if "node" in line)
+    assert "┃ autocast" in header and "≠ bfloat16" in rows["softmax"] and "≠" not in rows["linear"]
+
+
+# ------------------------------------------------------------------ what cannot be known
+class Opaque(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class WithOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.inner, self.rnn = nn.Linear(4, 4), Opaque(), nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(self.fc(x))
+        return self.rnn(h)[0].relu() + torch.linalg.multi_dot([x[0], x[0].t(), x[0]])
+
+
+def test_opaque_leaves_recurrent_modules_and_unlisted_composites_are_unknown_and_left_out_of_the_diff():
+    """A user module kept as a leaf, a GRU (its dtype comes from the GEMMs inside it), an unlisted
+    composite op ampfx has no entry for (linalg.multi_dot runs mm) are 'unknown', and so are unlisted ops
+    on their values; autocast_diff() leaves them out and the summary counts them."""
+    rep = ampfx.convert(WithOpaque(), "bf16", example_inputs=torch.randn(2, 3, 4),
+                        leaf_modules=[Opaque]).ampfx_report
+    by_op = {r.op: r.autocast for r in rep.compute}
+    assert by_op["linear"] == torch.bfloat16
+    unknown = {r.op for r in rep.autocast_unknown()}
+    assert {"gru", "relu", "add"} <= unknown and any("Opaque" in op for op in unknown)
+    assert any("multi_dot" in op for op in unknown)
+    assert not {d.node for d in rep.autocast_diff()} & {r.node for r in rep.autocast_unknown()}
+    assert rep.autocast_summary().endswith(f"autocast's dtype unknown for {len(rep.autocast_unknown())}")
+
+
+def test_a_device_without_an_autocast_table_reports_nothing():
+    """On a device the table does not cover, no node gets an autocast dtype and the summary says so."""
+    model, inputs = MODELS["block"]()
+    gm = _captured(model, inputs)
+    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="mps"))
+    assert not any(AUTOCAST in n.meta for n in gm.graph.nodes)
+    assert ampfx.report.Report(torch.bfloat16).autocast_summary().startswith("autocast: not compared")
+
+
+def test_user_float32_region_runs_as_written():
+    """Ops under torch.autocast(enabled=False) in the model run without autocast: a linear there computes
+    in its inputs' dtype (float32), as ampfx's user-float32 rule has it: no difference reported."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                y = self.b(x)
+            return self.a(x) + y
+
+    rep = ampfx.convert(M(), "bf16", example_inputs=torch.randn(2, 4)).ampfx_report
+    fp32 = [r for r in rep.compute if r.rule == "user-float32"]
+    assert fp32 and all(r.autocast == torch.float32 for r in fp32)
+    assert not [d for d in rep.autocast_diff() if d.rule == "user-float32"]
+
+
+def test_the_analysis_docstrings_hold():
+    """passes/ is not collected for doctests: run the analysis module's here."""
+    assert doctest.testmod(ac_pass).failed == 0
