@@ -440,3 +440,19 @@ def test_user_float32_region_runs_as_written():
 def test_the_analysis_docstrings_hold():
     """passes/ is not collected for doctests: run the analysis module's here."""
     assert doctest.testmod(ac_pass).failed == 0
+
+
+def test_cli_explain_autocast_diff(capsys):
+    """`ampfx explain --autocast-diff` prints the summary line and the autocast column; with --format json
+    one line per differing node, the same as autocast_diff()."""
+    from ampfx.ui.cli import main
+    args = ["explain", "tests/test_autocast_diff.py:Block", "--input", "2,4,8", "--input", "2,4,8", "--autocast-diff"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "differs from autocast on" in text and "┃ autocast" in text and "≠" in text
+    assert main([*args, "--format", "json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    torch.manual_seed(0)
+    model, inputs = MODELS["block"]()
+    rep = ampfx.convert(model, "bf16", example_inputs=inputs).ampfx_report
+    assert [r["node"] for r in rows] == [d.node for d in rep.autocast_diff()] and rows
