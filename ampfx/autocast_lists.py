@@ -39,6 +39,9 @@ class Cast(str, enum.Enum):
 FLOAT32_KINDS = frozenset({Cast.FP32, Cast.FP32_SET_OPT_DTYPE, Cast.FP32_APPEND_DTYPE})
 """The kinds whose op computes in float32 when its first float argument is eligible."""
 
+ATEN = "aten"
+"""The namespace of the ops these lists name (``torch.ops.aten``)."""
+
 AMBIGUOUS = "ambiguous"
 """:func:`kind_of_op` for an ampfx op whose ATen ops autocast treats differently (``avg_pool``: avg_pool3d
 is float32 on CPU, avg_pool2d is not listed)."""

@@ -37,16 +37,16 @@ from torch.utils._pytree import tree_leaves
 
 from .. import autocast_lists, ops
 from ..autocast_lists import Cast
-from ..meta import AUTOCAST, RECORD, node_module_path, out_infos, record, user_float32
+from ..meta import AUTOCAST, RECORD, out_infos, record, user_float32
 from ..report import Decision, Rule
-from .classify import DYNAMIC, attr_of, op_key, pass_result
+from .classify import DYNAMIC, attr_of, op_key, pass_result, selects_float
 from .context import PassContext
 
 UNKNOWN = "unknown"
 """``Decision.autocast`` of a node whose dtype under autocast ampfx cannot know."""
 
-_FOREIGN_PREFIXES = ("torch.", "operator.", "builtins.", "math.", "ampfx.")
-"""Qualified names of functions whose dtype rules are torch's (anything else called whole is opaque)."""
+_TORCH_RULES = ("torch.", "operator.", "builtins.", "math.", "ampfx.")
+"""Qualified names of functions whose dtype rules are torch's (any other function called whole is opaque)."""
 
 
 def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -92,21 +92,22 @@ def _first_float(dtypes: Any) -> torch.dtype | None:
 
 def _kind(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> Cast | str | None:
     """The autocast list entry ``node`` runs under (``None``: none; :data:`UNKNOWN`: cannot be known)."""
-    device = ctx.device
-    if isinstance(node.target, torch._ops.OpOverload):  # torch.export: the exact ATen overload
-        return autocast_lists.kind_of_aten(device, node.target.overloadpacket.__name__, node.target._overloadname)
+    device, target = ctx.device, node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # torch.ops.<ns>.<op>[.<overload>]
+        exact = isinstance(target, torch._ops.OpOverload)  # torch.export's: that overload's entry
+        packet = target.overloadpacket if exact else target
+        if packet._qualified_op_name.split("::")[0] != autocast_lists.ATEN:
+            return UNKNOWN  # a custom op: no autocast list names it, its dtype rule is its own
+        return autocast_lists.kind_of_aten(device, packet.__name__, target._overloadname if exact else None)
     if node.op == "call_module":
-        if str(node.target) in ctx.regions or node_module_path(node) in ctx.regions:
-            return UNKNOWN
-        return _module_kind(gm.get_submodule(str(node.target)), device)
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+        return UNKNOWN if str(target) in ctx.regions else _module_kind(gm.get_submodule(str(target)), device)
+    if node.op == "call_function" and not ops.qualified_name(target).startswith(_TORCH_RULES):
+        return UNKNOWN  # a function of the model's (or another library's) kept whole
+    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
     canonical = ops.lookup_name(op_key(node, gm))
     if autocast_lists.is_aten(name):  # torch.matmul, F.softmax, x.exp(): the ATen op of the same name
         return _aten_kind(device, name, known=canonical is not None)
-    if canonical is None:
-        foreign = node.op == "call_function" and not ops.qualified_name(node.target).startswith(_FOREIGN_PREFIXES)
-        return UNKNOWN if foreign else None
-    return _op_kind(device, canonical)
+    return None if canonical is None else _op_kind(device, canonical)
 
 
 def _aten_kind(device: str, name: str, known: bool) -> Cast | str | None:
@@ -143,12 +144,20 @@ def _inputs(node: fx.Node, gm: fx.GraphModule, found: dict[fx.Node, Any]) -> lis
     out = []
     for a in tree_leaves((node.args, node.kwargs)):
         if isinstance(a, fx.Node):
-            infos = out_infos(a)
-            out.append((found.get(a), bool(infos) and len(infos[0].shape) == 0))
+            out.append((found.get(a), _zero_dim(a, gm)))
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         out += [(t.dtype, t.dim() == 0) for t in (*module.parameters(), *module.buffers())]
     return out
+
+
+def _zero_dim(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Is ``node``'s value a 0-dim tensor? Shapes say; without them, a parameter or buffer's own tensor does."""
+    infos = out_infos(node)
+    if infos is not None:
+        return bool(infos) and len(infos[0].shape) == 0
+    val = attr_of(gm, str(node.target)) if node.op == "get_attr" else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
 def _apply(kind: Cast | None, node: fx.Node, gm: fx.GraphModule, low: torch.dtype,
@@ -185,6 +194,9 @@ def _natural(node: fx.Node, gm: fx.GraphModule, inputs: list[tuple[Any, bool]], 
     name = ops.lookup_name(op_key(node, gm)) if node.op != "call_module" else ops.lookup_name(
         type(gm.get_submodule(str(node.target))))
     entry = ops.ENTRIES.get(name) if name is not None else None
+    first = found.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if entry is not None and entry.select:  # x[i], topk(...).values: keeps the container's dtype
+        return first if entry.result is not ops.Result.NONFLOAT or selects_float(node, entry) else None
     if entry is not None and entry.category is ops.Category.PASS:
         got = pass_result(node, types.SimpleNamespace(op=name, rule=Rule.TABLE), found)
         return UNKNOWN if got == DYNAMIC else got

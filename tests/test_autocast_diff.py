@@ -174,6 +174,7 @@ def test_every_op_the_table_lists_for_an_ampfx_op_has_a_case():
                                          "multi_margin_loss", "soft_margin_loss", "hinge_embedding_loss"}) == []
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # rms_norm's unfused path
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("low", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("op", sorted(CASES))
@@ -204,15 +205,17 @@ def test_cuda_rows_on_a_real_gpu():
 
 # ------------------------------------------------------------------ the analysis against real autocast
 class Block(nn.Module):
-    """GEMMs, softmax, norms, pointwise ops, a float32 residual added to a low value, a loss."""
+    """GEMMs, softmax, norms, pointwise ops, a 0-dim float32 scale and a float32 residual applied to low
+    values, losses."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
         self.ln, self.act = nn.LayerNorm(8), nn.GELU()
+        self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        h = self.fc2(self.act(self.fc1(x)))  # low under autocast
+        h = self.fc2(self.act(self.fc1(x))) * self.scale  # low under autocast: a 0-dim float32 does not promote
         h = self.ln(h + x)  # bfloat16 + float32: promotes to float32
         att = torch.softmax(torch.matmul(h, h.transpose(-1, -2)) / 8 ** 0.5, dim=-1)
         y = torch.matmul(att, h) * torch.sigmoid(att).mean(-1, keepdim=True) + F.gelu(h).sum(-1, keepdim=True)
@@ -379,6 +382,45 @@ def test_table_shows_an_autocast_column_on_request_marking_differences():
 
 
 # ------------------------------------------------------------------ what cannot be known
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    """A function of the model's own, named like an ATen op, that fx keeps whole (torch.fx.wrap)."""
+    return (x * 1.5).to(torch.float64).tanh().float()
+
+
+torch.fx.wrap("tanh")
+
+
+@torch.library.custom_op("ampfx_test::scale", mutates_args=())
+def scale(x: torch.Tensor) -> torch.Tensor:
+    """A custom op: autocast has no list entry for it, and ampfx cannot know its dtype rule."""
+    return x.float() * 2
+
+
+@scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32)
+
+
+class Foreign(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tanh(self.fc(x)) + torch.ops.ampfx_test.scale(self.fc(x)) + torch.ops.aten.exp(x).sum()
+
+
+def test_a_model_function_named_like_an_aten_op_and_a_custom_op_are_unknown():
+    """A function of the model's kept whole is opaque even when its name is an ATen op's ('tanh'), and so
+    is a custom op (torch.ops.<namespace>): 'unknown', never a guess from the name."""
+    gm = _captured(Foreign(), (torch.randn(2, 4),))
+    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="cpu"))
+    by_target = {getattr(n.target, "__name__", str(n.target)): n.meta.get(AUTOCAST) for n in gm.graph.nodes}
+    assert by_target["tanh"] == ac_pass.UNKNOWN and by_target["scale"] == ac_pass.UNKNOWN
+    assert by_target["linear"] == torch.bfloat16 and by_target["add"] == ac_pass.UNKNOWN
+    assert by_target["exp"] == torch.float32  # torch.ops.aten.exp (a packet) is looked up as ATen's exp
+
+
 class Opaque(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2
