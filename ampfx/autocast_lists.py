@@ -119,7 +119,12 @@ DECOMPOSED: dict[str, dict[str, Cast]] = {
 BANNED: dict[str, frozenset[str]] = {"cuda": frozenset({"binary_cross_entropy"})}
 """Ops autocast refuses on a device (it raises and says to use the ``_with_logits`` form)."""
 
-COMPOSITE = frozenset({"multi_head_attention", "lstm", "gru", "rnn", "normalize"})
+FIRST_OUTPUT: dict[str, Cast] = {"multi_head_attention": Cast.LOWER}
+"""ampfx ops made of other ops whose first output comes from a listed op on every device (attention's
+output projection is a linear): that output takes the op's kind; their other outputs (attention
+weights) are not known."""
+
+COMPOSITE = frozenset({"lstm", "gru", "rnn", "normalize"})
 """ampfx ops whose dtype under autocast is set by the ops run inside them (a recurrent module's
 GEMMs, attention's projections, ``F.normalize``'s norm), not by a list entry of their own:
 ``"unknown"`` in the report."""
@@ -179,6 +184,8 @@ def kind_of_op(device: str, op: str) -> Cast | str | None:
     of the same name where there is one (``softmax``; a router such as ``pad`` by the ops it picks), else
     the kind the op's ATen ops share; :data:`AMBIGUOUS` where they differ (``max_pool``: max_pool3d is
     float32 on CPU, max_pool2d is not listed), ``None`` where none is listed."""
+    if op in FIRST_OUTPUT:
+        return FIRST_OUTPUT[op]
     if is_aten(op):
         names: tuple[str, ...] = ROUTERS.get(op, (op,))
     else:

@@ -196,6 +196,8 @@ def _natural(node: fx.Node, gm: fx.GraphModule, inputs: list[tuple[Any, bool]], 
     entry = ops.ENTRIES.get(name) if name is not None else None
     first = found.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
     if entry is not None and entry.select:  # x[i], topk(...).values: keeps the container's dtype
+        if _later_output(node, gm):
+            return UNKNOWN
         return first if entry.result is not ops.Result.NONFLOAT or selects_float(node, entry) else None
     if entry is not None and entry.category is ops.Category.PASS:
         got = pass_result(node, types.SimpleNamespace(op=name, rule=Rule.TABLE), found)
@@ -209,6 +211,15 @@ def _natural(node: fx.Node, gm: fx.GraphModule, inputs: list[tuple[Any, bool]], 
         infos = out_infos(node)
         return _first_float(i.dtype for i in infos) if infos else None
     return promoted([d for d, z in floats if not z] or [d for d, _ in floats])
+
+
+def _later_output(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Is ``node`` an output other than the first of an op whose first output alone autocast's
+    dtype is known for (``attn(q, k, v)[1]``, the attention weights)?"""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node) or source.op not in ("call_function", "call_method", "call_module"):
+        return False
+    return ops.lookup_name(op_key(source, gm)) in autocast_lists.FIRST_OUTPUT and node.args[1:2] != (0,)
 
 
 def promoted(dtypes: list[torch.dtype]) -> torch.dtype:
