@@ -7,6 +7,7 @@ against the captured graph run node by node under real CPU autocast; the report'
 from __future__ import annotations
 
 import doctest
+import operator
 import json
 from typing import Any, Callable
 
@@ -515,3 +516,21 @@ def test_cli_explain_autocast_diff(capsys):
     model, inputs = MODELS["block"]()
     rep = ampfx.convert(model, "bf16", example_inputs=inputs).ampfx_report
     assert [r["node"] for r in rows] == [d.node for d in rep.autocast_diff()] and rows
+
+
+def test_attention_output_is_low_and_its_weights_unknown():
+    """An attention leaf's first output is its output projection's (low under autocast); the attention
+    weights, its second output, come from a softmax whose list differs by device: unknown."""
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            out, weights = self.attn(x, x, x)
+            return out, weights
+
+    gm = _captured(Attn().eval(), (torch.randn(2, 3, 8),))
+    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.float16), device="cpu"))
+    got = [n.meta[AUTOCAST] for n in gm.graph.nodes if n.target is operator.getitem]
+    assert got == [torch.float16, ac_pass.UNKNOWN]
