@@ -12,7 +12,9 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
   the gradients in calibration (:class:`~ampfx.passes.sensitivity.Errors`), for nodes over the threshold;
 - ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call;
 - ``USER_FLOAT32``: why the user asked for the node to stay float32 (it was traced inside
-  ``torch.autocast(..., enabled=False)``), written while capturing (:mod:`ampfx.capture.semantics`).
+  ``torch.autocast(..., enabled=False)``), written while capturing (:mod:`ampfx.capture.semantics`);
+- ``AUTOCAST``: the dtype ``torch.autocast`` would compute the node in (:mod:`ampfx.passes.autocast`),
+  copied into ``Decision.autocast`` after the passes.
 
 >>> import torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x")
@@ -31,6 +33,7 @@ CALIB = "ampfx_calib"
 SENSITIVITY = "ampfx_sensitivity"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
+AUTOCAST = "ampfx_autocast"
 
 
 def record(node: fx.Node) -> Any:

@@ -218,6 +218,9 @@ class Decision:
     conversion (``"dynamic"`` when only known at run time). ``fp32_inside`` says what stays float32
     inside a low-precision op, one ``"what: names"`` item each (``"running statistics: bn.running_mean,
     bn.running_var"``, ``"affine parameters: bn.weight, bn.bias"``, ``"accumulation"``).
+    ``autocast`` is the dtype ``torch.autocast`` would compute the node in on the conversion device
+    (``"unknown"`` where that cannot be known, ``None`` for non-float values, on devices without
+    autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`.
     """
 
     node: str
@@ -234,6 +237,7 @@ class Decision:
     out: torch.dtype | str | None = None
     inplace: bool = False
     fp32_inside: tuple[str, ...] = ()
+    autocast: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rule", Rule(self.rule))
@@ -256,6 +260,7 @@ class Decision:
         d["shapes"] = list(self.shapes)
         d["in_shapes"] = list(self.in_shapes)
         d["fp32_inside"] = list(self.fp32_inside)
+        d["autocast"] = dtype_name(self.autocast) if isinstance(self.autocast, torch.dtype) else self.autocast
         return d
 
 
@@ -292,6 +297,33 @@ class Region:
 
 
 @dataclass(frozen=True)
+class AutocastDiff:
+    """One compute node whose dtype under ampfx (``dtype``) is not the one ``torch.autocast`` would
+    compute it in (``autocast``), with the ``rule`` and ``reason`` that decided ampfx's dtype."""
+
+    node: str
+    op: str
+    module: str
+    dtype: torch.dtype
+    autocast: torch.dtype
+    rule: Rule
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dtype"], d["autocast"], d["rule"] = dtype_name(self.dtype), dtype_name(self.autocast), str(self.rule)
+        return d
+
+
+def computes_in(r: Decision) -> torch.dtype | None:
+    """The dtype a record's node computes in under ampfx: its ``dtype``, else (left as written) the
+    dtype of its value, else ``None``."""
+    if r.dtype is not None:
+        return r.dtype
+    return r.out if isinstance(r.out, torch.dtype) else None
+
+
+@dataclass(frozen=True)
 class Report:
     """The decision log of one :func:`ampfx.convert` call."""
 
@@ -319,6 +351,50 @@ class Report:
 
     def low(self) -> list[Decision]:
         return [r for r in self.compute if r.dtype == self.dtype]
+
+    def autocast_diff(self) -> list[AutocastDiff]:
+        """The compute nodes where ampfx's dtype differs from the one ``torch.autocast`` would use on
+        the conversion device (``Decision.autocast``), in graph order, each with ampfx's rule and reason:
+        the answer to "why not what autocast does?". Nodes whose autocast dtype is not known
+        (``"unknown"``, ``None``) are left out: :meth:`autocast_unknown` counts them.
+
+        >>> import torch, ampfx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+        >>> rep = ampfx.convert(m, "bf16", example_inputs=torch.randn(2, 4)).ampfx_report
+        >>> [(d.op, str(d.dtype), str(d.autocast), d.rule) for d in rep.autocast_diff()]
+        [('softmax', 'torch.float32', 'torch.bfloat16', 'table')]
+        """
+        out = []
+        for r in self.compute:
+            mine = computes_in(r)
+            if isinstance(r.autocast, torch.dtype) and mine is not None and mine != r.autocast:
+                out.append(AutocastDiff(r.node, r.op, r.module, mine, r.autocast, r.rule, r.reason))
+        return out
+
+    def autocast_unknown(self) -> list[Decision]:
+        """The compute nodes whose dtype under ``torch.autocast`` ampfx cannot know (``"unknown"``: an
+        opaque leaf or function, a region run eagerly, a recurrent module, and values computed from them)."""
+        return [r for r in self.compute if isinstance(r.autocast, str)]
+
+    def autocast_summary(self) -> str:
+        """One line: on how many nodes ampfx differs from ``torch.autocast``, grouped by op and rule
+        (``ampfx / autocast`` dtypes), and how many it could not compare.
+
+        >>> import torch, ampfx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+        >>> print(ampfx.convert(m, "bf16", example_inputs=torch.randn(2, 4)).ampfx_report.autocast_summary())
+        differs from autocast on 1/2 nodes: softmax 1 (fp32/bf16, deny list)
+        """
+        diff, unknown = self.autocast_diff(), self.autocast_unknown()
+        if not any(r.autocast is not None for r in self.records):
+            return "autocast: not compared (no autocast op lists for this device, or no graph was converted)"
+        groups = Counter((d.op, dtype_name(d.dtype, short=True), dtype_name(d.autocast, short=True),
+                          d.rule.word if d.dtype == torch.float32 else str(d.rule)) for d in diff)  # words say float32
+        parts = [f"{op} {n} ({mine}/{theirs}, {why})"
+                 for (op, mine, theirs, why), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))]
+        line = f"differs from autocast on {len(diff)}/{len(self.compute)} nodes"
+        line += f": {', '.join(parts)}" if parts else ""
+        return line + (f"; autocast's dtype unknown for {len(unknown)}" if unknown else "")
 
     def by_node(self, name: str) -> Decision:
         for r in self.records:
@@ -373,18 +449,22 @@ class Report:
         return lines
 
     def table(self, *, width: int = 160, color: bool | None = None, all_nodes: bool = False,
-              group: bool = True) -> str:
+              group: bool = True, autocast: bool = False) -> str:
         """A readable table (rich) of the compute nodes: node, op, module,
         category, dtype, rule, reason, coloured by dtype. ``group`` puts the
         rows of each top-level module together (in order of first appearance),
         float32 rows first so their reasons lead; ``group=False`` keeps graph
-        order. ``all_nodes`` adds inputs, parameters and outputs."""
+        order. ``all_nodes`` adds inputs, parameters and outputs. ``autocast``
+        adds a column with the dtype ``torch.autocast`` would use, marked ``≠`` where
+        it differs from ampfx's (:meth:`autocast_diff`)."""
         from rich.console import Console
         from rich.table import Table
 
         t = Table(title=f"ampfx decisions ({dtype_name(self.dtype)})", show_lines=False)
-        for col in ("node", "op", "module", "category", "dtype", "rule", "reason"):
+        cols = ("node", "op", "module", "category", "dtype", *(("autocast",) if autocast else ()), "rule", "reason")
+        for col in cols:
             t.add_column(col, overflow="fold")
+        differs = {d.node for d in self.autocast_diff()} if autocast else set()
         style = {self.dtype: "green", torch.float32: "yellow", None: "dim"}
         rows = list(self.records if all_nodes else [r for r in self.records if r.kind in COMPUTE])
         if group:
@@ -399,7 +479,8 @@ class Report:
             if group and previous is not None and top != previous:
                 t.add_section()
             previous = top
-            t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), r.rule, r.reason,
+            mark = (("≠ " if r.node in differs else "") + dtype_name(r.autocast),) if autocast else ()
+            t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), *mark, r.rule, r.reason,
                       style=style.get(r.dtype, ""))
         buf = io.StringIO()
         Console(file=buf, width=width, force_terminal=bool(color), no_color=not color,

@@ -27,7 +27,7 @@ from .graph_module import AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from . import runtime
 from .meta import RECORD, leaf_param_casts, record
-from .passes import PIPELINE, calibrate, paint, sensitivity, shapes
+from .passes import PIPELINE, autocast, calibrate, paint, sensitivity, shapes
 from .passes.context import PassContext
 from .policy import Policy
 from .report import COMPUTE, CastInfo, Decision, Region, Report
@@ -76,6 +76,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       leaf_facts=leaf_facts)
     precision = find_sensitive(gm, ctx, request) if prefix == "" else []
+    autocast.annotate(gm, ctx)  # what torch.autocast would do, on the graph before casts (reporting only)
     run_passes(gm, ctx)
     notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes, *precision]
     if capture.fixed_args:
@@ -143,6 +144,7 @@ def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
     """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
     for pass_ in PIPELINE:
         pass_(gm, ctx)
+    autocast.stamp(gm)
     if ctx.prefix:
         keep_boundary(gm)
     gm.graph.lint()

@@ -162,13 +162,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     rep = amp.ampfx_report
     if args.format == "json":
-        for r in rep.records:
+        for r in (rep.autocast_diff() if args.autocast_diff else rep.records):
             print(json.dumps(r.as_json(), default=str))
     elif args.format == "html":
         print(rep.html())
     else:
         print(rep.summary())
-        print(rep.table(color=sys.stdout.isatty()))
+        if args.autocast_diff:
+            print(rep.autocast_summary())
+        print(rep.table(color=sys.stdout.isatty(), autocast=args.autocast_diff))
     if args.out:
         try:
             saved = rep.save(args.out)
@@ -257,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="table (default), json (one record per line) or html (the graph page, to stdout)")
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
     e.add_argument("--html", metavar="FILE", help="write the decision log as a self-contained HTML page")
+    e.add_argument("--autocast-diff", action="store_true",
+                   help="compare with torch.autocast: the table gets an autocast column (and a summary line of "
+                        "the differences); --format json prints only the nodes that differ, with ampfx's reason")
     e.set_defaults(func=cmd_explain)
     c = sub.add_parser("compare", help="convert a model, then measure its output and gradient errors against "
                                        "float32 beside torch.autocast's")

@@ -295,10 +295,15 @@ def render(report: Report) -> str:
     """The report as one self-contained HTML page (see the module docstring)."""
     data = graph(report)
     low = data["low"]
-    lines = report.summary().splitlines()
-    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "rule", "reason", "shapes"),
-                       [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-", n["rule"],
-                         n["reason"], " ".join(n["shapes"])) for n in data["nodes"]], "decisions")
+    lines = [*report.summary().splitlines(), f"  {report.autocast_summary()}"]
+    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", "rule", "reason", "shapes"),
+                       [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-",
+                         n["autocast"] or "-", n["rule"], n["reason"], " ".join(n["shapes"])) for n in data["nodes"]],
+                       "decisions")
+    diff = report.autocast_diff()
+    differs = _table(("node", "op", "module", "ampfx", "autocast", "rule", "reason"),
+                     [(d.node, d.op, d.module, dtype_name(d.dtype), dtype_name(d.autocast), d.rule, d.reason)
+                      for d in diff], "autocast-diff")
     casts = _table(("cast", "value", "source", "to", "consumers", "weight", "reason"),
                    [(c["node"], c["value"], c["source"], c["to"], ", ".join(c["consumers"]),
                      "yes" if c["weight"] else "", c["reason"]) for c in data["casts"]], "casts")
@@ -327,6 +332,7 @@ def render(report: Report) -> str:
         "marker for details; hover for a summary.</p></aside></main>",
         f"<details><summary>All decisions ({len(report.records)})</summary>{decisions}</details>",
         f"<details><summary>All casts ({len(report.casts)})</summary>{casts}</details>",
+        f"<details><summary>Differs from torch.autocast ({len(diff)})</summary>{differs}</details>",
         f'<script type="application/json" id="ampfx-data">{_json_for_script(data)}</script>',
         f"<script>{_JS}</script></body></html>\n",
     ])
