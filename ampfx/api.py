@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
-from . import guards
+from . import guards, module_match
 from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, UninitializedModelError
@@ -208,19 +208,14 @@ def _check_initialised(model: nn.Module) -> None:
 
 
 def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
-    """Every name in ``fp32_modules`` / ``leaf_modules`` is a module of ``model``, under any of
-    its names: a submodule registered twice (``self.alias = self.fc``) answers to both, and the
-    policy returned also names it as the graph does (the first name, which tracing records)."""
+    """The modules ``fp32_modules`` keeps float32 in ``model``, resolved once
+    (:func:`ampfx.module_match.resolve`: an entry that keeps nothing is an error), and every name
+    in ``leaf_modules`` a module of ``model``, under any of its names: a submodule registered
+    twice (``self.alias = self.fc``) answers to both, and the policy returned also names it as
+    the graph does (the first name, which tracing records)."""
     names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
     first = {id(m): n for n, m in model.named_modules()}
-    extra = []
-    for prefix in policy.fp32_modules:
-        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
-            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {prefix!r}, which is not a module of "
-                              f"{type(model).__name__}.{did_you_mean(prefix, names, cutoff=0.5)}")
-        canonical = first[id(model.get_submodule(prefix))]
-        if canonical != prefix and canonical not in policy.fp32_modules + tuple(extra):
-            extra.append(canonical)
+    matched = module_match.resolve(model, policy.fp32_modules)
     leaves = []
     for leaf in policy.leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
@@ -229,9 +224,9 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
                               f"{did_you_mean(leaf, names, cutoff=0.5)}")
         if isinstance(leaf, str) and first[id(model.get_submodule(leaf))] not in policy.leaf_modules:
             leaves.append(first[id(model.get_submodule(leaf))])
-    if not extra and not leaves:
+    if not matched and not leaves:
         return policy
-    return dataclasses.replace(policy, fp32_modules=policy.fp32_modules + tuple(extra),
+    return dataclasses.replace(policy, fp32_matched=matched, user_ops=policy.user_ops,
                                leaf_modules=policy.leaf_modules + tuple(dict.fromkeys(leaves)))
 
 
@@ -245,7 +240,8 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
     return {"dtype": dtype_name(policy.dtype), "edits": edits,
             "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
-            "fp32_modules": list(policy.fp32_modules), "tuned": dict(policy.tuned),
+            "fp32_modules": [module_match.describe(e) for e in policy.fp32_modules],
+            "fp32_matched": dict(policy.fp32_matched), "tuned": dict(policy.tuned),
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

@@ -6,7 +6,8 @@ called from eager code (its parent could not be traced). Both ask this module
 the same two questions, in this order (the full chain is in :mod:`ampfx.policy`):
 
 1. :func:`decide_module`: is the code inside a module named in
-   ``fp32_modules`` (or under one), or a module that ``module_filter_fn``
+   ``fp32_modules`` (by name, glob, class or predicate: :mod:`ampfx.module_match`; or under
+   one), or a module that ``module_filter_fn``
    rejects, checked on the module and on each of its parents up to the root
    of the conversion? Then it stays float32 (rule ``fp32_modules`` /
    ``module_filter_fn``), whatever the lists say.
@@ -38,7 +39,7 @@ import torch.nn as nn
 
 from . import ops
 from .ops import Category
-from .policy import Policy, PolicyError, did_you_mean
+from .policy import Policy, PolicyError, did_you_mean, is_glob
 from .report import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
@@ -67,9 +68,9 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
     else ``None``. The filter is asked about the module and each parent, innermost first,
     up to ``root``."""
     full = prefix + path if path else prefix.rstrip(".")
-    for p in policy.fp32_modules:
-        if full == p or full.startswith(p + "."):
-            return Rule.FP32_MODULES, f"inside module {p!r}, named in fp32_modules: kept float32"
+    hit = _fp32_module(policy, full)
+    if hit is not None:
+        return Rule.FP32_MODULES, hit
     fn = policy.module_filter_fn
     if fn is not None:
         parts = path.split(".") if path else []
@@ -80,6 +81,26 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
             if not fn(mod, fqn):
                 return Rule.MODULE_FILTER_FN, f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
     return None
+
+
+def _fp32_module(policy: Policy, full: str) -> str | None:
+    """The reason when the module at ``full`` (or one above it) is kept by ``fp32_modules``: the
+    first entry that matched, from ``policy.fp32_matched`` (resolved against the model by
+    :func:`ampfx.convert`); a policy not resolved yet matches its plain names."""
+    matched = policy.fp32_matched or tuple((e, "named in fp32_modules") for e in policy.fp32_modules
+                                           if isinstance(e, str) and not is_glob(e))
+    if not matched:
+        return None
+    order = policy.__dict__.get("_fp32_order")
+    if order is None or order[0] is not matched:
+        order = (matched, {path: (i, why) for i, (path, why) in enumerate(matched)})
+        object.__setattr__(policy, "_fp32_order", order)
+    parts = full.split(".") if full else []
+    hits = [order[1][p] + (p,) for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in order[1]]
+    if not hits:
+        return None
+    _, why, path = min(hits)
+    return f"inside module {path!r}, {why}: kept float32"
 
 
 def decide_op(policy: Policy, name: str, why: str | None = None) -> Verdict:

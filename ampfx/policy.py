@@ -11,7 +11,9 @@ Precedence, lowest first (each record in the report names the rule that won):
    libraries registered (:func:`ampfx.register_op`);
 2. ``argument``: list edits given as ``Policy(...)`` arguments;
 3. ``env:AMPFX_...``: list edits from the environment, applied after the arguments;
-4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name;
+4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name, glob, class or predicate
+   (:mod:`ampfx.module_match`; either one is enough, and the report names the first entry that
+   matched);
 5. ``probe``: a kernel that cannot run in the low dtype on this device;
 6. structural facts: non-float values, in-place ops.
 
@@ -153,21 +155,47 @@ def _torch_op_name(ref: custom_ops.OpRef | None) -> str | None:
     return ops.lookup_name(ref.target()) or ref.name
 
 
-def _module_names(value: Any) -> tuple[str, ...]:
-    """``fp32_modules`` as a tuple of module names: a string is one name; an empty name (it would
-    name the root, the whole model) and a non-string are errors."""
-    names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, Iterable):
-        raise PolicyError(f"fp32_modules={value!r}: give module names, e.g. ('head', 'encoder.layers.0')")
+GLOB_CHARS = frozenset("*?[")
+
+
+def is_glob(text: str) -> bool:
+    """Does ``text`` use glob characters (a module-name pattern of ``fp32_modules``)?
+
+    >>> is_glob("head.*"), is_glob("head")
+    (True, False)
+    """
+    return any(c in GLOB_CHARS for c in text)
+
+
+def _module_entries(value: Any) -> tuple[Any, ...]:
+    """``fp32_modules`` as a tuple of entries (see the module docstring); a bad entry is a :class:`PolicyError`.
+
+    >>> _module_entries("head"), _module_entries((torch.nn.LayerNorm, " enc.* "))
+    (('head',), (<class 'torch.nn.modules.normalization.LayerNorm'>, 'enc.*'))
+    """
+    entries = (value,) if isinstance(value, (str, type)) or callable(value) else value
+    if not isinstance(entries, Iterable):
+        raise PolicyError(f"fp32_modules={value!r}: give module names, globs, module classes or predicates, e.g. "
+                          "('head', 'encoder.layers.*.attn', nn.LayerNorm)")
     out = []
-    for name in names:
-        if not isinstance(name, str):
-            raise PolicyError(f"fp32_modules: {name!r} is not a module name; give names as strings, e.g. "
-                              "('head',) (a module type keeps all its instances float32 with denylist_add=...)")
-        if not name.strip():
-            raise PolicyError(f"fp32_modules={value!r}: an empty name would keep the whole model float32; name "
-                              "submodules (e.g. 'head'), or do not convert the model")
-        out.append(name.strip())
+    for entry in entries:
+        if isinstance(entry, str):
+            if not entry.strip():
+                raise PolicyError(f"fp32_modules={value!r}: an empty name would keep the whole model float32; name "
+                                  "submodules (e.g. 'head'), or do not convert the model")
+            out.append(entry.strip())
+            if is_glob(entry) and entry.count("[") != entry.count("]"):
+                raise PolicyError(f"fp32_modules: the glob {entry!r} opens '[' without closing it")
+        elif isinstance(entry, type):
+            if not issubclass(entry, torch.nn.Module):
+                raise PolicyError(f"fp32_modules: {entry.__name__} is a class but not an nn.Module; give module "
+                                  "classes (nn.LayerNorm), names, globs or predicates")
+            out.append(entry)
+        elif callable(entry):
+            out.append(entry)
+        else:
+            raise PolicyError(f"fp32_modules: {entry!r} is neither a module name, a glob, a module class nor a "
+                              "predicate (module, fqn) -> bool")
     return tuple(out)
 
 
@@ -245,7 +273,8 @@ class Policy:
     clearlist_remove: tuple = ()
     denylist_add: tuple = ()
     denylist_remove: tuple = ()
-    fp32_modules: tuple[str, ...] = ()
+    #: modules kept float32: names, globs ("head.*"), module classes, predicates (ampfx.module_match)
+    fp32_modules: tuple = ()
     leaf_modules: tuple = ()
     keep_output_dtype: bool = True
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
@@ -273,6 +302,9 @@ class Policy:
     origins: tuple[tuple[tuple[str, str], Rule], ...] = ()
     #: the AMPFX_* environment values that were read, for the log
     env: tuple[tuple[str, str], ...] = ()
+    #: set by convert(): the module paths fp32_modules keeps float32 in the model, each with the words the
+    #: report uses (ampfx.module_match.resolve)
+    fp32_matched: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     #: user functions / module types named in lists: (object, qualified name)
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
 
@@ -294,7 +326,7 @@ class Policy:
                     if name not in names:
                         names.append(name)
                 set_(self, fname, tuple(names))
-        set_(self, "fp32_modules", _module_names(self.fp32_modules))
+        set_(self, "fp32_modules", _module_entries(self.fp32_modules))
         set_(self, "tuned", _tuned_pairs(self.tuned))
         if isinstance(self.leaf_modules, (str, type)):
             set_(self, "leaf_modules", (self.leaf_modules,))
@@ -428,7 +460,8 @@ _LIST_VARS = {f"{ENV_PREFIX}{LIST_NAMES[c].upper()}_{a.upper()}": f"{LIST_NAMES[
               for c in LISTS for a in ("add", "remove")}
 ENV_VARS: dict[str, str] = {
     **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
-    "AMPFX_FP32_MODULES": "comma-separated module-name prefixes kept float32 (e.g. head,encoder.layers.0)",
+    "AMPFX_FP32_MODULES": "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) or "
+                          "module classes (LayerNorm, mypkg.blocks.Attn)",
     "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
     "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tune) merged into convert()'s policy before the other "
                          "variables: list edits and tuned nodes added, unset fields taken from it",

@@ -54,7 +54,7 @@ BAD_CALLS = {
     # module names
     "fp32_modules empty name": (lambda: ampfx.convert(Net(), fp32_modules=("",)), "empty name"),
     "fp32_modules empty string": (lambda: ampfx.convert(Net(), fp32_modules=""), "empty name"),
-    "fp32_modules a type": (lambda: ampfx.convert(Net(), fp32_modules=(nn.Linear,)), "is not a module name"),
+    "fp32_modules a non-module class": (lambda: ampfx.convert(Net(), fp32_modules=(int,)), "is a class but not an nn.Module"),
     "fp32_modules typo": (lambda: ampfx.convert(Net(), fp32_modules=("fcc",)), "Did you mean 'fc'"),
     "leaf_modules an int": (lambda: ampfx.convert(Net(), leaf_modules=(3,)), "leaf_modules: 3"),
     # example inputs
@@ -137,7 +137,7 @@ def test_alias_of_a_shared_submodule_is_a_module_name(field, name):
     rec = next(r for r in amp.ampfx_report.compute if r.module in ("fc", "alias"))
     if field == "fp32_modules":
         assert rec.dtype == torch.float32 and rec.rule == "fp32_modules"
-        assert "fc" in amp.ampfx_report.policy["fp32_modules"]  # the object's first name too
+        assert "fc" in amp.ampfx_report.policy["fp32_matched"]  # the object's first name too (tracing's)
     else:
         assert rec.kind == "call_module"  # kept as an opaque leaf
     torch.testing.assert_close(amp(X), model(X), atol=0.05, rtol=0.05)

@@ -1,0 +1,155 @@
+"""Which modules ``fp32_modules`` keeps float32: names, globs, classes and predicates.
+
+An entry of ``Policy.fp32_modules`` is one of:
+
+- a **module name** (``"head"``, ``"encoder.layers.0"``): that module and everything under it;
+- a **glob** over module names, a string with ``*``, ``?`` or ``[...]`` (``"head.*"``,
+  ``"encoder.layers.*.attn"``): ``*`` and ``?`` match within one name segment (no dot), ``**``
+  matches any number of segments; a module whose name matches, and everything under it;
+- a **module class** (``nn.LayerNorm``, or its name as a string: ``"LayerNorm"`` for a
+  ``torch.nn`` class, ``"mypkg.blocks.Attn"`` for an importable one): every instance,
+  subclasses included, and everything under each;
+- a **predicate**, any other callable ``(module, fqn) -> bool``: the modules it returns
+  ``True`` for, and everything under each.
+
+A string is read in that order against the model: a module path of the model is a name
+(even where a class has the same name: a submodule called ``LayerNorm`` is that submodule);
+else a string with glob characters is a glob; else a class name; else it is an error.
+
+:func:`resolve` turns the entries into the module paths they keep float32 in this model,
+each with the words the report uses, once per :func:`ampfx.convert`; an entry that keeps
+nothing, a predicate that raises or answers something other than a bool, is an error there:
+a rule that silently matches nothing is a rule the user believes holds.
+
+>>> import torch.nn as nn
+>>> net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.Sequential(nn.Linear(2, 2)))
+>>> resolve(net, ("LayerNorm", "2.*"))
+(('1', 'an instance of torch.nn.LayerNorm named in fp32_modules'), ('2.0', "matched by '2.*' in fp32_modules"))
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import torch.nn as nn
+
+from . import ops
+from .policy import PolicyError, _import_object, did_you_mean, is_glob
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """The regular expression of a module-name glob: ``*``/``?`` stay within a segment, ``**`` crosses dots.
+
+    >>> bool(glob_regex("a.*.c").fullmatch("a.b.c")), bool(glob_regex("a.*").fullmatch("a.b.c"))
+    (True, False)
+    >>> bool(glob_regex("a.**").fullmatch("a.b.c"))
+    True
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif c == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                raise PolicyError(f"fp32_modules: the glob {pattern!r} opens '[' without closing it")
+            body = pattern[i + 1:end]
+            out.append("[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body)) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def as_class(text: str) -> type | None:
+    """The module class a string names: a ``torch.nn`` class name, or an importable qualified name."""
+    short = text[len("nn."):] if text.startswith("nn.") else text
+    obj = getattr(nn, short, None) if "." not in short else _import_object(text)
+    return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
+
+
+def describe(entry: Any) -> str:
+    """How the report names an entry: a class by its qualified name, a predicate by its name."""
+    if isinstance(entry, type):
+        return f"torch.nn.{entry.__name__}" if getattr(nn, entry.__name__, None) is entry else ops.qualified_name(entry)
+    if isinstance(entry, str):
+        return entry
+    return getattr(entry, "__qualname__", None) or repr(entry)
+
+
+def resolve(model: nn.Module, entries: Iterable[Any]) -> tuple[tuple[str, str], ...]:
+    """``(module path, why)`` for each module ``entries`` keep float32 in ``model``, in entry order
+    (a path kept by two entries is listed once, for the first); errors as the module docstring says."""
+    all_names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    first = {id(m): n for n, m in model.named_modules()}
+    found: dict[str, str] = {}
+    for entry in entries:
+        hits = _hits(model, entry, all_names, first)
+        for path, why in hits:
+            found.setdefault(path, why)
+    return tuple(found.items())
+
+
+def _hits(model: nn.Module, entry: Any, all_names: list[str], first: dict[int, str]) -> list[tuple[str, str]]:
+    """The module paths one entry keeps float32 (tracing's first name for each), with the reason's words."""
+    owner = type(model).__name__
+    if isinstance(entry, str) and entry in all_names:
+        canonical = first[id(model.get_submodule(entry))]
+        return [(p, f"named in fp32_modules as {entry!r}" if p != entry else "named in fp32_modules")
+                for p in dict.fromkeys((entry, canonical))]
+    if isinstance(entry, str) and is_glob(entry):
+        rx = glob_regex(entry)
+        hits = [first[id(model.get_submodule(n))] for n in all_names if rx.fullmatch(n)]
+        if not hits:
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES: the glob {entry!r} matches no module of {owner} "
+                              f"('*' stays within one name segment; '**' crosses dots).{_close(entry, all_names)}")
+        return [(p, f"matched by {entry!r} in fp32_modules") for p in dict.fromkeys(hits)]
+    if isinstance(entry, str):
+        cls = as_class(entry)
+        if cls is None:
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {entry!r}, which is neither a module of {owner} "
+                              "nor a module class (a torch.nn class name such as 'LayerNorm', or an importable "
+                              f"'pkg.module.Class').{_close(entry, all_names + _nn_classes())}")
+        entry = cls
+    if isinstance(entry, type):
+        hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
+        if not hits:
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names the class {describe(entry)}, and no module of "
+                              f"{owner} is an instance of it")
+        return [(p, f"an instance of {describe(entry)} named in fp32_modules") for p in hits]
+    return _predicate_hits(model, entry, owner)
+
+
+def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner: str) -> list[tuple[str, str]]:
+    hits = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        try:
+            answer = fn(module, name)
+        except Exception as e:  # noqa: BLE001 - the user's predicate: named, with its error
+            raise PolicyError(f"fp32_modules: the predicate {describe(fn)} raised {type(e).__name__}: {e} on module "
+                              f"{name!r} ({type(module).__name__}); it is called as fn(module, fqn) on every module")
+        if not isinstance(answer, bool):
+            raise PolicyError(f"fp32_modules: the predicate {describe(fn)} returned {answer!r} for module {name!r}: "
+                              "return True to keep the module float32, False otherwise")
+        if answer:
+            hits.append((name, f"kept by the predicate {describe(fn)} in fp32_modules"))
+    if not hits:
+        raise PolicyError(f"fp32_modules: the predicate {describe(fn)} returned False for every module of {owner}")
+    return hits
+
+
+def _nn_classes() -> list[str]:
+    return [n for n in dir(nn) if isinstance(getattr(nn, n), type) and issubclass(getattr(nn, n), nn.Module)]
+
+
+def _close(word: str, options: list[str]) -> str:
+    return did_you_mean(word, options, cutoff=0.5)
