@@ -1,0 +1,29 @@
+"""benchmarks/gpu.py starts and prints its tables on tiny sizes (the CPU smoke mode CI runs; no GPU needed)."""
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_smoke_mode_prints_every_run_of_every_model_and_the_gemm_table():
+    run = _run("--smoke", "--models", "gpt2,resnet50,vit", "--dtypes", "bf16,fp16", "--reps", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "ampfx GPU suite (smoke" in out and "torch " in out and "device cpu" in out
+    for model in ("gpt2", "resnet50", "vit"):
+        rows = [line.split() for line in out.splitlines() if line.startswith(model)]
+        runs = [" ".join(r[1:-5]) for r in rows]
+        assert runs == ["fp32", "autocast bfloat16", "ampfx bfloat16", "autocast float16", "ampfx float16"], runs
+        assert all(float(r[-4]) > 0 for r in rows)  # a step time was measured
+    gemm = [line for line in out.splitlines() if "->" in line and "GEMM" not in line]
+    assert len(gemm) == 6 and any("float16" in line for line in gemm)
+
+
+def test_an_unknown_model_is_named():
+    run = _run("--smoke", "--models", "gpt3")
+    assert run.returncode == 2 and "unknown model 'gpt3'" in run.stderr
