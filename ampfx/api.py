@@ -32,7 +32,7 @@ from .inputs import ExampleInputs
 from .policy import Policy, PolicyError, did_you_mean
 from .report import Report, dtype_name
 from .rewrite import Request
-from .state import copy_tree, reset_attributes, untouched
+from .state import copy_tree, one_thread, reset_attributes, untouched
 from .tree import convert_tree
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ def convert(
         return _disabled_copy(model, request.policy)
     work = copy_tree(model)
     copies = list(zip(_all_modules(model), _all_modules(work)))
-    with untouched(model, *(request.inputs.tensors() if request.inputs is not None else ())):
+    inputs = request.inputs.tensors() if request.inputs is not None else ()
+    with untouched(model, *inputs), one_thread(model, *inputs):
         result, report = convert_tree(work, request)
     reset_attributes(copies)
     check_tuned(request.policy, report.records)

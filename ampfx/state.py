@@ -49,7 +49,16 @@ def _kept_values(tensors: list[torch.Tensor]) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for t, value in saved:
-                t.copy_(value)
+                if not _same(t, value):  # an unchanged tensor keeps its version counter (autograd's check)
+                    t.copy_(value)
+
+
+def _same(t: torch.Tensor, value: torch.Tensor) -> bool:
+    """Does ``t`` still hold ``value`` (same shape and elements; NaN never counts as the same)?"""
+    try:
+        return t.shape == value.shape and bool(torch.equal(t, value))
+    except (RuntimeError, TypeError, NotImplementedError):  # layouts torch.equal does not take: put back
+        return False
 
 
 @contextlib.contextmanager
@@ -140,6 +149,10 @@ def copy_tree(m: nn.Module) -> nn.Module:
 
 
 _CONTAINERS = (dict, list, set, collections.OrderedDict)
+CLONE_BYTES = 128 * 2**20
+"""Parameters up to this many bytes in all are cloned before conversion's runs and put back after;
+larger ones are copied on first write (:class:`_SaveBeforeWrite`), which keeps memory flat but makes
+every op of those runs pass through Python."""
 _TORCH_KEYS = frozenset(nn.Module().__dict__)  # nn.Module's own bookkeeping (hooks, parameters, ...)
 
 
@@ -194,6 +207,35 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
+def one_thread(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
+    """torch's intra-op threads set to 1 while conversion runs a small CPU model, and put back on
+    exit. Conversion's runs are a few steps on example inputs, mostly tiny ops; with other work on
+    the machine, each parallel region of a tiny op waits for a descheduled thread, and a forward
+    and backward of a 20k-node model went from 0.5 s to 20-50 s on a loaded 2-core machine
+    (docs/benchmarks.md). Models over :data:`CLONE_BYTES` of parameters, or on another device,
+    keep the caller's setting.
+
+    >>> threads = torch.get_num_threads()
+    >>> with one_thread(torch.nn.Linear(2, 2)):
+    ...     torch.get_num_threads()
+    1
+    >>> torch.get_num_threads() == threads
+    True
+    """
+    held = [*model.parameters(), *tensors]
+    small = sum(t.numel() * t.element_size() for t in model.parameters()) <= CLONE_BYTES
+    threads = torch.get_num_threads()
+    if not small or threads == 1 or any(t.device.type != "cpu" for t in held):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     """Whatever runs inside leaves ``model`` and the caller's random state as they were: the
     values of every tensor its modules hold (copied on first write, put back in place), tensors
@@ -212,15 +254,18 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     """
     held = _tensors(model)
     params = {id(p) for p in model.parameters()}
-    small = [t for t in held if id(t) not in params]  # buffers, tensor attributes: cloned now (export's
-    # non-strict tracing writes tensor attributes it keeps as constants outside any dispatch mode)
+    cloned = sum(t.numel() * t.element_size() for t in held if id(t) in params) <= CLONE_BYTES
+    # buffers and tensor attributes are cloned now (export's non-strict tracing writes tensor attributes it
+    # keeps as constants outside any dispatch mode); parameters too when they are small, else copied on
+    # first write by a dispatch mode, which costs every op of every run a trip through Python
+    small = [t for t in held if id(t) not in params or cloned]
     data = [(t, t.data, t._version) for t in held]
     attrs = [(m, dict(m.__dict__), {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
              for m in model.modules()]
-    guard = _SaveBeforeWrite([t for t in held if id(t) in params])  # parameters: copied on first write
+    guard = _SaveBeforeWrite([] if cloned else [t for t in held if id(t) in params])
     with _kept_values(small):
         try:
-            with kept_rng(*held, *tensors), guard:
+            with kept_rng(*held, *tensors), (contextlib.nullcontext() if cloned else guard):
                 yield
         finally:
             for m, before, contents in attrs:
@@ -229,12 +274,13 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
                 m.__dict__.update(before)
                 for k, v in contents.items():
                     _refill(before[k], v)
-            _put_back(data, guard.saved)
+            _put_back(data, guard.saved, cloned)
 
 
-def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict) -> None:
+def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, cloned: bool) -> None:
     """Tensors re-pointed with ``.data =`` and parameters written in place, put back; a parameter
-    written where no copy could be kept is reported, not passed over."""
+    written where no copy could be kept is reported, not passed over (``cloned``: every parameter
+    was cloned beforehand, and is put back by :func:`_kept_values`)."""
     with torch.no_grad():
         for t, d, _ in data:
             if t.data.data_ptr() != d.data_ptr():
@@ -242,7 +288,7 @@ def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict) -
         for t, value in saved.values():
             t.copy_(value)
     lost = [t for t, _, version in data if isinstance(t, nn.Parameter) and t._version != version
-            and id(t) not in saved and t.device.type != "meta"]
+            and id(t) not in saved and t.device.type != "meta" and not cloned]
     if lost:
         raise RuntimeError(f"ampfx.convert changed {len(lost)} parameter(s) of the model in place and could not "
                            "put them back (a forward that writes its parameters outside torch's dispatch); "

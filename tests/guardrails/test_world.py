@@ -17,6 +17,7 @@ from torch.nn.utils import parametrizations
 
 import ampfx
 from ampfx import follow
+from ampfx import state
 from ampfx.errors import StaleModelError, UninitializedModelError
 from conftest import rel
 
@@ -93,12 +94,15 @@ def same_world(a: tuple, b: tuple) -> list[str]:
 
 # --- case 6: convert() never changes the caller's world ------------------------------------
 
+@pytest.mark.parametrize("clone_bytes", [0, state.CLONE_BYTES], ids=["copy-on-write", "cloned"])
 @pytest.mark.parametrize("tracer", TRACERS)
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cls", [Untraceable, Meddler])
-def test_convert_leaves_model_and_rng_untouched(cls, training, tracer):
+def test_convert_leaves_model_and_rng_untouched(cls, training, tracer, clone_bytes, monkeypatch):
     """Every real run during conversion (ladder, shapes, reproduction check, observation) is undone:
-    parameters, buffers, attributes set in forward and the global RNG are as before convert()."""
+    parameters, buffers, attributes set in forward and the global RNG are as before convert(), whether
+    the parameters were cloned first (small models) or copied on first write (large ones)."""
+    monkeypatch.setattr(state, "CLONE_BYTES", clone_bytes)
     m = cls().train(training)
     x = torch.randn(3, 4)
     before = world(m)
@@ -387,3 +391,42 @@ def test_parametrizations_run_in_float32_with_their_buffers(tracer, kind):
         assert torch.allclose(dict(m[0].named_buffers())[name], buf, atol=0.02), name
     amp(X).sum().backward()
     assert m[0].parametrizations.weight.original.grad is not None
+
+
+def test_parameters_left_as_they_were_keep_their_version_counter():
+    """Putting back only what changed: an unchanged parameter is not rewritten, so an autograd graph
+    the caller built before convert() still runs backward afterwards."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    loss = net(torch.randn(3, 4)).sum()
+    versions = [p._version for p in net.parameters()]
+    ampfx.convert(net, torch.bfloat16, example_inputs=(torch.randn(3, 4),))
+    assert [p._version for p in net.parameters()] == versions
+    loss.backward()
+
+
+SEEN_THREADS: list[int] = []
+
+
+class ThreadSpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN_THREADS.append(torch.get_num_threads())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("clone_bytes, inside", [(state.CLONE_BYTES, 1), (0, 2)], ids=["small", "large"])
+def test_conversion_runs_a_small_cpu_model_on_one_thread_and_gives_the_threads_back(clone_bytes, inside, monkeypatch):
+    """A loaded machine makes tiny ops on two threads 50x slower; the caller's setting comes back."""
+    monkeypatch.setattr(state, "CLONE_BYTES", clone_bytes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        SEEN_THREADS.clear()
+        ampfx.convert(ThreadSpy(), torch.bfloat16, example_inputs=(torch.randn(3, 4),))
+        assert SEEN_THREADS and set(SEEN_THREADS) == {inside}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
