@@ -43,6 +43,8 @@ def glob_regex(pattern: str) -> re.Pattern:
     (True, False)
     >>> bool(glob_regex("a.**").fullmatch("a.b.c"))
     True
+    >>> [bool(glob_regex("l[0-2]").fullmatch(n)) for n in ("l1", "l3")], bool(glob_regex("a[!x]b").fullmatch("a.b"))
+    ([True, False], False)
     """
     out, i = [], 0
     while i < len(pattern):
@@ -60,12 +62,17 @@ def glob_regex(pattern: str) -> re.Pattern:
             if end < 0:
                 raise PolicyError(f"fp32_modules: the glob {pattern!r} opens '[' without closing it")
             body = pattern[i + 1:end]
-            out.append("[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body)) + "]")
+            negated = body.startswith("!")
+            chars = "".join(ch if ch == "-" else re.escape(ch) for ch in body[negated:])  # '-' makes a range
+            out.append("[^." + chars + "]" if negated else "[" + chars + "]")  # '[!x]' stays within a segment
             i = end
         else:
             out.append(re.escape(c))
         i += 1
-    return re.compile("".join(out))
+    try:
+        return re.compile("".join(out))
+    except re.error as e:
+        raise PolicyError(f"fp32_modules: the glob {pattern!r} is not a valid pattern ({e})") from None
 
 
 def as_class(text: str) -> type | None:

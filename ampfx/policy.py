@@ -191,6 +191,9 @@ def _module_entries(value: Any) -> tuple[Any, ...]:
                 raise PolicyError(f"fp32_modules: {entry.__name__} is a class but not an nn.Module; give module "
                                   "classes (nn.LayerNorm), names, globs or predicates")
             out.append(entry)
+        elif isinstance(entry, torch.nn.Module):  # callable, but not a predicate
+            raise PolicyError(f"fp32_modules: a module object ({type(entry).__name__}) is not an entry; give its name "
+                              f"in the model (as model.named_modules() lists it, e.g. 'head'), a glob, or its class")
         elif callable(entry):
             out.append(entry)
         else:

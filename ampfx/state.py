@@ -40,6 +40,12 @@ def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
             p.grad = g
 
 
+def kept_parameters(module: nn.Module) -> contextlib.AbstractContextManager:
+    """Restore every parameter's value on exit (a function handed the model that trains it, such as a
+    metric taking an optimizer step, leaves the weights as they were)."""
+    return _kept_values(list(module.parameters()))
+
+
 @contextlib.contextmanager
 def _kept_values(tensors: list[torch.Tensor]) -> Iterator[None]:
     """The values of ``tensors`` put back in place on exit (clones taken now)."""

@@ -17,8 +17,10 @@ the output or a gradient most, first), and the search keeps float32:
 Each evaluation is a real conversion (``Policy.tuned`` keeps the chosen nodes
 float32, rule ``tune``) measured by ``metric``, with the model's buffers,
 training flags and the random state put back after it, so every evaluation
-sees the same dropout draws and batch-norm statistics. The returned module's
-records of the kept nodes say ``rule='tune'`` with the metric before and
+sees the same dropout draws and batch-norm statistics; the parameters and their
+``.grad`` are put back too, so a metric that trains (an optimizer step, then a
+measurement) starts from the same weights each time and leaves the model as it
+was. The returned module's records of the kept nodes say ``rule='tune'`` with the metric before and
 after; ``result.ampfx_policy`` is the policy to save (``.save(path)``) and load
 again (``Policy.from_file`` / ``AMPFX_POLICY_FILE``) without tuning again.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -54,7 +57,7 @@ from .errors import ArgumentError
 from .numerics import sensitivity
 from .policy import Policy
 from .report import dtype_name
-from .state import kept_buffers, kept_rng
+from .state import kept_buffers, kept_parameters, kept_rng
 
 CANDIDATES = 32
 """How many nodes the sensitivity search ranks by default; the rest follow in graph order."""
@@ -228,7 +231,7 @@ class _Search:
     def _measure(self, module: nn.Module, what: str) -> float:
         flags = [(m, m.training) for m in (*self.model.modules(), *module.modules())]
         try:
-            with kept_buffers(self.model), kept_rng():
+            with kept_buffers(self.model, grads=True), kept_parameters(self.model), kept_rng():
                 value = self.metric(module)
         finally:
             for m, training in flags:
@@ -268,7 +271,7 @@ def _key(module: str, node: str) -> str:
 def _number(value: Any) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numbers.Real: numpy's floats too
         raise ArgumentError(f"tune: metric returned {type(value).__name__} {value!r}: return a number (higher is "
                             "better), e.g. -validation_loss or accuracy")
     return float(value) if value == value else -math.inf  # NaN never meets the target

@@ -166,7 +166,7 @@ def _apply(kind: Cast | None, node: fx.Node, gm: fx.GraphModule, low: torch.dtyp
     inputs = _inputs(node, gm, found)
     eligible = [d for d, _ in inputs if _eligible(d)]
     unknown = any(d == UNKNOWN for d, _ in inputs)
-    explicit = node.kwargs.get("dtype")
+    explicit = _explicit_dtype(node)
     if kind is Cast.LOWER and (eligible or unknown):
         return low
     if kind in (Cast.FP32_SET_OPT_DTYPE, Cast.FP32_APPEND_DTYPE):
@@ -181,6 +181,15 @@ def _apply(kind: Cast | None, node: fx.Node, gm: fx.GraphModule, low: torch.dtyp
     return _natural(node, gm, inputs, found)
 
 
+def _explicit_dtype(node: fx.Node) -> Any:
+    """The ``dtype`` argument of a call, by keyword or, for an ATen overload (torch.export's graphs pass
+    ``aten.softmax.int(x, -1, torch.float32)``), by its position in the op's schema."""
+    if "dtype" in node.kwargs or not isinstance(node.target, torch._ops.OpOverload):
+        return node.kwargs.get("dtype")
+    names = [a.name for a in node.target._schema.arguments]
+    return node.args[names.index("dtype")] if "dtype" in names[:len(node.args)] else None
+
+
 def _eligible(d: Any) -> bool:
     """Does autocast cast a tensor of dtype ``d`` (a float dtype other than float64)?"""
     return isinstance(d, torch.dtype) and d.is_floating_point and d != torch.float64
@@ -188,7 +197,7 @@ def _eligible(d: Any) -> bool:
 
 def _natural(node: fx.Node, gm: fx.GraphModule, inputs: list[tuple[Any, bool]], found: dict[fx.Node, Any]) -> Any:
     """The dtype the op gives the dtypes it is handed, as it does outside autocast."""
-    explicit = node.kwargs.get("dtype")
+    explicit = _explicit_dtype(node)
     if isinstance(explicit, torch.dtype):
         return explicit if explicit.is_floating_point else None
     name = ops.lookup_name(op_key(node, gm)) if node.op != "call_module" else ops.lookup_name(
