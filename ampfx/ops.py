@@ -99,6 +99,9 @@ class OpEntry:
     and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
     the spellings that convert to one fixed dtype (``x.half()``, ``x.double()``) and ``cast_like`` those whose
     result takes the dtype of their tensor argument (``x.type_as(y)``).
+    ``dtype_like``: for a factory, the spellings (functions, method names, ``"aten::name"``) whose
+    result takes the dtype of their first tensor argument unless ``dtype=`` says otherwise
+    (``torch.zeros_like(x)``, ``x.new_zeros(n)``).
     ``float_attrs``: for ``getattr``, the attribute names that hold a float
     tensor of the container (``topk(...).values``, ``x.T``), so that without
     shapes the attribute is known to be a selection, not a size or a dtype.
@@ -130,6 +133,7 @@ class OpEntry:
     cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
     cast_like: tuple[str, ...] = ()
     float_attrs: tuple[str, ...] = ()
+    dtype_like: tuple[Any, ...] = ()
     additive: bool = False
     exact: bool = False
 
@@ -435,7 +439,11 @@ _op("factory", P, "creates a tensor; its dtype is set by its arguments",
     fns=[f for f in _torch_fns("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor",
                                "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
                                "linspace", "eye", "as_tensor")],
-    methods=["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"], result=None)
+    methods=["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"], result=None,
+    dtype_like=(*_torch_fns("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"),
+                "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor",
+                *(f"aten::{a}" for a in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like",
+                                         "randn_like", "new_zeros", "new_ones", "new_full", "new_empty"))))
 _op("embedding", P,
     "gathers rows of a float32 table: the table stays float32 and consumers that want low precision cast "
     "the gathered rows (cheaper than casting the whole table every step)",

@@ -110,7 +110,7 @@ def save(policy: Policy, path: str | os.PathLike) -> Path:
     path = Path(path)
     text = json.dumps(as_json(policy), indent=2)
     try:
-        path.write_text(text + "\n")
+        path.write_text(text + "\n", encoding="utf-8")
     except OSError as e:
         raise PolicyError(f"cannot write the policy file {str(path)!r}: {e.strerror or e}") from e
     return path
@@ -118,7 +118,7 @@ def save(policy: Policy, path: str | os.PathLike) -> Path:
 
 def _read(path: str | os.PathLike, where: str) -> dict[str, Any]:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise PolicyError(f"{where}: cannot read the policy file {str(path)!r}: {e.strerror or e}") from e
     except json.JSONDecodeError as e:

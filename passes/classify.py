@@ -338,6 +338,18 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
     return verdict
 
 
+def _dtype_like(n: fx.Node, entry: ops.OpEntry) -> bool:
+    """Is ``n`` a spelling of ``entry`` whose result takes its first argument's dtype (``OpEntry.dtype_like``)?"""
+    target = n.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+        target = f"aten::{packet.__name__}"
+    try:
+        return target in entry.dtype_like
+    except TypeError:  # an unhashable target
+        return False
+
+
 def pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     """The dtype a PASS node (explicit cast, factory, table gather) produces, given ``out``, the dtypes
     of the values before it (:data:`DYNAMIC`: known only at run time)."""
@@ -366,6 +378,8 @@ def pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
             if isinstance(a, fx.Node):  # x.type_as(y) takes y's dtype; x.to(y) the dtype y holds
                 return out.get(a, DYNAMIC) if spelling in entry.cast_like or out.get(a) in CASTABLE else DYNAMIC
         return first  # .to(device), .cpu(): same dtype
+    if entry is not None and _dtype_like(n, entry) and "dtype" not in n.kwargs:
+        return first if first is not None else DYNAMIC  # zeros_like(x), x.new_zeros(n): x's dtype, as converted
     if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
         return meta_dtype  # factories: dtype fixed by constant arguments
     return DYNAMIC

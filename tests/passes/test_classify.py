@@ -180,3 +180,23 @@ def test_a_region_leaf_is_float32_whatever_its_type():
     assert (d.category, d.dtype, d.rule) == (Category.FP32, torch.float32, "region")
     assert "it failed to trace" in d.reason
     assert rec(gm, "linear").rule == "table"
+
+
+class _Likes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.zeros_like(h) + h.new_zeros(h.shape) + torch.ones_like(h, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_like_factories_take_their_arguments_converted_dtype(tracer):
+    """zeros_like(h) / h.new_zeros(...) of a bfloat16 h are bfloat16 (their shape pass ran in float32, and
+    said float32: the record and the cast plan were wrong); with dtype= they are what it says."""
+    import ampfx
+    amp = ampfx.convert(_Likes(), "bf16", example_inputs=(torch.randn(2, 4),), tracer=tracer)
+    outs = {r.node: r.out for r in amp.ampfx_report.records if r.op == "factory"}
+    assert sorted(map(str, outs.values())) == ["torch.bfloat16", "torch.bfloat16", "torch.float32"], outs
