@@ -212,10 +212,11 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     """The modules ``fp32_modules`` keeps float32 in ``model``, resolved once
     (:func:`ampfx.module_match.resolve`: an entry that keeps nothing is an error), and every name
     in ``leaf_modules`` a module of ``model``, under any of its names: a submodule registered
-    twice (``self.alias = self.fc``) answers to both, and the policy returned also names it as
-    the graph does (the first name, which tracing records)."""
-    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
-    first = {id(m): n for n, m in model.named_modules()}
+    twice (``self.alias = self.fc``) answers to both, and the policy returned names it by all of
+    them (the converted tree copies each name's module apart; a graph records the name ``forward``
+    used)."""
+    named = list(model.named_modules(remove_duplicate=False))
+    names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
     leaves = []
     for leaf in policy.leaf_modules:
@@ -223,8 +224,9 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
             raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
                               f"of {type(model).__name__} nor an importable module type."
                               f"{did_you_mean(leaf, names, cutoff=0.5)}")
-        if isinstance(leaf, str) and first[id(model.get_submodule(leaf))] not in policy.leaf_modules:
-            leaves.append(first[id(model.get_submodule(leaf))])
+        if isinstance(leaf, str):
+            module = model.get_submodule(leaf)
+            leaves += [n for n, m in named if n and m is module and n not in policy.leaf_modules]
     if not matched and not leaves:
         return policy
     return dataclasses.replace(policy, fp32_matched=matched, user_ops=policy.user_ops,

@@ -93,31 +93,37 @@ def describe(entry: Any) -> str:
 
 def resolve(model: nn.Module, entries: Iterable[Any]) -> tuple[tuple[str, str], ...]:
     """``(module path, why)`` for each module ``entries`` keep float32 in ``model``, in entry order
-    (a path kept by two entries is listed once, for the first); errors as the module docstring says."""
-    all_names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
-    first = {id(m): n for n, m in model.named_modules()}
+    (a path kept by two entries is listed once, for the first); errors as the module docstring says.
+
+    A module registered under several names (``self.alias = self.fc``) is kept under every one:
+    the converted tree copies each name's module apart, and a graph records the name ``forward``
+    called it by, so a kept module must be found under any of them.
+    """
+    names_of: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n:
+            names_of.setdefault(id(m), []).append(n)
+    all_names = [n for names in names_of.values() for n in names]
     found: dict[str, str] = {}
     for entry in entries:
-        hits = _hits(model, entry, all_names, first)
-        for path, why in hits:
-            found.setdefault(path, why)
+        for path, why in _hits(model, entry, all_names):
+            for name in names_of[id(model.get_submodule(path))]:
+                found.setdefault(name, why if name == path else f"{why} (the same module as {path!r})")
     return tuple(found.items())
 
 
-def _hits(model: nn.Module, entry: Any, all_names: list[str], first: dict[int, str]) -> list[tuple[str, str]]:
-    """The module paths one entry keeps float32 (tracing's first name for each), with the reason's words."""
+def _hits(model: nn.Module, entry: Any, all_names: list[str]) -> list[tuple[str, str]]:
+    """The module paths one entry keeps float32 (under the name that matched), with the reason's words."""
     owner = type(model).__name__
     if isinstance(entry, str) and entry in all_names:
-        canonical = first[id(model.get_submodule(entry))]
-        return [(p, f"named in fp32_modules as {entry!r}" if p != entry else "named in fp32_modules")
-                for p in dict.fromkeys((entry, canonical))]
+        return [(entry, "named in fp32_modules")]
     if isinstance(entry, str) and is_glob(entry):
         rx = glob_regex(entry)
-        hits = [first[id(model.get_submodule(n))] for n in all_names if rx.fullmatch(n)]
+        hits = [n for n in all_names if rx.fullmatch(n)]
         if not hits:
             raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES: the glob {entry!r} matches no module of {owner} "
                               f"('*' stays within one name segment; '**' crosses dots).{_close(entry, all_names)}")
-        return [(p, f"matched by {entry!r} in fp32_modules") for p in dict.fromkeys(hits)]
+        return [(p, f"matched by {entry!r} in fp32_modules") for p in hits]
     if isinstance(entry, str):
         cls = as_class(entry)
         if cls is None:
@@ -136,7 +142,7 @@ def _hits(model: nn.Module, entry: Any, all_names: list[str], first: dict[int, s
 
 def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner: str) -> list[tuple[str, str]]:
     hits = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):  # a module under each of its names
         if not name:
             continue
         try:

@@ -171,3 +171,32 @@ def test_classes_and_predicates_are_logged_and_saved_by_name(tmp_path):
     assert set(kept(ampfx.convert(Net(), policy=back))) == {"layers.0.norm", "layers.1.norm", "head"}
     with pytest.raises(ampfx.PolicyError, match="predicate or module_filter_fn is not saved"):
         ampfx.Policy(fp32_modules=(lambda m, fqn: True,)).save(tmp_path / "q.json")
+
+
+class Aliased(nn.Module):
+    """One module under two names, called by the second: the converted tree copies each name's module
+    apart, so the graph records 'alias'."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.alias = self.fc
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.alias(x))
+
+
+@pytest.mark.parametrize("entry", ["fc", "alias", "f?", "fc.0", nn.Sequential, lambda m, fqn: fqn == "fc"])
+def test_a_module_with_two_names_is_kept_whichever_name_matched(entry):
+    """Every form keeps the module under all its names (by its first name 'fc' it was silently left bfloat16)."""
+    amp = ampfx.convert(Aliased(), "bf16", example_inputs=(X,), fp32_modules=(entry,))
+    rec = next(r for r in amp.ampfx_report.compute if r.op == "linear" and r.module.startswith("alias"))
+    assert (rec.dtype, rec.rule) == (torch.float32, Rule.FP32_MODULES)
+    assert "out" in {r.module for r in amp.ampfx_report.low()}
+
+
+def test_a_leaf_module_named_by_its_first_name_is_a_leaf_under_its_second():
+    amp = ampfx.convert(Aliased(), "bf16", example_inputs=(X,), leaf_modules=("fc",))
+    assert [r.kind for r in amp.ampfx_report.compute if r.module == "alias"] == ["call_module"]
+
