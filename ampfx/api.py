@@ -214,10 +214,13 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     in ``leaf_modules`` a module of ``model``, under any of its names: a submodule registered
     twice (``self.alias = self.fc``) answers to both, and the policy returned names it by all of
     them (the converted tree copies each name's module apart; a graph records the name ``forward``
-    used)."""
+    used). ``module_filter_fn`` is asked once about every module (:func:`ampfx.module_match.filter_rejected`),
+    so it also holds inside modules converted on their own under a rejected parent."""
     named = list(model.named_modules(remove_duplicate=False))
     names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
+    rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
+                if policy.module_filter_fn is not None else None)
     leaves = []
     for leaf in policy.leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
@@ -227,9 +230,9 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
         if isinstance(leaf, str):
             module = model.get_submodule(leaf)
             leaves += [n for n, m in named if n and m is module and n not in policy.leaf_modules]
-    if not matched and not leaves:
+    if not matched and not leaves and rejected is None:
         return policy
-    return dataclasses.replace(policy, fp32_matched=matched, user_ops=policy.user_ops,
+    return dataclasses.replace(policy, fp32_matched=matched, filter_rejected=rejected, user_ops=policy.user_ops,
                                leaf_modules=policy.leaf_modules + tuple(dict.fromkeys(leaves)))
 
 

@@ -8,8 +8,8 @@ the same two questions, in this order (the full chain is in :mod:`ampfx.policy`)
 1. :func:`decide_module`: is the code inside a module named in
    ``fp32_modules`` (by name, glob, class or predicate: :mod:`ampfx.module_match`; or under
    one), or a module that ``module_filter_fn``
-   rejects, checked on the module and on each of its parents up to the root
-   of the conversion? Then it stays float32 (rule ``fp32_modules`` /
+   rejects, checked on the module and on each of its parents up to the model's
+   root (asked once per module by :func:`ampfx.convert`)? Then it stays float32 (rule ``fp32_modules`` /
    ``module_filter_fn``), whatever the lists say.
 2. :func:`decide_op`: the lists, by canonical op name: in no list, float32
    (rule ``unlisted``); on a list, its category and the source of the entry
@@ -65,14 +65,20 @@ class Verdict:
 def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") -> tuple[str, str] | None:
     """``(rule, reason)`` when the module at ``path`` (relative to ``root``, which sits at
     ``prefix`` in the user's model) is kept float32 by ``fp32_modules`` or ``module_filter_fn``;
-    else ``None``. The filter is asked about the module and each parent, innermost first,
-    up to ``root``."""
+    else ``None``. The filter's answers for the module and each parent, innermost first, come
+    from ``policy.filter_rejected`` (set by :func:`ampfx.convert`, up to the model's root); a
+    policy not resolved yet asks the filter itself, up to ``root``."""
     full = prefix + path if path else prefix.rstrip(".")
     hit = _fp32_module(policy, full)
     if hit is not None:
         return Rule.FP32_MODULES, hit
     fn = policy.module_filter_fn
-    if fn is not None:
+    if fn is not None and policy.filter_rejected is not None:  # asked once per module by convert()
+        parts = full.split(".") if full else []
+        for fqn in (".".join(parts[:i]) for i in range(len(parts), -1, -1)):
+            if fqn in policy.filter_rejected:
+                return Rule.MODULE_FILTER_FN, f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
+    elif fn is not None:
         parts = path.split(".") if path else []
         for i in range(len(parts), -1, -1):
             sub = ".".join(parts[:i])

@@ -134,8 +134,10 @@ def _hits(model: nn.Module, entry: Any, all_names: list[str]) -> list[tuple[str,
     if isinstance(entry, type):
         hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
         if not hits:
-            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names the class {describe(entry)}, and no module of "
-                              f"{owner} is an instance of it")
+            whole = (f"only {owner} itself (the whole model) is an instance of it: fp32_modules keeps submodules; to "
+                     "run the whole model in float32, do not convert it" if isinstance(model, entry)
+                     else f"no module of {owner} is an instance of it")
+            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names the class {describe(entry)}, and {whole}")
         return [(p, f"an instance of {describe(entry)} named in fp32_modules") for p in hits]
     return _predicate_hits(model, entry, owner)
 
@@ -158,6 +160,29 @@ def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner
     if not hits:
         raise PolicyError(f"fp32_modules: the predicate {describe(fn)} returned False for every module of {owner}")
     return hits
+
+
+def filter_rejected(model: nn.Module, fn: Callable[[nn.Module, str], Any]) -> frozenset[str]:
+    """The module paths ``module_filter_fn`` rejects (returns a false value for) in ``model``, the
+    root (``""``) included; a module rejected under one of its names is rejected under all. A
+    filter that raises is a :class:`PolicyError` naming the module.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+    >>> sorted(filter_rejected(net, lambda m, fqn: fqn != "1"))
+    ['1']
+    """
+    named = list(model.named_modules(remove_duplicate=False))
+    rejected_ids = set()
+    for name, module in named:
+        try:
+            keep = fn(module, name)
+        except Exception as e:  # noqa: BLE001 - the user's filter: named, with its error
+            raise PolicyError(f"module_filter_fn {describe(fn)} raised {type(e).__name__}: {e} on module "
+                              f"{name or '<root>'!r} ({type(module).__name__}); it is called as fn(module, fqn) "
+                              "on every module, the root ('') included") from e
+        if not keep:
+            rejected_ids.add(id(module))
+    return frozenset(name for name, module in named if id(module) in rejected_ids)
 
 
 def _nn_classes() -> list[str]:

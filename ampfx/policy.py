@@ -308,6 +308,9 @@ class Policy:
     #: set by convert(): the module paths fp32_modules keeps float32 in the model, each with the words the
     #: report uses (ampfx.module_match.resolve)
     fp32_matched: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    #: set by convert() when module_filter_fn is: the module paths it rejects in the model (every name of each,
+    #: ampfx.module_match.filter_rejected); None: not resolved, the filter is asked during classification
+    filter_rejected: frozenset[str] | None = field(default=None, compare=False, repr=False)
     #: user functions / module types named in lists: (object, qualified name)
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
 

@@ -200,3 +200,44 @@ def test_a_leaf_module_named_by_its_first_name_is_a_leaf_under_its_second():
     amp = ampfx.convert(Aliased(), "bf16", example_inputs=(X,), leaf_modules=("fc",))
     assert [r.kind for r in amp.ampfx_report.compute if r.module == "alias"] == ["call_module"]
 
+
+def test_module_filter_fn_reaches_into_a_region_converted_on_its_own():
+    """A filter rejecting a module that runs eagerly keeps its children float32, though they are converted
+    as graphs of their own below it (they were converted to bfloat16, with no record naming the filter)."""
+    amp = ampfx.convert(_outer(), "bf16", example_inputs=(torch.ones(4, 8),), module_filter_fn=lambda m, fqn: fqn != "b")
+    rules = {r.module: (r.rule, r.reason) for r in amp.ampfx_report.compute}
+    assert rules["b.inner.attn"] == (Rule.MODULE_FILTER_FN, "module_filter_fn rejected module 'b': kept float32")
+    assert {r.module for r in amp.ampfx_report.low()} == {"head"}
+
+
+def test_a_filter_that_raises_is_named_with_the_module():
+    def picky(m, fqn):
+        return {"": True, "head": True}[fqn]  # KeyError on 'layers'
+
+    with pytest.raises(ampfx.PolicyError, match=r"module_filter_fn .*picky raised KeyError.*on module 'layers'"):
+        ampfx.convert(Net(), "bf16", module_filter_fn=picky)
+
+
+def test_the_model_class_itself_is_named_as_the_whole_model():
+    with pytest.raises(ampfx.PolicyError, match="only Net itself \\(the whole model\\) is an instance"):
+        ampfx.convert(Net(), "bf16", fp32_modules=(Net,))
+
+
+def _outer() -> nn.Module:
+    class Branchy(nn.Module):  # data-dependent: runs eagerly, its children are converted one by one
+        def __init__(self):
+            super().__init__()
+            self.inner = Layer()
+
+        def forward(self, x):
+            return self.inner(x) if x.sum() > 0 else -x
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b, self.head = Branchy(), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.b(x))
+
+    return Outer()
