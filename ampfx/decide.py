@@ -92,9 +92,15 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
 def _fp32_module(policy: Policy, full: str) -> str | None:
     """The reason when the module at ``full`` (or one above it) is kept by ``fp32_modules``: the
     first entry that matched, from ``policy.fp32_matched`` (resolved against the model by
-    :func:`ampfx.convert`); a policy not resolved yet matches its plain names."""
-    matched = policy.fp32_matched or tuple((e, "named in fp32_modules") for e in policy.fp32_modules
-                                           if isinstance(e, str) and not is_glob(e))
+    :func:`ampfx.convert`); a policy not resolved yet matches its plain names, and its globs,
+    classes and predicates, which only a model can resolve, are an error rather than ignored."""
+    matched = policy.fp32_matched
+    if not matched:
+        unresolved = [e for e in policy.fp32_modules if not isinstance(e, str) or is_glob(e)]
+        if unresolved:
+            raise PolicyError(f"fp32_modules entries {unresolved!r} are resolved against the model by ampfx.convert "
+                              "(ampfx.module_match.resolve); this policy was not: convert with it, or name modules")
+        matched = tuple((e, "named in fp32_modules") for e in policy.fp32_modules)
     if not matched:
         return None
     order = policy.__dict__.get("_fp32_order")

@@ -241,3 +241,13 @@ def _outer() -> nn.Module:
             return self.head(self.b(x))
 
     return Outer()
+
+
+def test_a_policy_not_resolved_against_a_model_refuses_what_only_a_model_resolves():
+    """Called without convert() (pass-level use), a class, glob or predicate was silently ignored."""
+    from ampfx.decide import decide_module
+    net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    assert decide_module(ampfx.Policy(fp32_modules=("1",)), net, "1")[0] == Rule.FP32_MODULES
+    for entry in (nn.LayerNorm, "1*", lambda m, fqn: True):
+        with pytest.raises(ampfx.PolicyError, match="resolved against the model by ampfx.convert"):
+            decide_module(ampfx.Policy(fp32_modules=(entry,)), net, "1")
