@@ -143,7 +143,12 @@ def _leaf(value: Any) -> Any:
 
 def load(path: str | os.PathLike, *, where: str = "Policy.from_file") -> Policy:
     """The :class:`Policy` saved at ``path``; a bad file or value is a :class:`PolicyError` naming both."""
-    fields = _read(path, where)
+    return _policy(_read(path, where), path, where)
+
+
+def _policy(saved: dict[str, Any], path: str | os.PathLike, where: str) -> Policy:
+    """The :class:`Policy` of a file's fields (as :func:`_read` returns them)."""
+    fields = dict(saved)
     for name in ("leaf_modules", *LIST_FIELDS, "fp32_modules"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(_leaf(v) for v in fields[name]) if name == "leaf_modules" else tuple(fields[name])
@@ -158,7 +163,7 @@ def merge(base: Policy, path: str, *, dtype_given: bool) -> Policy:
     docstring says; list edits from the file are recorded as coming from ``AMPFX_POLICY_FILE``."""
     where = f"{VAR}={path!r}"
     saved = _read(path, where)
-    loaded = load(path, where=where)
+    loaded = _policy(saved, path, where)
     if loaded.dtype != base.dtype and dtype_given:
         raise PolicyError(f"{where} was saved for {dtype_name(loaded.dtype)}, but convert() was given "
                           f"{dtype_name(base.dtype)}: give one dtype (leave dtype out to use the file's)")

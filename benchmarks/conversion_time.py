@@ -15,11 +15,15 @@ import cProfile
 import pstats
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-import ampfx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ampfx  # noqa: E402
+from gemm_padding import Block  # noqa: E402 - the same block as its ~20k-node conversion time
 
 NODES_PER_BLOCK = 9
 """Graph nodes one :class:`Block` adds (get_attr x4, layer_norm, linear, gelu, mul, add)."""
@@ -33,27 +37,21 @@ STAGES = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + F.gelu(self.fc(self.norm(x))) * 0.5
+def _model(nodes: int) -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(*[Block(8) for _ in range(max(1, nodes // NODES_PER_BLOCK))]), torch.randn(2, 8)
 
 
-def convert(nodes: int) -> tuple[int, float, pstats.Stats | None, bool]:
-    model = nn.Sequential(*[Block(8) for _ in range(max(1, nodes // NODES_PER_BLOCK))])
-    x = torch.randn(2, 8)
+def convert(nodes: int) -> tuple[int, float]:
+    """Graph nodes and seconds of one conversion of a model of about ``nodes`` nodes."""
+    model, x = _model(nodes)
     t0 = time.perf_counter()
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,))
-    return len(amp.ampfx_report.records), time.perf_counter() - t0, None, True
+    return len(amp.ampfx_report.records), time.perf_counter() - t0
 
 
 def stages(nodes: int) -> dict[str, float]:
     """Cumulative seconds of each stage of :data:`STAGES` in a profiled conversion."""
-    model = nn.Sequential(*[Block(8) for _ in range(max(1, nodes // NODES_PER_BLOCK))])
-    x = torch.randn(2, 8)
+    model, x = _model(nodes)
     prof = cProfile.Profile()
     prof.enable()
     ampfx.convert(model, torch.bfloat16, example_inputs=(x,))
@@ -75,7 +73,7 @@ def main() -> None:
     head = f"{'wanted':>8}{'nodes':>8}{'seconds':>9}{'ms/node':>9}"
     print(head + ("".join(f"{s:>9}" for s in STAGES) if args.stages else ""))
     for wanted in (int(n) for n in args.nodes.split(",")):
-        nodes, seconds, _, _ = convert(wanted)
+        nodes, seconds = convert(wanted)
         line = f"{wanted:>8}{nodes:>8}{seconds:>9.2f}{seconds / nodes * 1e3:>9.3f}"
         if args.stages:
             line += "".join(f"{v:>9.2f}" for v in stages(wanted).values())

@@ -14,22 +14,15 @@ import argparse
 import math
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
-import ampfx
-
-
-class Offsets(nn.Module):
-    def __init__(self, depth: int, width: int = 16, offsets: tuple[float, ...] = (512.0,)) -> None:
-        super().__init__()
-        self.body = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
-        self.heads = nn.ModuleList(nn.Linear(width, 4) for _ in offsets)
-        self.offsets = offsets
-
-    def forward(self, x):
-        h = self.body(x)
-        return torch.cat([(head(h) + c) - c for head, c in zip(self.heads, self.offsets)], -1)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import ampfx  # noqa: E402
+from models import Offsets  # noqa: E402 - tests/models.py, the model tests/test_tune.py tunes
 
 
 def row(depth: int, offsets: tuple[float, ...]) -> str:
