@@ -133,6 +133,7 @@ def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy |
              policy_options: dict[str, Any]) -> Request:
     """The policy (arguments, then the environment) and every argument checked."""
     args.check_model(model)
+    _check_unwrapped(model)
     args.check_choice("mode", mode, {"train": "float32 master weights",
                                      "inference": "weights stored in the low dtype once"})
     args.check_choice("tracer", tracer, {"auto": "torch.fx, then torch.export where fx fails", "fx": "torch.fx",
@@ -219,6 +220,7 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     named = list(model.named_modules(remove_duplicate=False))
     names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
+    kept = module_match.resolve(model, policy.keep_modules, "keep_modules")
     rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
                 if policy.module_filter_fn is not None else None)
     leaves = []
@@ -230,10 +232,24 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
         if isinstance(leaf, str):
             module = model.get_submodule(leaf)
             leaves += [n for n, m in named if n and m is module and n not in policy.leaf_modules]
-    if not matched and not leaves and rejected is None:
-        return policy
     return dataclasses.replace(policy, fp32_matched=matched, filter_rejected=rejected, user_ops=policy.user_ops,
+                               keep_matched=kept,
                                leaf_modules=policy.leaf_modules + tuple(dict.fromkeys(leaves)))
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """A model already sharded, wrapped for data parallelism or compiled cannot be converted inside
+    (:func:`ampfx.module_match.wrapped_first`): the error names the module and the order that works."""
+    found = module_match.wrapped_first(model)
+    if found is None:
+        return
+    path, wrapper = found
+    raise ArgumentError(
+        f"{'model.' + path if path else 'the model'} is already wrapped by {wrapper}: ampfx converts a plain model, "
+        "and the wrapper goes on the converted one (it holds the parameters as shards, or a forward bound when it "
+        "was made, which a conversion cannot reach inside). Convert first, then wrap: amp = ampfx.convert(model, ...); "
+        "then fully_shard(amp.blocks[i]) for each block and fully_shard(amp), DDP(amp) or torch.compile(amp) "
+        "(see docs/scale.md). Activation-checkpoint wrappers may go on before or after.")
 
 
 def _policy_log(policy: Policy) -> dict[str, Any]:
@@ -248,6 +264,8 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
             "fp32_modules": [module_match.describe(e) for e in policy.fp32_modules],
             "fp32_matched": dict(policy.fp32_matched), "tuned": dict(policy.tuned),
+            "keep_modules": [module_match.describe(e) for e in policy.keep_modules],
+            "keep_matched": dict(policy.keep_matched or ()),
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

@@ -42,7 +42,7 @@ from .ops import Category
 from .policy import Policy, PolicyError, did_you_mean, is_glob
 from .report import Decision, Rule
 
-FINAL_RULES = frozenset({Rule.REGION, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
+FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
                          Rule.USER_FLOAT32, Rule.OTHER_FLOAT})
 """Rules no later step (probe, constant range, a library's refinement) overrides."""
 

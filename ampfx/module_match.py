@@ -91,9 +91,11 @@ def describe(entry: Any) -> str:
     return getattr(entry, "__qualname__", None) or repr(entry)
 
 
-def resolve(model: nn.Module, entries: Iterable[Any]) -> tuple[tuple[str, str], ...]:
+def resolve(model: nn.Module, entries: Iterable[Any], field: str = "fp32_modules") -> tuple[tuple[str, str], ...]:
     """``(module path, why)`` for each module ``entries`` keep float32 in ``model``, in entry order
     (a path kept by two entries is listed once, for the first); errors as the module docstring says.
+    ``field`` names the policy field the entries come from: ``keep_modules`` also takes ``"auto"``
+    (:func:`auto_kept`), which may match nothing.
 
     A module registered under several names (``self.alias = self.fc``) is kept under every one:
     the converted tree copies each name's module apart, and a graph records the name ``forward``
@@ -106,43 +108,46 @@ def resolve(model: nn.Module, entries: Iterable[Any]) -> tuple[tuple[str, str], 
     all_names = [n for names in names_of.values() for n in names]
     found: dict[str, str] = {}
     for entry in entries:
-        for path, why in _hits(model, entry, all_names):
+        hits = (auto_kept(model) if field == "keep_modules" and entry == "auto" and "auto" not in all_names
+                else _hits(model, entry, all_names, field))
+        for path, why in hits:
             for name in names_of[id(model.get_submodule(path))]:
                 found.setdefault(name, why if name == path else f"{why} (the same module as {path!r})")
     return tuple(found.items())
 
 
-def _hits(model: nn.Module, entry: Any, all_names: list[str]) -> list[tuple[str, str]]:
+def _hits(model: nn.Module, entry: Any, all_names: list[str], field: str) -> list[tuple[str, str]]:
     """The module paths one entry keeps float32 (under the name that matched), with the reason's words."""
-    owner = type(model).__name__
+    owner, var = type(model).__name__, f"AMPFX_{field.upper()}"
     if isinstance(entry, str) and entry in all_names:
-        return [(entry, "named in fp32_modules")]
+        return [(entry, f"named in {field}")]
     if isinstance(entry, str) and is_glob(entry):
         rx = glob_regex(entry)
         hits = [n for n in all_names if rx.fullmatch(n)]
         if not hits:
-            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES: the glob {entry!r} matches no module of {owner} "
+            raise PolicyError(f"{field} / {var}: the glob {entry!r} matches no module of {owner} "
                               f"('*' stays within one name segment; '**' crosses dots).{_close(entry, all_names)}")
-        return [(p, f"matched by {entry!r} in fp32_modules") for p in hits]
+        return [(p, f"matched by {entry!r} in {field}") for p in hits]
     if isinstance(entry, str):
         cls = as_class(entry)
         if cls is None:
-            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names {entry!r}, which is neither a module of {owner} "
+            raise PolicyError(f"{field} / {var} names {entry!r}, which is neither a module of {owner} "
                               "nor a module class (a torch.nn class name such as 'LayerNorm', or an importable "
                               f"'pkg.module.Class').{_close(entry, all_names + _nn_classes())}")
         entry = cls
     if isinstance(entry, type):
         hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
         if not hits:
-            whole = (f"only {owner} itself (the whole model) is an instance of it: fp32_modules keeps submodules; to "
-                     "run the whole model in float32, do not convert it" if isinstance(model, entry)
-                     else f"no module of {owner} is an instance of it")
-            raise PolicyError(f"fp32_modules / AMPFX_FP32_MODULES names the class {describe(entry)}, and {whole}")
-        return [(p, f"an instance of {describe(entry)} named in fp32_modules") for p in hits]
-    return _predicate_hits(model, entry, owner)
+            tip = "; to run the whole model in float32, do not convert it" if field == "fp32_modules" else ""
+            whole = (f"only {owner} itself (the whole model) is an instance of it: {field} names submodules{tip}"
+                     if isinstance(model, entry) else f"no module of {owner} is an instance of it")
+            raise PolicyError(f"{field} / {var} names the class {describe(entry)}, and {whole}")
+        return [(p, f"an instance of {describe(entry)} named in {field}") for p in hits]
+    return _predicate_hits(model, entry, owner, field)
 
 
-def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner: str) -> list[tuple[str, str]]:
+def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner: str,
+                    field: str) -> list[tuple[str, str]]:
     hits = []
     for name, module in model.named_modules(remove_duplicate=False):  # a module under each of its names
         if not name:
@@ -150,16 +155,94 @@ def _predicate_hits(model: nn.Module, fn: Callable[[nn.Module, str], Any], owner
         try:
             answer = fn(module, name)
         except Exception as e:  # noqa: BLE001 - the user's predicate: named, with its error
-            raise PolicyError(f"fp32_modules: the predicate {describe(fn)} raised {type(e).__name__}: {e} on module "
+            raise PolicyError(f"{field}: the predicate {describe(fn)} raised {type(e).__name__}: {e} on module "
                               f"{name!r} ({type(module).__name__}); it is called as fn(module, fqn) on every module")
         if not isinstance(answer, bool):
-            raise PolicyError(f"fp32_modules: the predicate {describe(fn)} returned {answer!r} for module {name!r}: "
-                              "return True to keep the module float32, False otherwise")
+            raise PolicyError(f"{field}: the predicate {describe(fn)} returned {answer!r} for module {name!r}: "
+                              "return True to keep the module, False otherwise")
         if answer:
-            hits.append((name, f"kept by the predicate {describe(fn)} in fp32_modules"))
+            hits.append((name, f"kept by the predicate {describe(fn)} in {field}"))
     if not hits:
-        raise PolicyError(f"fp32_modules: the predicate {describe(fn)} returned False for every module of {owner}")
+        raise PolicyError(f"{field}: the predicate {describe(fn)} returned False for every module of {owner}")
     return hits
+
+
+WRAPPERS = {
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper": "activation-checkpoint wrapper",
+}
+"""Wrapper classes (by qualified name, so nothing is imported) whose Python must run: kept, and the
+module each wraps converted inside (``checkpoint_wrapper`` recomputes its module's forward)."""
+
+WRAP_FIRST = {
+    "torch.nn.parallel.distributed.DistributedDataParallel": "DistributedDataParallel",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel": "FSDP (FullyShardedDataParallel)",
+    "torch.distributed.fsdp.FSDPModule": "FSDP2 (fully_shard)",
+    "torch._dynamo.eval_frame.OptimizedModule": "torch.compile",
+}
+"""Wrappers ampfx cannot convert inside (:func:`wrapped_first`): they hold the module's parameters
+as shards, or run a forward bound when they were made; the model must be converted first."""
+
+_HOOKS = ("_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""Hooks that make ``"auto"`` keep a module: they fire only when its forward is called. Forward
+pre-hooks do not (``weight_norm``, pruning: tracing runs them into the graph, which recomputes the
+weight on every call)."""
+
+
+def class_names(module: nn.Module) -> set[str]:
+    """The qualified names of ``module``'s class and its bases (``pkg.mod.Cls``)."""
+    return {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
+
+
+def auto_kept(model: nn.Module) -> list[tuple[str, str]]:
+    """What ``keep_modules="auto"`` keeps in ``model``: every module carrying forward (not pre-) or
+    backward hooks, every wrapper of :data:`WRAPPERS`, and **repeated blocks**: the children of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` of which two or more share a class and have parameters
+    and submodules of their own (transformer layers; not a list of ``nn.Linear`` heads).
+    (``nn.Sequential`` stages are not: a CNN stage's blocks are cheaper traced through; name
+    them to keep them.)
+
+    >>> import torch.nn as nn
+    >>> blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(2))
+    >>> net = nn.ModuleDict({"blocks": blocks, "heads": nn.ModuleList(nn.Linear(2, 2) for _ in range(2))})
+    >>> [path for path, _ in auto_kept(net)]
+    ['blocks.0', 'blocks.1']
+    """
+    found: dict[str, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not name:
+            continue
+        wrapper = wrapper_of(m)
+        if wrapper is not None:
+            found.setdefault(name, f"keep_modules='auto': an {wrapper} ({type(m).__name__}) runs its own Python")
+        elif any(getattr(m, h, None) for h in _HOOKS):
+            found.setdefault(name, "keep_modules='auto': it carries hooks, which fire only when its forward is called")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            kids = [(n, c) for n, c in m.named_children()
+                    if any(True for _ in c.children()) and any(True for _ in c.parameters())]
+            for n, c in kids:
+                same = sum(type(o) is type(c) for _, o in kids)
+                if same >= 2:
+                    found.setdefault(f"{name}.{n}", f"keep_modules='auto': a repeated block, one of {same} "
+                                                    f"{type(c).__name__} in {type(m).__name__} {name!r}")
+    return list(found.items())
+
+
+def wrapper_of(module: nn.Module) -> str | None:
+    """What kind of :data:`WRAPPERS` wrapper ``module`` is (``"activation-checkpoint wrapper"``), else ``None``."""
+    names = class_names(module)
+    return next((w for c, w in WRAPPERS.items() if c in names), None)
+
+
+def wrapped_first(model: nn.Module) -> tuple[str, str] | None:
+    """``(path, wrapper)`` of the first module of ``model`` (the root included) already wrapped by one of
+    :data:`WRAP_FIRST`, or holding a sharded (DTensor) parameter; ``None`` if none is."""
+    for name, m in model.named_modules():
+        wrapper = next((w for c, w in WRAP_FIRST.items() if c in class_names(m)), None)
+        if wrapper is None and any(type(p).__name__ == "DTensor" for p in m.parameters(recurse=False)):
+            wrapper = "FSDP2 (fully_shard: its parameters are DTensor shards)"
+        if wrapper is not None:
+            return name, wrapper
+    return None
 
 
 def filter_rejected(model: nn.Module, fn: Callable[[nn.Module, str], Any]) -> frozenset[str]:

@@ -167,37 +167,38 @@ def is_glob(text: str) -> bool:
     return any(c in GLOB_CHARS for c in text)
 
 
-def _module_entries(value: Any) -> tuple[Any, ...]:
-    """``fp32_modules`` as a tuple of entries (see the module docstring); a bad entry is a :class:`PolicyError`.
+def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
+    """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see :mod:`ampfx.module_match`);
+    a bad entry is a :class:`PolicyError`.
 
     >>> _module_entries("head"), _module_entries((torch.nn.LayerNorm, " enc.* "))
     (('head',), (<class 'torch.nn.modules.normalization.LayerNorm'>, 'enc.*'))
     """
     entries = (value,) if isinstance(value, (str, type)) or callable(value) else value
     if not isinstance(entries, Iterable):
-        raise PolicyError(f"fp32_modules={value!r}: give module names, globs, module classes or predicates, e.g. "
+        raise PolicyError(f"{name}={value!r}: give module names, globs, module classes or predicates, e.g. "
                           "('head', 'encoder.layers.*.attn', nn.LayerNorm)")
     out = []
     for entry in entries:
         if isinstance(entry, str):
             if not entry.strip():
-                raise PolicyError(f"fp32_modules={value!r}: an empty name would keep the whole model float32; name "
-                                  "submodules (e.g. 'head'), or do not convert the model")
+                raise PolicyError(f"{name}={value!r}: an empty name names the whole model; name submodules "
+                                  "(e.g. 'head')" + ("" if name == "keep_modules" else ", or do not convert the model"))
             out.append(entry.strip())
             if is_glob(entry) and entry.count("[") != entry.count("]"):
-                raise PolicyError(f"fp32_modules: the glob {entry!r} opens '[' without closing it")
+                raise PolicyError(f"{name}: the glob {entry!r} opens '[' without closing it")
         elif isinstance(entry, type):
             if not issubclass(entry, torch.nn.Module):
-                raise PolicyError(f"fp32_modules: {entry.__name__} is a class but not an nn.Module; give module "
+                raise PolicyError(f"{name}: {entry.__name__} is a class but not an nn.Module; give module "
                                   "classes (nn.LayerNorm), names, globs or predicates")
             out.append(entry)
         elif isinstance(entry, torch.nn.Module):  # callable, but not a predicate
-            raise PolicyError(f"fp32_modules: a module object ({type(entry).__name__}) is not an entry; give its name "
+            raise PolicyError(f"{name}: a module object ({type(entry).__name__}) is not an entry; give its name "
                               f"in the model (as model.named_modules() lists it, e.g. 'head'), a glob, or its class")
         elif callable(entry):
             out.append(entry)
         else:
-            raise PolicyError(f"fp32_modules: {entry!r} is neither a module name, a glob, a module class nor a "
+            raise PolicyError(f"{name}: {entry!r} is neither a module name, a glob, a module class nor a "
                               "predicate (module, fqn) -> bool")
     return tuple(out)
 
@@ -279,6 +280,10 @@ class Policy:
     #: modules kept float32: names, globs ("head.*"), module classes, predicates (ampfx.module_match)
     fp32_modules: tuple = ()
     leaf_modules: tuple = ()
+    #: modules kept as real module boundaries, each converted on its own (its forward runs: hooks, FSDP2's
+    #: fully_shard, checkpoint wrappers and torch.compile see it): "auto" (repeated blocks, modules carrying hooks
+    #: or wrappers: ampfx.module_match.auto_kept), names, globs, classes, predicates; () keeps none
+    keep_modules: tuple = ("auto",)
     keep_output_dtype: bool = True
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
     reduction_threshold: int = 65536
@@ -311,6 +316,9 @@ class Policy:
     #: set by convert() when module_filter_fn is: the module paths it rejects in the model (every name of each,
     #: ampfx.module_match.filter_rejected); None: not resolved, the filter is asked during classification
     filter_rejected: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    #: set by convert(): the module paths keep_modules keeps as boundaries in the model, each with why
+    #: (ampfx.module_match.resolve); None: not resolved (passes run on their own keep nothing)
+    keep_matched: tuple[tuple[str, str], ...] | None = field(default=None, compare=False, repr=False)
     #: user functions / module types named in lists: (object, qualified name)
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
 
@@ -333,6 +341,7 @@ class Policy:
                         names.append(name)
                 set_(self, fname, tuple(names))
         set_(self, "fp32_modules", _module_entries(self.fp32_modules))
+        set_(self, "keep_modules", _module_entries(self.keep_modules, "keep_modules"))
         set_(self, "tuned", _tuned_pairs(self.tuned))
         if isinstance(self.leaf_modules, (str, type)):
             set_(self, "leaf_modules", (self.leaf_modules,))
@@ -469,6 +478,9 @@ ENV_VARS: dict[str, str] = {
     "AMPFX_FP32_MODULES": "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) or "
                           "module classes (LayerNorm, mypkg.blocks.Attn)",
     "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
+    "AMPFX_KEEP_MODULES": "comma-separated modules kept as module boundaries, each converted on its own (replaces "
+                          "the default 'auto': repeated blocks and modules carrying hooks or wrappers); names, globs, "
+                          "classes, 'auto'; 'none' keeps none",
     "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tune) merged into convert()'s policy before the other "
                          "variables: list edits and tuned nodes added, unset fields taken from it",
     "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
@@ -552,6 +564,9 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
             changes[fname] = tuple(getattr(base, fname)) + tuple(names)
     if "AMPFX_FP32_MODULES" in seen:
         changes["fp32_modules"] = base.fp32_modules + _split("AMPFX_FP32_MODULES", seen["AMPFX_FP32_MODULES"])
+    if "AMPFX_KEEP_MODULES" in seen:
+        given = _split("AMPFX_KEEP_MODULES", seen["AMPFX_KEEP_MODULES"])
+        changes["keep_modules"] = () if tuple(g.lower() for g in given) in ((), ("none",)) else given
     if "AMPFX_LEAF_MODULES" in seen:
         extra = []
         for spec in _split("AMPFX_LEAF_MODULES", seen["AMPFX_LEAF_MODULES"]):

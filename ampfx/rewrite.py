@@ -13,6 +13,8 @@ captured graph (the whole model, or one region of it):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -61,20 +63,26 @@ class Analysis:
 
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-                  prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any]) -> tuple[AmpGraphModule, Report]:
+                  prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any],
+                  arrive: torch.dtype | None = None) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
     ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
-    observed of their leaves (:mod:`ampfx.observe`). Raises :class:`NotReproduced` when the
-    graph does not run on ``inputs``."""
+    observed of their leaves (:mod:`ampfx.observe`); ``arrive``: ``work`` is a kept module whose
+    caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
+    :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
     if capture.method != "export":  # exported graphs inline the module's own hooks; torch.fx traces forward alone
         keep_hooks(gm, work)
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")
-    ctx = PassContext(policy=request.policy, device=device_of(work, inputs), prefix=prefix,
+    why_kept = dict(request.policy.keep_matched or ())
+    policy = request.policy  # a kept module taking a low input returns it low: its outputs' dtype is the boundary's
+    if arrive is not None and arrive != torch.float32 and policy.keep_output_dtype:
+        policy = dataclasses.replace(policy, keep_output_dtype=False)
+    ctx = PassContext(policy=policy, arrive=arrive, device=device_of(work, inputs), prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
-                      leaf_facts=leaf_facts)
+                      kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, leaf_facts=leaf_facts)
     precision = find_sensitive(gm, ctx, request) if prefix == "" else []
     autocast.annotate(gm, ctx)  # what torch.autocast would do, on the graph before casts (reporting only)
     run_passes(gm, ctx)
@@ -174,7 +182,8 @@ def keep_boundary(gm: AmpGraphModule) -> None:
     for node in inputs:
         d = record(node)
         want = d.out if isinstance(d, Decision) else None
-        users = [u for u in node.users if u.target is not runtime.cast]
+        # the checks of arguments fixed while tracing (interleaved with the placeholders) read them as handed
+        users = [u for u in node.users if u.target not in (runtime.cast, runtime.assert_is_none)]
         if want not in runtime.CASTABLE or not users:
             continue
         with gm.graph.inserting_after(inputs[-1]):

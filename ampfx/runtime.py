@@ -66,6 +66,25 @@ def call_module_low(module: torch.nn.Module, dtype: torch.dtype, *args: Any, **k
         return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
 
 
+def call_module_float32(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module`` (a leaf ampfx keeps float32, such as a norm) as it is; where some of its float
+    parameters arrive in a low dtype (FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+    all-gathers them so), with float32 copies of those, so the float32 kernel gets the dtypes it
+    needs and gradients flow back to the low parameters.
+
+    >>> ln = torch.nn.LayerNorm(4).to(torch.bfloat16)
+    >>> call_module_float32(ln, torch.ones(1, 4)).dtype, ln.weight.dtype
+    (torch.float32, torch.bfloat16)
+    """
+    proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+    if proxy is not None:  # re-tracing a converted module: stay one node
+        return proxy.tracer.create_proxy("call_function", call_module_float32, (module, *args), kwargs)
+    low = {name: p.float() for name, p in module.named_parameters() if p.dtype in CASTABLE and p.dtype != torch.float32}
+    if not low:
+        return module(*args, **kwargs)
+    return functional_call(module, low, args, kwargs, tie_weights=True, strict=False)
+
+
 def _parametrized(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """The ``(submodule, name)`` of every tensor a ``torch.nn.utils.parametrize`` parametrization
     computes (spectral_norm, weight_norm, orthogonal) in ``module``. Those are computed in float32

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import integrations, ops
+from . import integrations, module_match, ops
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured, short
 from .capture.tracer import AmpTracer, reads_mode
@@ -39,7 +39,9 @@ from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
 from .report import Region, Report
 from .rewrite import NotReproduced, Request, convert_graph, device_of
+from .meta import record
 from .observe import Observation, observe
+from .policy import Policy
 from .state import HOOK_DICTS, copy_tree
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class _Job:
     place: tuple[nn.Module, str] | None = None  # where the converted module goes; None: it stays where it is
     eager: tuple[str, ...] | None = None  # set: the module keeps its Python (why); its children are converted
     other_mode: bool = True  # False: a module around it converts the other training mode for it
+    arrive: torch.dtype | None = None  # a kept module: the dtype its float inputs and outputs cross its boundary in
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
@@ -92,7 +95,7 @@ def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefi
 def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module | None, list[_Job]]:
     """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
     work, prefix = job.module, job.prefix
-    capture = ladder.capture(work, request.policy, job.inputs, request.tracer)
+    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept_below(request.policy, prefix))
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)
@@ -100,11 +103,11 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     if capture.constants:
         export.install_constants(work, capture.constants)
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
-    calls.expect([prefix + path for path in inner])
+    calls.expect([prefix + path for path in (*inner, *capture.kept)])
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
     try:
         gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
-                                            calls.leaf_facts(work, prefix, job.inputs))
+                                            calls.leaf_facts(work, prefix, job.inputs), job.arrive)
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
         if not list(work.children()):
             raise e.__cause__ or e
@@ -121,7 +124,41 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
             jobs.append(_Job(work.get_submodule(path), calls.get(prefix + path), f"{prefix}{path}.", part,
                              eager=(f"traced as a leaf: {capture.leaves[path]}",),
                              other_mode=job.other_mode and twin is None))
-    return gm, jobs
+    return gm, jobs + [_kept_job(gm, path, job, calls, twin is None) for path in capture.kept]
+
+
+def kept_below(policy: Policy, prefix: str) -> frozenset[str]:
+    """The modules ``keep_modules`` keeps under the module at ``prefix``, as paths in that module."""
+    return frozenset(p[len(prefix):] for p, _ in policy.keep_matched or ()
+                     if p.startswith(prefix) and len(p) > len(prefix))
+
+
+def _kept_job(gm: AmpGraphModule, path: str, job: _Job, calls: _Observed, other_mode: bool) -> _Job:
+    """The job converting the kept module at ``path`` in ``gm`` (a boundary its graph calls) on its own,
+    in its place: ``gm.blocks[3]`` becomes block 3's graph module. A wrapper (a checkpoint wrapper) keeps its
+    Python, and the module it wraps is converted in its place."""
+    part = _Part()
+    job.part.children.append(part)
+    module = gm.get_submodule(path)
+    parent, _, name = path.rpartition(".")
+    inputs = calls.get(job.prefix + path) if job.inputs is not None else None
+    wrapper = module_match.wrapper_of(module)
+    arrive = boundary_dtype(gm, path)
+    if wrapper is not None or module._forward_pre_hooks:
+        why = (f"an {wrapper} ({type(module).__name__}): it runs its own Python, and the module it wraps is converted"
+               if wrapper else "its forward pre-hooks may set attributes its own graph would hold fixed: it keeps "
+                               "its Python, and its children are converted")
+        return _Job(module, inputs, f"{job.prefix}{path}.", part, eager=(why,), other_mode=job.other_mode and other_mode)
+    return _Job(module, inputs, f"{job.prefix}{path}.", part, place=(gm.get_submodule(parent), name),
+                other_mode=job.other_mode and other_mode, arrive=arrive)
+
+
+def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
+    """The dtype ``gm``'s converted graph gives the kept module at ``path`` its float inputs in (and
+    takes its outputs back in): the dtype its call was painted, float32 where it is not one low call."""
+    calls = [record(n) for n in gm.graph.nodes if n.op == "call_module" and n.target == path]
+    low = [d.dtype for d in calls if d is not None and d.dtype in (torch.float16, torch.bfloat16)]
+    return low[0] if len(calls) == 1 and low else torch.float32
 
 
 def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request, capture: Capture) -> list[str]:

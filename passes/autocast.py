@@ -100,7 +100,7 @@ def _kind(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> Cast | str | N
             return UNKNOWN  # a custom op: no autocast list names it, its dtype rule is its own
         return autocast_lists.kind_of_aten(device, packet.__name__, target._overloadname if exact else None)
     if node.op == "call_module":
-        return UNKNOWN if str(target) in ctx.regions else _module_kind(gm.get_submodule(str(target)), device)
+        return UNKNOWN if str(target) in ctx.regions or str(target) in ctx.kept else _module_kind(gm.get_submodule(str(target)), device)
     if node.op == "call_function" and not ops.qualified_name(target).startswith(_TORCH_RULES):
         return UNKNOWN  # a function of the model's (or another library's) kept whole
     name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")

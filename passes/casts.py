@@ -320,6 +320,18 @@ def _written(node: fx.Node) -> Any:
     return node.kwargs.get("out", node.args[0] if node.args else None)
 
 
+def _cast_outputs(node: fx.Node, ctx: PassContext, casts: "_Casts") -> None:
+    """Outputs return in their original dtype (``keep_output_dtype``); a kept module's float32 outputs
+    in the dtype its caller's graph chose for its boundary (``ctx.arrive``)."""
+    if ctx.arrive is not None:
+        node.args = fx.map_arg(node.args, lambda n: casts.get(
+            n, ctx.arrive if original_dtype(n) == torch.float32 else original_dtype(n), node,
+            f"a kept module returns {dtype_name(ctx.arrive)} to its caller"))
+    elif ctx.policy.keep_output_dtype:
+        node.args = fx.map_arg(node.args, lambda n: casts.get(n, original_dtype(n), node,
+                                                              "outputs keep their original dtype"))
+
+
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite ``gm.graph`` so every op sees its inputs in its decided dtype."""
     low = ctx.policy.dtype
@@ -331,9 +343,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not isinstance(d, Decision):
             continue
         if d.kind == "output":
-            if ctx.policy.keep_output_dtype:
-                node.args = fx.map_arg(node.args, lambda n: casts.get(n, original_dtype(n), node,
-                                                                      "outputs keep their original dtype"))
+            _cast_outputs(node, ctx, casts)
             continue
         if d.kind not in COMPUTE:
             continue
@@ -381,4 +391,28 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
+        elif (node.op == "call_module" and want == torch.float32 and d.rule not in (Rule.KEPT, Rule.REGION)
+              and _owns_float(gm.get_submodule(str(node.target)))):
+            _run_float32(graph, node)
     gm.meta[LEAF_PARAM_CASTS] = leaf_params
+
+
+def _owns_float(module: torch.nn.Module) -> bool:
+    return any(p.dtype in CASTABLE for p in module.parameters())
+
+
+def _run_float32(graph: fx.Graph, node: fx.Node) -> None:
+    """A float32 leaf module with float parameters runs through :func:`ampfx.runtime.call_module_float32`:
+    as it is, or with float32 copies of parameters that arrive low (FSDP2's ``MixedPrecisionPolicy``)."""
+    with graph.inserting_before(node):
+        ref = graph.get_attr(str(node.target))
+        ref.meta[RECORD] = dataclasses.replace(record(node), node=ref.name, op="module", kind="get_attr",
+                                               category=Category.PASS, dtype=None, rule=Rule.STRUCTURE,
+                                               reason="the leaf module, run in float32 (parameters that arrive "
+                                                      "low are copied to float32)")
+        new = graph.create_node("call_function", runtime.call_module_float32, (ref, *node.args), dict(node.kwargs))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    name = node.name
+    graph.erase_node(node)
+    new.name = name  # the records name it as before

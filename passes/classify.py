@@ -238,15 +238,16 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                      module=(ctx.prefix + module) if module else ctx.prefix.rstrip("."), kind=node.op,
                      shapes=tuple(str(i) for i in (out_infos(node) or ())))
         if node.op in ("placeholder", "get_attr", "output"):
-            d = _structure(node, gm, where)
+            d = _structure(node, gm, where, ctx.arrive)
         else:
             d = _compute(node, gm, ctx, decided, where)
         decided[node] = d
         node.meta[RECORD] = d
 
 
-def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any]) -> Decision:
-    """Graph inputs, parameters and buffers, the output: never converted themselves."""
+def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], arrive: torch.dtype | None = None) -> Decision:
+    """Graph inputs, parameters and buffers, the output: never converted themselves. A kept module's
+    float32 inputs arrive in ``arrive`` (the dtype its caller's graph gives them), when that is set."""
     what = {"placeholder": "graph input: kept as given",
             "get_attr": "parameter or buffer: stays float32 (master copy); cast after get_attr where a "
                         "consumer wants low precision",
@@ -262,6 +263,11 @@ def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any]) -> Deci
         else:
             floats = [i.dtype for i in infos if i.dtype in CASTABLE]
             out = floats[0] if floats else None
+        if arrive is not None and arrive != torch.float32 and infos and out == torch.float32:
+            # painted as a low source, as the low op feeding it in the caller's graph would be
+            return Decision(op=node.op, category=Category.ALLOW, dtype=arrive, rule=Rule.STRUCTURE, out=arrive,
+                            reason=f"input of a kept module: arrives in {dtype_name(arrive)}, as its caller's graph "
+                                   "gives it", **where)
     return Decision(op=node.op, category=Category.PASS, dtype=None, rule=Rule.STRUCTURE, reason=what, out=out,
                     **where)
 
@@ -296,13 +302,24 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     if ctx.policy.category_of(name) is None and entry is not None and entry.category is Category.PASS:
         return decide.Verdict(Category.PASS, None, Rule.TABLE, entry.reason)
     region = node.op == "call_module" and str(node.target) in ctx.regions
-    other = None if region else _other_float(node, gm, decided)
+    kept = ctx.kept.get(str(node.target)) if node.op == "call_module" else None
+    other = None if region or kept else _other_float(node, gm, decided)
     if other is not None:
         held = dtype_name(other[0], none="a float dtype ampfx does not convert")
         return decide.Verdict(Category.FP32, other[0], Rule.OTHER_FLOAT,
                               f"{other[1]}: computes in {held}, which ampfx never converts; runs as written")
     if not float_inputs and (not out_float or (infos is None and entry is not None)):
         return decide.Verdict(Category.PASS, None, Rule.NON_FLOAT, "no float32/16/bf16 tensor in or out: left as written")
+    if kept:
+        once = sum(n.op == "call_module" and n.target == node.target for n in node.graph.nodes) == 1
+        where = (f"a module boundary ({kept}): its forward runs, converted on its own (see the records under "
+                 f"{ctx.prefix}{node.target}); ")
+        if not once:  # one conversion serves every call: the dtype that is safe for all of them
+            return decide.Verdict(Category.FP32, torch.float32, Rule.KEPT,
+                                  where + "called more than once here, so float32 crosses the boundary both ways")
+        return decide.Verdict(Category.INFER, None, Rule.KEPT,
+                              where + "painted as an infer op: its inputs are cast to the dtype chosen here, and it "
+                                      "returns that dtype")
     if region:
         return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "

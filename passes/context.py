@@ -14,7 +14,8 @@ class PassContext:
     ``prefix`` is the module path of the converted region inside the user's
     model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
     module traced as a leaf to why; ``regions`` are the leaves that run their
-    own Python with their children converted separately. ``symbols`` (a
+    own Python with their children converted separately; ``kept`` maps each
+    leaf ``keep_modules`` keeps as a module boundary to why. ``symbols`` (a
     :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
     from example inputs. ``leaf_facts`` maps the path of each other library's
     leaf module to what :func:`ampfx.integrations.leaf_facts` made of it on the
@@ -31,6 +32,8 @@ class PassContext:
     prefix: str = ""
     leaves: Mapping[str, str] = field(default_factory=dict)
     regions: frozenset[str] = frozenset()
+    kept: Mapping[str, str] = field(default_factory=dict)
+    arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
     symbols: Any = None
     leaf_facts: Mapping[str, Any] = field(default_factory=dict)
 

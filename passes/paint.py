@@ -162,6 +162,11 @@ def _record_paint(nodes: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighb
     for n in nodes:
         d: Decision = decision(n)
         earlier = f" ({d.reason})" if d.rule in SIZE_RULES else ""  # keep the size facts
+        if d.rule is Rule.KEPT:  # a kept module's call: the boundary's dtype, under its own rule and words
+            painted = color.get(n, (torch.float32, None, "no low-precision neighbour path"))
+            n.meta[RECORD] = dataclasses.replace(d, dtype=painted[0], reason=f"{d.reason}: {dtype_name(painted[0])} "
+                                                                             f"({painted[2]})")
+            continue
         if n in color and color[n][1] in fidelity.RULES and not any(
                 color.get(p, (None,))[0] == low for p in (*ins(n), *outs(n))):
             del color[n]  # float32 with no low neighbour: no fidelity rule was needed (paint:default)

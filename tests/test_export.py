@@ -311,7 +311,7 @@ def test_auto_exports_when_the_fx_graph_does_not_reproduce_the_model():
 def test_auto_keeps_fx_where_it_works():
     m, x = Net(), torch.randn(2, 6, 16)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    assert [r.method for r in amp.ampfx_report.regions] == ["fx"]
+    assert {r.method for r in amp.ampfx_report.regions} == {"fx"}  # the root, and each kept block
     assert any(n.op == "call_module" for n in amp.graph.nodes)  # module structure kept (leaf modules)
 
 

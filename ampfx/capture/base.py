@@ -20,7 +20,8 @@ class Capture:
     ``method`` is the rung that produced it (``"fx"``, ``"fx, optional arguments
     fixed"``, ``"export"``, ...); ``steps`` every rung tried on the way, with its
     error; ``why`` the check that accepted it. ``leaves`` maps the path of each
-    module kept opaque to the trace error that made it a leaf. ``dropped`` says
+    module kept opaque to the trace error that made it a leaf; ``kept`` the
+    leaves ``keep_modules`` asked for (module boundaries, each converted on its own). ``dropped`` says
     what the forward does that the graph does not repeat (a ``no_grad`` region, a
     buffer update: :mod:`ampfx.capture.semantics`); a capture with any is not used.
     ``python_state``: a forward (of the module or of a leaf) sets Python attributes,
@@ -37,6 +38,7 @@ class Capture:
     notes: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     python_state: bool = False  # a module's forward sets Python attributes: torch.export would not repeat it either
+    kept: tuple[str, ...] = ()  # leaves that keep_modules keeps as boundaries (each converted on its own)
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,22 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
                "the graph would take that draw's branch on every call, so it is not used")
 
 
-def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str) -> Capture | Uncaptured:
-    """Capture ``module`` as one graph with ``tracer`` (see the module docstring)."""
+def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
+            kept: frozenset[str] = frozenset()) -> Capture | Uncaptured:
+    """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
+    ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
+    which would inline them, is not tried unless ``tracer="export"`` asks for it (a note says so)."""
     fx_capture, steps = None, []
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
-        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx)
+        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx, kept=kept)
         if fx_capture is not None and (only_fx or fx_capture.why):
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
+        if kept:
+            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: it would inline the modules "
+                                             f"keep_modules keeps as boundaries ({_few(kept)})"])
         if not exportable:
             return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
@@ -52,7 +58,16 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         exported = export.capture(module, inputs)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, [*steps, *e.steps])
-    return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph")
+    notes = (f"keep_modules: tracer='export' inlines modules, so {_few(kept)} are not module boundaries (hooks "
+             "registered on them do not fire; FSDP2 cannot shard them one by one); convert with tracer='auto' or "
+             "'fx' to keep them",) if kept else ()
+    return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph",
+                               notes=(*exported.notes, *notes))
+
+
+def _few(paths: frozenset[str], n: int = 4) -> str:
+    names = sorted(paths)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Uncaptured:
@@ -65,8 +80,8 @@ def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Unca
                                    "on the example inputs")
 
 
-def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
-             check: bool) -> tuple[Capture | None, list[str], bool]:
+def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, check: bool,
+             kept: frozenset[str] = frozenset()) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
     set when it reproduces the module without leaves; a capture without ``why`` (it
@@ -77,7 +92,7 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None,
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
         with kept_random() as draws:
-            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None)
+            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None, kept)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
                                   if check else [])], True

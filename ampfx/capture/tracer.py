@@ -54,7 +54,8 @@ class RootUntraceable(RuntimeError):
 class AmpTracer(fx.Tracer):
     """``torch.fx.Tracer`` with ampfx's leaf rules (see the module docstring)."""
 
-    def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset()) -> None:
+    def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset(),
+                 kept: frozenset[str] = frozenset()) -> None:
         policy = policy if policy is not None else Policy()
         # user functions named on a list, and other libraries' functions in the tables (timm's drop_path),
         # stay one node (fx would trace into them)
@@ -63,7 +64,7 @@ class AmpTracer(fx.Tracer):
         super().__init__(autowrap_functions=functions)
         self.policy = policy
         self.user_functions = functions
-        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)}
+        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept)
         self.failed_path: str | None = None
         self.watch: Watch | None = None
 
@@ -172,11 +173,13 @@ def _fast_paths_off():
         yield
 
 
-def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) -> Capture:
+def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
+          kept: frozenset[str] = frozenset()) -> Capture:
     """Trace ``model`` with the fallback ladder; raises :class:`RootUntraceable`.
 
     ``given_args`` names the forward arguments the caller supplies (from
-    ``example_inputs``); the others may be fixed at their defaults.
+    ``example_inputs``); the others may be fixed at their defaults. The modules at
+    ``kept`` (paths in ``model``) are leaves: module boundaries ``keep_modules`` asked for.
     """
     steps: list[str] = []
     leaves: dict[str, str] = {}
@@ -187,7 +190,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
     python_state = False
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
-            tracer = AmpTracer(policy, set(leaves))
+            tracer = AmpTracer(policy, set(leaves), kept)
             try:
                 graph = tracer.trace(model, concrete_args=fixed or None)
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
@@ -217,8 +220,10 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None) 
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
+            boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
+                                             if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
             return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
-                           python_state=python_state)
+                           python_state=python_state, kept=boundaries)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
@@ -259,7 +264,7 @@ def reads_mode(model: nn.Module, capture: Capture, policy: Policy) -> bool:
     """
     if capture.method == "export":
         return any(reads_training(type(m)) for m in model.modules())
-    tracer = AmpTracer(policy, set(capture.leaves))
+    tracer = AmpTracer(policy, set(capture.leaves) | set(capture.kept))
     stack = [("", model)]
     while stack:  # the modules traced through: not leaves, nor inside one
         name, m = stack.pop()

@@ -1,0 +1,221 @@
+"""Kept modules (``keep_modules``): real ``call_module`` boundaries whose forward runs, each
+converted on its own, at the model's attribute paths (issue #14)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                         checkpoint_wrapper)
+
+import ampfx
+from ampfx.errors import ArgumentError
+from ampfx.graph_module import AmpGraphModule
+from ampfx.measure import count_casts
+from ampfx.policy import PolicyError
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float = 0.0) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(att))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3, p: float = 0.0) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(8, d)
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _gpt(p: float = 0.0) -> tuple[GPT, torch.Tensor]:
+    torch.manual_seed(0)
+    return GPT(p=p), torch.randint(0, 32, (2, 8))
+
+
+def _grads(model: nn.Module, idx: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    torch.manual_seed(seed)
+    out = model(idx)
+    out.float().logsumexp(-1).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_repeated_blocks_are_kept_by_default_at_the_same_paths():
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    assert isinstance(amp.blocks, nn.ModuleList) and len(amp.blocks) == 3
+    assert all(isinstance(b, AmpGraphModule) for b in amp.blocks)
+    assert sorted(amp.state_dict()) == sorted(net.state_dict())
+    assert amp.blocks[1].qkv.weight is net.blocks[1].qkv.weight  # float32 masters, shared
+    calls = [n for n in amp.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls if n.target.startswith("blocks")] == ["blocks.0", "blocks.1", "blocks.2"]
+    records = amp.ampfx_report.records
+    kept = [r for r in records if r.rule == "keep_modules"]
+    assert [r.target for r in kept] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all("repeated block" in r.reason for r in kept)
+    assert any(r.module.startswith("blocks.2") and r.op == "linear" for r in records)  # the block's own records
+    assert {r.path for r in amp.ampfx_report.regions} >= {"", "blocks.0", "blocks.1", "blocks.2"}
+
+
+def test_no_keep_traces_through_and_env_replaces_the_default():
+    net, idx = _gpt()
+    flat = ampfx.convert(net, "bf16", example_inputs=(idx,), keep_modules=())
+    assert not any(isinstance(b, AmpGraphModule) for b in flat.blocks)
+    assert not any(n.op == "call_module" and str(n.target).count(".") == 1 for n in flat.graph.nodes)
+    none = ampfx.convert(net, "bf16", example_inputs=(idx,), environ={"AMPFX_KEEP_MODULES": "none"})
+    assert not any(isinstance(b, AmpGraphModule) for b in none.blocks)
+    one = ampfx.convert(net, "bf16", example_inputs=(idx,), environ={"AMPFX_KEEP_MODULES": "blocks.1"})
+    assert [isinstance(b, AmpGraphModule) for b in one.blocks] == [False, True, False]
+
+
+@pytest.mark.parametrize("entry", [Block, "test_keep_modules.Block", "blocks.*", lambda m, fqn: fqn == "blocks.0"])
+def test_keep_by_class_glob_and_predicate(entry):
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,), keep_modules=(entry,))
+    assert isinstance(amp.blocks[0], AmpGraphModule)
+
+
+def test_a_keep_entry_that_matches_nothing_is_an_error():
+    net, idx = _gpt()
+    with pytest.raises(PolicyError, match=r"keep_modules / AMPFX_KEEP_MODULES: the glob 'block.\*' matches no module"):
+        ampfx.convert(net, "bf16", example_inputs=(idx,), keep_modules=("block.*",))
+    with pytest.raises(PolicyError, match="keep_modules: a module object"):
+        ampfx.Policy(keep_modules=(net.blocks[0],))
+
+
+def test_forward_hooks_on_kept_modules_fire():
+    net, idx = _gpt()
+    seen_before = []
+    net.ln_f.register_forward_hook(lambda m, a, out: seen_before.append(out.shape))  # a hooked module is kept
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    seen_before.clear()  # conversion ran the model
+    seen_after = []
+    amp.blocks[1].register_forward_hook(lambda m, a, out: seen_after.append(out.dtype))
+    amp(idx)
+    assert seen_before == [torch.Size([2, 8, 16])] and len(seen_after) == 1
+    ln_f = [r for r in amp.ampfx_report.records if r.target == "ln_f"]
+    assert ln_f and ln_f[0].rule == "keep_modules" and "carries hooks" in ln_f[0].reason
+
+
+def test_boundary_dtype_is_the_painted_dtype_and_the_block_returns_it():
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    kept = {r.node: r for r in amp.ampfx_report.records if r.rule == "keep_modules"}
+    got = []
+    for b in amp.blocks:
+        b.register_forward_hook(lambda m, a, out: got.append((a[0].dtype, out.dtype)))
+    amp(idx)
+    assert [(kept[f"blocks_{i}"].dtype,) * 2 for i in range(3)] == got
+
+
+def test_kept_blocks_cost_no_more_casts_than_tracing_through():
+    net, idx = _gpt()
+    kept = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    flat = ampfx.convert(net, "bf16", example_inputs=(idx,), keep_modules=())
+    steps = [count_casts(lambda m=m: m(idx).float().sum().backward()) for m in (kept, flat)]
+    assert steps[0] <= steps[1], steps
+    ref = net(idx)
+    for m in (kept, flat):
+        assert (m(idx).float() - ref).abs().max() < 0.1
+
+
+def test_a_module_called_twice_crosses_in_float32():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+    torch.manual_seed(0)
+    amp = ampfx.convert(Twice(), "bf16", example_inputs=(torch.randn(2, 8, 16),))
+    twice = [r for r in amp.ampfx_report.records if r.rule == "keep_modules" and r.target == "blocks.0"]
+    assert len(twice) == 2 and all(r.dtype == torch.float32 and "more than once" in r.reason for r in twice)
+
+
+def test_checkpointing_kept_blocks_after_convert_gives_the_same_gradients_with_dropout():
+    net, idx = _gpt(p=0.2)
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    out, grads = _grads(amp, idx)
+    blocks = set(amp.blocks)
+    apply_activation_checkpointing(amp, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in blocks)
+    assert type(amp.blocks[0]).__name__ == "CheckpointWrapper"
+    out2, grads2 = _grads(amp, idx)
+    grads2 = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads2.items()}
+    assert torch.equal(out, out2)
+    assert grads.keys() == grads2.keys() and all(torch.equal(grads[k], grads2[k]) for k in grads)
+
+
+def test_checkpoint_wrappers_before_convert_are_kept_and_their_module_converted():
+    net, idx = _gpt(p=0.2)
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    _, want = _grads(amp, idx)
+    blocks = set(net.blocks)
+    apply_activation_checkpointing(net, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in blocks)
+    wrapped = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    assert type(wrapped.blocks[0]).__name__ == "CheckpointWrapper"
+    assert isinstance(wrapped.blocks[0]._checkpoint_wrapped_module, AmpGraphModule)
+    _, got = _grads(wrapped, idx)
+    strip = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in got.items()}
+    assert strip.keys() == want.keys() and all(torch.equal(strip[k], want[k]) for k in want)
+
+
+def test_parameters_that_arrive_low_are_used_as_they_come():
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16) hands the blocks bfloat16 parameters: low ops do
+    not cast them again, float32 leaves (the norms) get float32 copies, gradients reach the low ones."""
+    net, idx = _gpt()
+    for dtype in (torch.bfloat16, torch.float16):
+        amp = ampfx.convert(net, dtype, example_inputs=(idx,))
+        ref = amp(idx)
+        for block in amp.blocks:
+            for module in block.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, nn.Parameter(p.detach().to(dtype)))
+        out = amp(idx)
+        out.float().sum().backward()
+        assert (out.float() - ref.float()).abs().max() < 0.05
+        assert amp.blocks[0].ln1.weight.grad.dtype == dtype
+
+
+def test_wrapped_models_name_the_order_that_works():
+    net, idx = _gpt()
+    with pytest.raises(ArgumentError, match=r"the model is already wrapped by torch.compile.*Convert first"):
+        ampfx.convert(torch.compile(net), "bf16", example_inputs=(idx,))
+    net.blocks[1] = torch.compile(net.blocks[1])
+    with pytest.raises(ArgumentError, match=r"model.blocks.1 is already wrapped by torch.compile"):
+        ampfx.convert(net, "bf16", example_inputs=(idx,))
+
+
+def test_export_tracer_says_it_inlines_kept_modules():
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,), tracer="export")
+    assert any("tracer='export' inlines modules" in n for n in amp.ampfx_report.notes)
+
+
+def test_compile_of_a_kept_block():
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    amp.eval()
+    ref = amp(idx)
+    amp.blocks[0] = torch.compile(amp.blocks[0], backend="eager")
+    assert torch.equal(amp(idx), ref)
