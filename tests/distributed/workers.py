@@ -1,0 +1,141 @@
+"""What each rank runs (importable by spawned processes): a tiny GPT converted by ampfx, wrapped
+one way, one training step on the rank's half of the batch; the loss and full gradients back."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+
+BATCH, SEQ, VOCAB = 4, 8, 32
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(att))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int = 32, n: int = 4, p: float = 0.0) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return idx, torch.roll(idx, -1, 1)
+
+
+def converted(p: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(p=p)
+    return ampfx.convert(model, torch.bfloat16, example_inputs=(data()[0][:2],))
+
+
+def loss_of(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(idx).float().flatten(0, 1), target.flatten())
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()  # FSDP2: a collective, bounded by the process group's timeout
+        if g is not None:
+            out[name.replace("._checkpoint_wrapped_module", "").replace("module.", "", 1)
+                if name.startswith("module.") else name.replace("._checkpoint_wrapped_module", "")] = g.float()
+    return out
+
+
+def reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of the converted model on the whole batch, in one process."""
+    model = converted()
+    idx, target = data()
+    loss = loss_of(model, idx, target)
+    loss.backward()
+    return loss.item(), full_grads(model)
+
+
+class Traffic(contextlib.AbstractContextManager):
+    """Bytes each rank sends to FSDP2's all-gathers and reduce-scatters while inside."""
+
+    def __enter__(self) -> "Traffic":
+        self.gathered = self.scattered = 0
+        self.saved = dist.all_gather_single, dist.reduce_scatter_single
+
+        def sent(args: tuple, kwargs: dict, name: str) -> int:
+            t = kwargs[name] if name in kwargs else args[1]
+            return t.numel() * t.element_size()
+
+        def gather(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            self.gathered += sent(a, k, "input_tensor")
+            return self.saved[0](*a, **k)
+
+        def scatter(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            self.scattered += sent(a, k, "input")
+            return self.saved[1](*a, **k)
+
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single, dist.reduce_scatter_single = self.saved
+
+
+def step(rank: int, world: int, how: str) -> dict[str, Any]:
+    """One step of the converted model wrapped as ``how`` on this rank's half of the batch."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    amp = converted()
+    idx, target = data()
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    fired = []
+    amp.blocks[1].register_forward_hook(lambda m, a, out: fired.append(out.dtype))
+    if how.startswith("ac"):
+        blocks = set(amp.blocks)
+        apply_activation_checkpointing(amp, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in blocks)
+    if how.endswith("ddp"):
+        model = DDP(amp)
+    else:
+        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                          cast_forward_inputs=False) if how == "fsdp_mp" else MixedPrecisionPolicy())
+        for block in amp.blocks:
+            fully_shard(block, mp_policy=mp_policy)
+        model = fully_shard(amp, mp_policy=mp_policy)
+    with Traffic() as traffic:
+        loss = loss_of(model, idx[half], target[half])
+        loss.backward()
+    dist.all_reduce(loss := loss.detach())
+    masters = {n: p.dtype for n, p in model.named_parameters()}
+    return {"loss": loss.item() / world, "grads": full_grads(model), "fired": len(fired),
+            "gathered": traffic.gathered, "scattered": traffic.scattered, "masters": set(masters.values()),
+            "grad_dtypes": {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}}
