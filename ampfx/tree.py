@@ -95,7 +95,10 @@ def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefi
 def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module | None, list[_Job]]:
     """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
     work, prefix = job.module, job.prefix
-    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept_below(request.policy, prefix))
+    kept = kept_below(request.policy, prefix)
+    named = any(not why.startswith("keep_modules='auto'") for p, why in request.policy.keep_matched or ()
+                if p[len(prefix):] in kept and p.startswith(prefix))
+    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, named)
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)

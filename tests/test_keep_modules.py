@@ -209,7 +209,7 @@ def test_wrapped_models_name_the_order_that_works():
 def test_export_tracer_says_it_inlines_kept_modules():
     net, idx = _gpt()
     amp = ampfx.convert(net, "bf16", example_inputs=(idx,), tracer="export")
-    assert any("tracer='export' inlines modules" in n for n in amp.ampfx_report.notes)
+    assert any("inlines modules" in n for n in amp.ampfx_report.notes)
 
 
 def test_compile_of_a_kept_block():

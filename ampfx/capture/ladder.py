@@ -36,10 +36,12 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
-            kept: frozenset[str] = frozenset()) -> Capture | Uncaptured:
+            kept: frozenset[str] = frozenset(), required: bool = False) -> Capture | Uncaptured:
     """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
     ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
-    which would inline them, is not tried unless ``tracer="export"`` asks for it (a note says so)."""
+    which would inline them, is not tried where torch.fx captured the module, nor where a kept module
+    was named (``required``) rather than found by ``"auto"``; when torch.export does capture it, a
+    note says which modules it inlined."""
     fx_capture, steps = None, []
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
@@ -48,7 +50,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
-        if kept:
+        if kept and (fx_capture is not None or required):
             return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: it would inline the modules "
                                              f"keep_modules keeps as boundaries ({_few(kept)})"])
         if not exportable:
@@ -58,9 +60,10 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         exported = export.capture(module, inputs)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, [*steps, *e.steps])
-    notes = (f"keep_modules: tracer='export' inlines modules, so {_few(kept)} are not module boundaries (hooks "
-             "registered on them do not fire; FSDP2 cannot shard them one by one); convert with tracer='auto' or "
-             "'fx' to keep them",) if kept else ()
+    notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "
+             "module boundaries (hooks registered on them do not fire; FSDP2 cannot shard them one by one); name them "
+             "in keep_modules (the module then keeps its Python around them), or use tracer='fx' where it "
+             "traces",) if kept else ()
     return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph",
                                notes=(*exported.notes, *notes))
 
