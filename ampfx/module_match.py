@@ -214,7 +214,7 @@ def auto_kept(model: nn.Module) -> list[tuple[str, str]]:
         wrapper = wrapper_of(m)
         if wrapper is not None:
             found.setdefault(name, f"keep_modules='auto': an {wrapper} ({type(m).__name__}) runs its own Python")
-        elif any(getattr(m, h, None) for h in _HOOKS):
+        elif any(getattr(m, h, None) for h in _HOOKS) and any(True for _ in m.children()):
             found.setdefault(name, "keep_modules='auto': it carries hooks, which fire only when its forward is called")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             kids = [(n, c) for n, c in m.named_children()

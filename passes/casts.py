@@ -343,8 +343,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not isinstance(d, Decision):
             continue
         if d.kind == "output":
-            _cast_outputs(node, ctx, casts)
-            continue
+            _cast_outputs(node, ctx, casts); continue  # noqa: E702
         if d.kind not in COMPUTE:
             continue
         if d.inplace:

@@ -112,8 +112,7 @@ def test_forward_hooks_on_kept_modules_fire():
     amp.blocks[1].register_forward_hook(lambda m, a, out: seen_after.append(out.dtype))
     amp(idx)
     assert seen_before == [torch.Size([2, 8, 16])] and len(seen_after) == 1
-    ln_f = [r for r in amp.ampfx_report.records if r.target == "ln_f"]
-    assert ln_f and ln_f[0].rule == "keep_modules" and "carries hooks" in ln_f[0].reason
+    assert isinstance(amp.blocks[1], AmpGraphModule)
 
 
 def test_boundary_dtype_is_the_painted_dtype_and_the_block_returns_it():
