@@ -32,6 +32,9 @@ import re
 from typing import Any, Callable, Iterable
 
 import torch.nn as nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import ops
 from .policy import PolicyError, _import_object, did_you_mean, is_glob
@@ -183,9 +186,20 @@ WRAP_FIRST = {
 as shards, or run a forward bound when they were made; the model must be converted first."""
 
 _HOOKS = ("_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-"""Hooks that make ``"auto"`` keep a module: they fire only when its forward is called. Forward
-pre-hooks do not (``weight_norm``, pruning: tracing runs them into the graph, which recomputes the
-weight on every call)."""
+"""Hooks that make ``"auto"`` keep a module: they fire only when its forward is called. So do forward
+pre-hooks other than :data:`_TRACED_PRE_HOOKS`."""
+
+_TRACED_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+"""Forward pre-hooks that recompute a weight from the module's own tensors (pruning, the old
+``weight_norm`` and ``spectral_norm``): tracing runs them into the graph, which recomputes the weight
+on every call, so they do not make ``"auto"`` keep their module. Any other pre-hook (a user's own,
+with effects a graph would run once at conversion) does."""
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Does ``m`` carry hooks that fire only when its forward is called (see :data:`_HOOKS`)?"""
+    return (any(getattr(m, h, None) for h in _HOOKS)
+            or any(not isinstance(h, _TRACED_PRE_HOOKS) for h in m._forward_pre_hooks.values()))
 
 
 def class_names(module: nn.Module) -> set[str]:
@@ -214,7 +228,7 @@ def auto_kept(model: nn.Module) -> list[tuple[str, str]]:
         wrapper = wrapper_of(m)
         if wrapper is not None:
             found.setdefault(name, f"keep_modules='auto': an {wrapper} ({type(m).__name__}) runs its own Python")
-        elif any(getattr(m, h, None) for h in _HOOKS) and any(True for _ in m.children()):
+        elif _hooked(m):
             found.setdefault(name, "keep_modules='auto': it carries hooks, which fire only when its forward is called")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             kids = [(n, c) for n, c in m.named_children()
@@ -231,6 +245,19 @@ def wrapper_of(module: nn.Module) -> str | None:
     """What kind of :data:`WRAPPERS` wrapper ``module`` is (``"activation-checkpoint wrapper"``), else ``None``."""
     names = class_names(module)
     return next((w for c, w in WRAPPERS.items() if c in names), None)
+
+
+def keeps_python(module: nn.Module) -> str | None:
+    """Why the kept ``module`` runs its own Python rather than a converted graph of itself, else ``None``:
+    a wrapper (its wrapped module is converted), or forward pre-hooks (they may set attributes a graph
+    would hold fixed; its children are converted)."""
+    wrapper = wrapper_of(module)
+    if wrapper is not None:
+        return f"an {wrapper} ({type(module).__name__}): it runs its own Python, and the module it wraps is converted"
+    if module._forward_pre_hooks:
+        return ("its forward pre-hooks may set attributes its own graph would hold fixed: it keeps its Python, "
+                "and its children are converted")
+    return None
 
 
 def wrapped_first(model: nn.Module) -> tuple[str, str] | None:

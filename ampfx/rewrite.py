@@ -71,8 +71,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
     :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
-    if capture.method != "export":  # exported graphs inline the module's own hooks; torch.fx traces forward alone
-        keep_hooks(gm, work)
+    keep_hooks(gm, work)  # torch.fx traces forward alone, and torch.export ran without the module's own hooks
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")

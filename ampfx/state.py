@@ -337,6 +337,21 @@ HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_
               "_forward_hooks_always_called")
 
 
+@contextlib.contextmanager
+def without_hooks(module: nn.Module) -> Iterator[None]:
+    """``module`` without its own forward hooks and pre-hooks inside the block (torch.export traces
+    ``__call__``, which would inline them; :func:`keep_hooks` gives them to the graph module instead),
+    put back after."""
+    saved = {name: getattr(module, name).copy() for name in HOOK_DICTS}
+    for name in HOOK_DICTS:
+        getattr(module, name).clear()
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            getattr(module, name).update(hooks)
+
+
 def keep_hooks(new: nn.Module, old: nn.Module) -> None:
     """Give ``new`` (a graph traced from ``old.forward``) ``old``'s forward hooks and pre-hooks:
     torch.fx traces ``forward`` alone, so a hook on the traced module itself would be dropped

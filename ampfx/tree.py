@@ -145,12 +145,9 @@ def _kept_job(gm: AmpGraphModule, path: str, job: _Job, calls: _Observed, other_
     module = gm.get_submodule(path)
     parent, _, name = path.rpartition(".")
     inputs = calls.get(job.prefix + path) if job.inputs is not None else None
-    wrapper = module_match.wrapper_of(module)
     arrive = boundary_dtype(gm, path)
-    if wrapper is not None or module._forward_pre_hooks:
-        why = (f"an {wrapper} ({type(module).__name__}): it runs its own Python, and the module it wraps is converted"
-               if wrapper else "its forward pre-hooks may set attributes its own graph would hold fixed: it keeps "
-                               "its Python, and its children are converted")
+    why = module_match.keeps_python(module)
+    if why is not None:
         return _Job(module, inputs, f"{job.prefix}{path}.", part, eager=(why,), other_mode=job.other_mode and other_mode)
     return _Job(module, inputs, f"{job.prefix}{path}.", part, place=(gm.get_submodule(parent), name),
                 other_mode=job.other_mode and other_mode, arrive=arrive)

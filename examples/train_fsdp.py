@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,16 +137,22 @@ def spawn(steps: int, mixed: bool, world: int = 2, deadline: float = 180.0) -> l
              for r in range(world)]
     for p in procs:
         p.start()
-    got = {}
+    got, end = {}, time.monotonic() + deadline
     try:
-        for _ in range(world):
-            rank, value = results.get(timeout=deadline)
+        while len(got) < world:
+            try:  # a second at a time: a rank that dies before it can answer fails this at once
+                rank, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > end:
+                    raise RuntimeError(f"ranks {dead} (rank, exit code) exited without a result" if dead else
+                                       f"no result from ranks {sorted(set(range(world)) - set(got))} in "
+                                       f"{deadline:.0f} s") from None
+                continue
             value = pickle.loads(value)
             if isinstance(value, BaseException):
                 raise RuntimeError(f"rank {rank} failed: {value!r}") from value
             got[rank] = value
-    except queue.Empty:
-        raise RuntimeError(f"no result from ranks {sorted(set(range(world)) - set(got))} in {deadline:.0f} s") from None
     finally:
         for p in procs:
             p.join(timeout=30)

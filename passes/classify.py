@@ -317,6 +317,10 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
         if not once:  # one conversion serves every call: the dtype that is safe for all of them
             return decide.Verdict(Category.FP32, torch.float32, Rule.KEPT,
                                   where + "called more than once here, so float32 crosses the boundary both ways")
+        if gm.get_submodule(str(node.target))._forward_pre_hooks:  # its own Python may not take low inputs
+            return decide.Verdict(Category.FP32, torch.float32, Rule.KEPT,
+                                  where + "its forward pre-hooks keep its own Python, written for float32 inputs, so "
+                                          "float32 crosses the boundary both ways")
         return decide.Verdict(Category.INFER, None, Rule.KEPT,
                               where + "painted as an infer op: its inputs are cast to the dtype chosen here, and it "
                                       "returns that dtype")

@@ -115,6 +115,41 @@ def test_forward_hooks_on_kept_modules_fire():
     assert isinstance(amp.blocks[1], AmpGraphModule)
 
 
+@pytest.mark.parametrize("inputs", [True, False])
+@pytest.mark.parametrize("hooks", ["post", "pre", "pre+post"])
+def test_hooks_on_a_leaf_fire_on_every_call_with_the_right_values(hooks, inputs):
+    """A hooked nn.Linear with no children is kept too: its hooks fire once per call of the converted
+    model (not once at conversion), a post-hook's change of the output is applied once, and a user's
+    pre-hook keeps the module's Python, so float32 crosses that boundary (its forward was written for it)."""
+    torch.manual_seed(0)
+    net, x, calls = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), \
+        torch.randn(5, 4), []
+    if "pre" in hooks:
+        net[2].register_forward_pre_hook(lambda m, a: (calls.append(("pre", a[0].dtype)), (a[0] * 2,))[1])
+    if "post" in hooks:
+        net[2].register_forward_hook(lambda m, a, out: (calls.append(("post", out.dtype)), out * 3 + 1)[1])
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,) if inputs else None)
+    calls.clear()
+    out = amp(x)
+    low = "pre" not in hooks
+    assert [c for c, _ in calls] == [c for c in ("pre", "post") if c in hooks]
+    assert {d for _, d in calls} == {torch.bfloat16 if low else torch.float32}
+    ref = net(x)
+    assert (out - ref).norm() / ref.norm() < 0.02
+    kept = [r for r in amp.ampfx_report.records if r.rule == "keep_modules"]
+    assert [r.target for r in kept] == ["2"] and kept[0].dtype == (torch.bfloat16 if low else torch.float32)
+
+
+def test_pruning_and_weight_norm_pre_hooks_do_not_keep_their_module():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    torch.nn.utils.prune.l1_unstructured(net[0], "weight", 0.5)
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(net[2])
+    amp = ampfx.convert(net, "bf16", example_inputs=(torch.randn(5, 4),))
+    assert not [r for r in amp.ampfx_report.records if r.rule == "keep_modules"]
+
+
 def test_boundary_dtype_is_the_painted_dtype_and_the_block_returns_it():
     net, idx = _gpt()
     amp = ampfx.convert(net, "bf16", example_inputs=(idx,))

@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..errors import ExampleInputsError
 from ..graph_module import graph_module
 from ..inputs import ExampleInputs
-from ..state import kept_buffers, kept_rng
+from ..state import keep_hooks, kept_buffers, kept_rng
 from .base import short
 
 
@@ -28,6 +28,7 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
     conversion. Buffers, parameters' ``.grad`` and the random state are left as found.
     """
     gm = graph_module(model, graph)
+    keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
         want = _run(model, model, inputs)
     except ExampleInputsError:

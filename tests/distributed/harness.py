@@ -64,9 +64,15 @@ def run(fn: Callable, *args: Any, world: int = 2, deadline: float = 240.0,
     end = time.monotonic() + deadline
     try:
         while len(got) < world:
-            try:
-                rank, ok, value = results.get(timeout=max(0.1, end - time.monotonic()))
+            try:  # a second at a time: a rank that dies before it can answer (an import error) fails this at once
+                rank, ok, value = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
             except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RankFailed(f"ranks {dead} (rank, exit code) exited without a result (their stderr is "
+                                     "above)") from None
+                if time.monotonic() < end:
+                    continue
                 raise RankFailed(f"ranks {sorted(set(range(world)) - set(got))} gave no result within {deadline:.0f} s "
                                  "(hung in a collective?)") from None
             if not ok:
