@@ -227,6 +227,11 @@ SENSITIVITY_THRESHOLD = 0.1
 """Calibration keeps float32 a node whose rounding alone moves the output or a parameter gradient by more
 than this (relative): chosen by measurement, see docs/numerics.md ("Precision sensitivity")."""
 
+EXPORT_TIMEOUT = 60.0
+"""Seconds ``torch.export`` may take on one module (``Policy.export_timeout``). Most models export in
+0.2-10 s; a few spend minutes in export's symbolic size analysis, and a capture that slow takes the
+next rung instead (the report's capture steps say so)."""
+
 _BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values")
 
 
@@ -246,6 +251,11 @@ def _check_fields(p: "Policy") -> None:
                                   or not 0 <= threshold < math.inf):
         raise PolicyError(f"sensitivity_threshold={threshold!r}: use a relative error >= 0 (default "
                           f"{SENSITIVITY_THRESHOLD:g}), or 0 / None to turn the precision check of calibration off")
+    timeout = p.export_timeout
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < math.inf):
+        raise PolicyError(f"export_timeout={timeout!r}: use seconds >= 0 (default {EXPORT_TIMEOUT:g}), or 0 / None "
+                          "for no limit")
     margin = p.calibration_margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
@@ -296,6 +306,10 @@ class Policy:
     #: by more than this relative error (ampfx.passes.sensitivity); 0 or None: off
     sensitivity_threshold: float | None = SENSITIVITY_THRESHOLD
     probe: bool = True
+    #: seconds torch.export may take to capture one module (its tries together) before the capture takes
+    #: the next rung (a torch.fx graph with leaves, or the module's own Python with its children converted);
+    #: None or 0: no limit
+    export_timeout: float | None = EXPORT_TIMEOUT
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = True
@@ -486,6 +500,8 @@ ENV_VARS: dict[str, str] = {
     "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
     "AMPFX_DISABLE": "1 to return an unconverted copy (the report says so)",
     "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
+    "AMPFX_EXPORT_TIMEOUT": "seconds torch.export may take on one module before the capture takes the next rung "
+                            f"(default {EXPORT_TIMEOUT:g}; off: no limit)",
     "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
     "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
     "AMPFX_FLOAT32_STREAM": "0 to let float32 activations (residual streams, carried state) be cast down "
@@ -521,6 +537,20 @@ def _threshold_env(value: str) -> float | None:
         return float(value)
     except ValueError:
         raise PolicyError(f"AMPFX_SENSITIVITY_THRESHOLD={value!r}: use a relative error such as 0.05, or off") from None
+
+
+def _seconds_env(value: str) -> float | None:
+    """``AMPFX_EXPORT_TIMEOUT``: seconds, or ``off`` / ``none`` / empty for no limit.
+
+    >>> _seconds_env("30"), _seconds_env("off")
+    (30.0, None)
+    """
+    if value.strip().lower() in ("", "off", "none"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise PolicyError(f"AMPFX_EXPORT_TIMEOUT={value!r}: use seconds such as 60, or off") from None
 
 
 def _split(var: str, value: str) -> tuple[str, ...]:
@@ -581,6 +611,8 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
         changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
     if "AMPFX_SENSITIVITY_THRESHOLD" in seen:
         changes["sensitivity_threshold"] = _threshold_env(seen["AMPFX_SENSITIVITY_THRESHOLD"])
+    if "AMPFX_EXPORT_TIMEOUT" in seen:
+        changes["export_timeout"] = _seconds_env(seen["AMPFX_EXPORT_TIMEOUT"])
     if "AMPFX_PAD" in seen:
         changes["pad"] = seen["AMPFX_PAD"].strip().lower()
     for var, fname in _BOOL_VARS.items():

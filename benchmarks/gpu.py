@@ -15,7 +15,9 @@ Versions, device and date are printed first. ``--smoke`` runs tiny configuration
 without compile, to check the script end to end (tests/test_gpu_suite.py does, in CI); CPU
 figures say nothing about GPU speed. Record GPU figures in docs/benchmarks.md.
 
-    python benchmarks/gpu.py [--smoke] [--models gpt2,bert,resnet50,vit] [--dtypes bf16,fp16]
+``--cpu`` times a small transformer and a small CNN on the CPU, eager and compiled (inductor), bf16.
+
+    python benchmarks/gpu.py [--smoke | --cpu] [--models gpt2,bert,resnet50,vit] [--dtypes bf16,fp16]
                              [--no-compile] [--reps 20]
 """
 from __future__ import annotations
@@ -47,6 +49,10 @@ SMOKE = {
     "bert": dict(vocab=101, d=32, layers=1, heads=2, seq=16, batch=2),
     "resnet50": dict(blocks=(1, 1, 1, 1), width=8, image=32, batch=2, classes=10),
     "vit": dict(d=32, layers=1, heads=2, patch=8, image=32, batch=2, classes=10),
+}
+CPU = {  # --cpu: the compiled step on this machine's CPU (small GEMMs, where bf16 runs near fp32 speed)
+    "gpt2": dict(vocab=512, d=128, layers=2, heads=4, seq=64, batch=8),
+    "resnet50": dict(blocks=(1, 1, 1, 1), width=16, image=64, batch=8, classes=10),
 }
 GEMMS_FULL = [(8 * 77, 768, 50257), (4096, 1000, 1000), (4096, 3000, 3000), (4096, 1024, 1024), (4096, 3072, 3072)]
 GEMMS_SMOKE = [(2 * 7, 24, 101), (16, 20, 20), (16, 24, 24)]
@@ -219,14 +225,19 @@ def header(device: str, smoke: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on the CPU, no compile")
+    ap.add_argument("--cpu", action="store_true", help="small transformer and CNN on the CPU, eager and compiled "
+                                                       "(inductor), bf16: the CPU compiled-step ratios")
     ap.add_argument("--models", default="gpt2,bert,resnet50,vit")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args(argv)
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    configs = SMOKE if args.smoke or device == "cpu" else FULL
-    reps = args.reps or (2 if args.smoke else 20)
+    device = "cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda"
+    configs = CPU if args.cpu else SMOKE if args.smoke or device == "cpu" else FULL
+    reps = args.reps or (2 if args.smoke else 10 if args.cpu else 20)
+    if args.cpu:
+        args.models = ",".join(m for m in args.models.split(",") if m in CPU)
+        args.dtypes = "bf16" if args.dtypes == ap.get_default("dtypes") else args.dtypes
     dtypes = [ampfx.policy.parse_dtype(d, where="--dtypes") for d in args.dtypes.split(",")]
     compile_ = not (args.smoke or args.no_compile)
     header(device, args.smoke)
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         model_rows(name, configs[name], dtypes, compile_, reps, device)
     print(f"\n{'GEMM M x K -> N':<22}{'dtype':<10}{'friendly':<10}{'never ms':>10}{'always ms':>11}{'autocast ms':>13}"
           f"{'alw/nev':>9}{'ac/nev':>9}")
-    gemm_rows(GEMMS_SMOKE if configs is SMOKE else GEMMS_FULL, dtypes, reps, device)
+    if not args.cpu:
+        gemm_rows(GEMMS_SMOKE if configs is SMOKE else GEMMS_FULL, dtypes, reps, device)
 
 
 if __name__ == "__main__":

@@ -412,3 +412,68 @@ def test_cli_explain_takes_a_tracer(capsys):
     assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--tracer", "export", "--format", "json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert any(r["op"] == "linear" and r["target"] == "aten.linear.default" and r["module"] == "fc1" for r in rows)
+
+
+class SlowToExport(Masked):
+    """Masked (torch.fx cannot trace it), but its export takes seconds: it sleeps on fake tensors."""
+
+    def forward(self, x, mask):
+        if isinstance(x, torch._subclasses.FakeTensor):
+            import time
+            time.sleep(3)
+        return super().forward(x, mask)
+
+
+def test_an_export_over_its_time_limit_takes_the_next_rung_and_leaves_no_timer():
+    """export_timeout: a slow export stops, the region's steps say how long it ran and how to lift the
+    limit, the module keeps its Python with its children converted (still right), and the process's
+    SIGALRM handler and timer are as they were."""
+    import signal
+    torch.manual_seed(0)
+    m, x, mask = SlowToExport(), torch.randn(2, 5, 16), torch.ones(2, 5)
+    m.register_forward_hook(lambda mod, args, out: out)  # the root's hooks are put back after export too
+    handler = signal.getsignal(signal.SIGALRM)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=0.5)
+    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    assert root.method.startswith("eager") and "longer than export_timeout=0.5 s" in root.steps[-1]
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    assert len(m._forward_hooks) == 1
+    assert rel_err(amp(x, mask), m(x, mask)) < 0.02
+    for off in ({"export_timeout": None}, {"environ": {"AMPFX_EXPORT_TIMEOUT": "off"}}):
+        amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), **off)
+        assert next(r for r in amp.ampfx_report.regions if r.path == "").method == "export"
+
+
+def test_export_timeout_is_checked_and_read_from_the_environment():
+    from ampfx.policy import from_env
+    assert from_env(ampfx.Policy(), {"AMPFX_EXPORT_TIMEOUT": "12.5"}).export_timeout == 12.5
+    for bad in (-1, "10", True, float("inf")):
+        with pytest.raises(ampfx.PolicyError, match="export_timeout"):
+            ampfx.Policy(export_timeout=bad)
+    with pytest.raises(ampfx.PolicyError, match="AMPFX_EXPORT_TIMEOUT"):
+        from_env(ampfx.Policy(), {"AMPFX_EXPORT_TIMEOUT": "soon"})
+
+
+def test_off_the_main_thread_export_runs_without_a_limit_and_says_so():
+    import threading
+    from ampfx.capture.export import time_limit
+    said = []
+    t = threading.Thread(target=lambda: said.append(time_limit(5).__enter__()))
+    t.start()
+    t.join(timeout=30)
+    assert said and "main thread" in said[0]
+
+
+def test_root_hooks_fire_on_every_call_of_an_exported_module():
+    """torch.export would inline the root's hooks (their side effects then ran once, at export): they are
+    taken off while exporting and called around the graph, as on the torch.fx path."""
+    calls = []
+    m = Masked()
+    m.register_forward_hook(lambda mod, args, out: calls.append(out.dtype) or out * 2)
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), tracer="export")
+    calls.clear()
+    amp(x, mask)
+    amp(x, mask)
+    assert len(calls) == 2
+    assert rel_err(amp(x, mask), m(x, mask)) < 0.02

@@ -43,9 +43,13 @@ What :func:`capture` does with the exported program:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import operator
+import signal
+import threading
+import time
 from typing import Any, Iterator
 
 import torch
@@ -54,7 +58,7 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
-from ..state import kept_random
+from ..state import kept_random, without_hooks
 from .base import Capture, short
 from .semantics import Watch
 from .tracer import dropped_by
@@ -74,6 +78,43 @@ def unavailable() -> str | None:
         return (f"the torch.export front-end needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
                 f"(this is {torch.__version__}); use tracer='fx' or upgrade torch")
     return None
+
+
+class ExportTimeout(BaseException):
+    """``torch.export`` ran past its time limit (``Policy.export_timeout``). A ``BaseException``, as
+    ``KeyboardInterrupt`` is: export's own ``except Exception`` handlers must not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[str | None]:
+    """Raise :class:`ExportTimeout` in the block once ``seconds`` have passed (a ``SIGALRM`` timer);
+    yields why there is no limit (``None``: there is one). No limit without ``seconds``, off the main
+    thread, where the platform has no interval timer, or while another timer of the process runs.
+
+    >>> with time_limit(None) as why:
+    ...     why
+    'no export_timeout'
+    """
+    if not seconds:
+        yield "no export_timeout"
+        return
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield "export_timeout not applied: it needs the main thread of a platform with signal.setitimer"
+        return
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield "export_timeout not applied: another interval timer of this process is running"
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise ExportTimeout(f"torch.export took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class ExportFailed(RuntimeError):
@@ -250,21 +291,39 @@ def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
             setattr(owner, name, value)
 
 
-def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
+def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | None = None) -> Capture:
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
-    (with the steps tried) if this torch cannot or the model does not export.
+    (with the steps tried) if this torch cannot or the model does not export,
+    or if exporting takes longer than ``timeout`` seconds (all tries together).
     The model is left as found (modes, buffers)."""
     why = unavailable()
     if why is not None:
         raise ExportFailed(why, [f"torch.export: {why}"])
     if inputs is None:
         raise ExportFailed("torch.export needs example_inputs", ["torch.export: no example_inputs"])
+    start = time.perf_counter()
+    try:
+        with time_limit(timeout) as unbounded:
+            exported = _capture(model, inputs)
+    except ExportTimeout:
+        took = time.perf_counter() - start
+        raise ExportFailed(f"torch.export stopped after {took:.0f} s (export_timeout={timeout:g})",
+                           [f"torch.export stopped after {took:.0f} s: longer than export_timeout={timeout:g} s "
+                            "(Policy(export_timeout=...) or AMPFX_EXPORT_TIMEOUT; off: no limit)"]) from None
+    if unbounded is not None and timeout:
+        exported = dataclasses.replace(exported, notes=(*exported.notes, unbounded))
+    return exported
+
+
+def _capture(model: nn.Module, inputs: ExampleInputs) -> Capture:
+    """:func:`capture` without its time limit."""
     args, kwargs = inputs.ordered(model.forward)
     paths = _module_paths(model)
     steps: list[str] = []
     dynamic = _auto_dims(args, kwargs)
-    try:
-        ep = _export(model, args, kwargs, dynamic)
+    try:  # the root's own hooks stay Python the graph module calls (rewrite.keep_hooks), as torch.fx's do
+        with without_hooks(model):
+            ep = _export(model, args, kwargs, dynamic)
     except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
         if dynamic is None or not _about_sizes(e):
             steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}")
@@ -272,7 +331,8 @@ def capture(model: nn.Module, inputs: ExampleInputs | None) -> Capture:
         steps.append(f"torch.export with dynamic sizes ({_mode(model.training)} mode): {_short(e)}")
         dynamic = None
         try:
-            ep = _export(model, args, kwargs, None)
+            with without_hooks(model):
+                ep = _export(model, args, kwargs, None)
         except Exception as e2:  # noqa: BLE001
             steps.append(f"torch.export with static sizes ({_mode(model.training)} mode): {_short(e2)}")
             raise ExportFailed(_short(e2), steps) from e2

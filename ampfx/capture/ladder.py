@@ -57,7 +57,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
             return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
     try:
-        exported = export.capture(module, inputs)
+        exported = export.capture(module, inputs, policy.export_timeout)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, [*steps, *e.steps])
     notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "
