@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
-from . import guards, module_match
+from . import guards, integrations, module_match
 from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, UninitializedModelError
@@ -220,7 +220,10 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     named = list(model.named_modules(remove_duplicate=False))
     names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
-    kept = module_match.resolve(model, policy.keep_modules, "keep_modules")
+    # another library's module (a DGL conv) is a leaf its integration runs: its forward runs already
+    kept = tuple((p, why) for p, why in module_match.resolve(model, policy.keep_modules, "keep_modules")
+                 if not any(integrations.library_of(model.get_submodule(".".join(p.split(".")[:i]))) is not None
+                            for i in range(1, p.count(".") + 2)))
     rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
                 if policy.module_filter_fn is not None else None)
     leaves = []

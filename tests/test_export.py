@@ -477,3 +477,29 @@ def test_root_hooks_fire_on_every_call_of_an_exported_module():
     amp(x, mask)
     assert len(calls) == 2
     assert rel_err(amp(x, mask), m(x, mask)) < 0.02
+
+
+class SlowOnDynamicWidth(Masked):
+    """Exports fast unless its second dimension is symbolic (as a model doing arithmetic on its spatial sizes)."""
+
+    def forward(self, x, mask):
+        if isinstance(x.shape[1], torch.SymInt):
+            import time
+            time.sleep(3)
+        return super().forward(x, mask)
+
+
+def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
+    """Every dimension dynamic may take half of export_timeout; then the batch alone is dynamic: the graph
+    takes other batch sizes, and other sequence lengths raise GuardError (the notes say so)."""
+    from ampfx.errors import GuardError
+    torch.manual_seed(0)
+    m, x, mask = SlowOnDynamicWidth(), torch.randn(2, 5, 16), torch.ones(2, 5)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=2)
+    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    assert root.method == "export" and any("Dim.AUTO) (train mode) stopped after" in s for s in root.steps)
+    assert any("dynamic first (batch) dimension" in n for n in amp.ampfx_report.notes)
+    x3, mask3 = torch.randn(3, 5, 16), torch.ones(3, 5)
+    assert rel_err(amp(x3, mask3), m(x3, mask3)) < 0.02
+    with pytest.raises(GuardError):
+        amp(torch.randn(2, 6, 16), torch.ones(2, 6))

@@ -134,16 +134,17 @@ def _short(e: BaseException) -> str:
     return text
 
 
-def _auto_dims(args: tuple, kwargs: dict) -> Any:
+def _auto_dims(args: tuple, kwargs: dict, every: bool = True) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor input (export keeps
-    static what the model needs static); ``None`` where this torch has no ``Dim.AUTO``."""
+    static what the model needs static), or for the first dimension alone (not ``every``);
+    ``None`` where this torch has no ``Dim.AUTO``."""
     auto = getattr(getattr(torch.export, "Dim", None), "AUTO", None)
     if auto is None:
         return None
 
     def spec(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return {i: auto for i in range(v.dim())} or None
+            return {i: auto for i in range(v.dim() if every else min(v.dim(), 1))} or None
         if isinstance(v, (tuple, list)):
             return type(v)(spec(x) for x in v)
         if isinstance(v, dict):
@@ -295,55 +296,70 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
     (with the steps tried) if this torch cannot or the model does not export,
     or if exporting takes longer than ``timeout`` seconds (all tries together).
-    The model is left as found (modes, buffers)."""
+    The model is left as found (modes, buffers).
+
+    Sizes are tried from the most dynamic down (:func:`_size_tries`): a try that
+    fails over dynamic sizes, or runs past :data:`DYNAMIC_SHARE` of ``timeout``
+    (export's symbolic size analysis can take minutes where a model does
+    arithmetic on its spatial sizes), gives way to the next."""
     why = unavailable()
     if why is not None:
         raise ExportFailed(why, [f"torch.export: {why}"])
     if inputs is None:
         raise ExportFailed("torch.export needs example_inputs", ["torch.export: no example_inputs"])
-    start = time.perf_counter()
-    try:
-        with time_limit(timeout) as unbounded:
-            exported = _capture(model, inputs)
-    except ExportTimeout:
-        took = time.perf_counter() - start
-        raise ExportFailed(f"torch.export stopped after {took:.0f} s (export_timeout={timeout:g})",
-                           [f"torch.export stopped after {took:.0f} s: longer than export_timeout={timeout:g} s "
-                            "(Policy(export_timeout=...) or AMPFX_EXPORT_TIMEOUT; off: no limit)"]) from None
-    if unbounded is not None and timeout:
-        exported = dataclasses.replace(exported, notes=(*exported.notes, unbounded))
-    return exported
-
-
-def _capture(model: nn.Module, inputs: ExampleInputs) -> Capture:
-    """:func:`capture` without its time limit."""
     args, kwargs = inputs.ordered(model.forward)
-    paths = _module_paths(model)
-    steps: list[str] = []
-    dynamic = _auto_dims(args, kwargs)
-    try:  # the root's own hooks stay Python the graph module calls (rewrite.keep_hooks), as torch.fx's do
-        with without_hooks(model):
-            ep = _export(model, args, kwargs, dynamic)
-    except Exception as e:  # noqa: BLE001 - any export error: try static sizes, then give up
-        if dynamic is None or not _about_sizes(e):
-            steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}")
-            raise ExportFailed(_short(e), steps) from e
-        steps.append(f"torch.export with dynamic sizes ({_mode(model.training)} mode): {_short(e)}")
-        dynamic = None
-        try:
-            with without_hooks(model):
-                ep = _export(model, args, kwargs, None)
-        except Exception as e2:  # noqa: BLE001
-            steps.append(f"torch.export with static sizes ({_mode(model.training)} mode): {_short(e2)}")
-            raise ExportFailed(_short(e2), steps) from e2
+    paths, steps, mode = _module_paths(model), [], _mode(model.training)
+    start = time.perf_counter()
+    tries = _size_tries(args, kwargs)
+    for i, (sizes, dynamic) in enumerate(tries):
+        last = i == len(tries) - 1
+        left = None if not timeout else timeout - (time.perf_counter() - start)
+        share = left if last or left is None else min(left, DYNAMIC_SHARE * timeout)
+        share = None if share is None else max(share, 0.01)  # 0 would mean no limit
+        t = time.perf_counter()
+        try:  # the root's own hooks stay Python the graph module calls (rewrite.keep_hooks), as torch.fx's do
+            with time_limit(share) as unbounded, without_hooks(model):
+                ep = _export(model, args, kwargs, dynamic)
+            break
+        except ExportTimeout:
+            steps.append(f"torch.export with {sizes} ({mode} mode) stopped after {time.perf_counter() - t:.0f} s")
+            if last:
+                steps.append(f"torch.export: longer than export_timeout={timeout:g} s in all "
+                             "(Policy(export_timeout=...) or AMPFX_EXPORT_TIMEOUT; off: no limit)")
+                raise ExportFailed(f"torch.export took longer than export_timeout={timeout:g} s", steps) from None
+        except Exception as e:  # noqa: BLE001 - any export error: fewer dynamic sizes if it was about sizes
+            if last or not _about_sizes(e):
+                steps.append(f"torch.export ({mode} mode{'' if i == 0 else ', ' + sizes}): {_short(e)}")
+                raise ExportFailed(_short(e), steps) from e
+            steps.append(f"torch.export with {sizes} ({mode} mode): {_short(e)}")
     gm = _unlift(ep)
     constants, notes = _clean(gm, model, paths)
-    sizes = "dynamic sizes where the model allows (Dim.AUTO)" if dynamic is not None else "static sizes"
     steps.append(f"exported (torch.export, non-strict, training IR, {sizes})")
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
                      "GuardError (convert again for other sizes)")
+    elif i > 0:
+        notes.append(f"torch.export was given {sizes}: other dimensions are the example's, and calls with other "
+                     "sizes there raise GuardError (convert again for other sizes)")
+    if unbounded is not None and timeout:
+        notes.append(unbounded)
     return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
+
+
+DYNAMIC_SHARE = 0.5
+"""The share of ``export_timeout`` a try with dynamic sizes may take before fewer dynamic sizes are tried."""
+
+
+def _size_tries(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """What :func:`capture` tries, in order: (words, ``dynamic_shapes``). Every dimension dynamic
+    (``Dim.AUTO``: export keeps static what the model needs static), then the first dimension
+    of each input only (the batch), then static sizes; the first alone where this torch has no
+    ``Dim.AUTO`` or the inputs mix positions and keywords."""
+    every, first = _auto_dims(args, kwargs, every=True), _auto_dims(args, kwargs, every=False)
+    tries = [("dynamic sizes where the model allows (Dim.AUTO)", every)] if every is not None else []
+    if first is not None and first != every:
+        tries.append(("a dynamic first (batch) dimension where the model allows (Dim.AUTO)", first))
+    return [*tries, ("static sizes", None)]
 
 
 def _mode(training: bool) -> str:
