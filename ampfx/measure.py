@@ -54,3 +54,23 @@ def measure_step(step: Callable[[], Any]) -> CastCounter:
     with CastCounter() as counter:
         step()
     return counter
+
+
+def saved_bytes(step: Callable[[], Any]) -> int:
+    """Run ``step()`` (forward + backward) and return the bytes autograd saved for backward: the
+    storages of the tensors saved, each counted once (activation memory; weights' low copies too).
+
+    >>> w = torch.ones(4, 4, requires_grad=True)
+    >>> saved_bytes(lambda: (torch.ones(2, 4) @ w).sum().backward())  # matmul saves its input: 2 x 4 x 4 bytes
+    32
+    """
+    storages: dict[Any, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storages.values())

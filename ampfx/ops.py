@@ -93,7 +93,10 @@ class OpEntry:
     decides the op by how many (``sum``, ``var``, ``norm``, ``logsumexp``).
     ``fp32_accumulation``: the kernel accumulates in float32 whatever its
     input dtype (the report says so for a low-precision node), so under
-    bfloat16 (float32's range) even a large reduction may follow its inputs. ``split_bias``: the op's third argument (or
+    bfloat16 (float32's range) even a large reduction may follow its inputs. ``writes_low``: a float32
+    op (softmax) whose low-precision kernel computes in float32 inside and rounds its result once; where
+    every consumer reads its result low, it reads and writes the low dtype instead of writing float32 for a
+    cast (the same values; :func:`ampfx.probes.rounds_once` checks the kernel). ``split_bias``: the op's third argument (or
     ``bias=``) is a bias added last (``linear(x, w, b) == linear(x, w) + b``),
     so a low-precision call whose consumers all want float32 can leave it out
     and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
@@ -129,6 +132,7 @@ class OpEntry:
     select: bool = False
     reduction: bool = False
     fp32_accumulation: bool = False
+    writes_low: bool = False
     split_bias: bool = False
     cast_to: tuple[tuple[str, torch.dtype | None], ...] = ()
     cast_like: tuple[str, ...] = ()
@@ -359,12 +363,12 @@ _op("mean", I, _SUMBF, fns=[torch.mean, torch.nanmean], methods=["mean", "nanmea
 # --------------------------------------------------------------------------- DENY
 _op("softmax", D, "exp of its inputs overflows low precision and the normaliser needs float32 (softmax(..., dtype=float32))",
     fns=[F.softmax, torch.softmax, torch.special.softmax], methods=["softmax"], modules=_mods("Softmax", "Softmax2d"),
-    aten=["softmax", "_softmax"], accum_dtype="dtype")
+    aten=["softmax", "_softmax"], accum_dtype="dtype", writes_low=True)
 _op("log_softmax", D, "exp/log of its inputs: needs float32 (log_softmax(..., dtype=float32))",
     fns=[F.log_softmax, torch.log_softmax, torch.special.log_softmax], methods=["log_softmax"],
     modules=_mods("LogSoftmax"), aten=["log_softmax", "_log_softmax"], accum_dtype="dtype")
 _op("softmin", D, "exp of its inputs: needs float32", fns=[F.softmin], methods=["softmin"], modules=_mods("Softmin"),
-    accum_dtype="dtype")
+    accum_dtype="dtype", writes_low=True)
 _EXP = "|f(x)| >> |x|: overflows low precision"
 for _name in ("exp", "expm1", "exp2", "pow", "square", "float_power"):
     _op(_name, D, _EXP, fns=[*_torch_fns(_name), *([operator.pow] if _name == "pow" else [])],

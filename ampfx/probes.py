@@ -209,3 +209,33 @@ def describe(variant: Variant) -> str:
     parts = [f"{variant.dims}-d"] if variant.dims else []
     parts += [variant.mode] if variant.mode else []
     return f" ({', '.join(parts)})" if parts else ""
+
+
+_ROUNDS_ONCE: dict[str, Callable[..., torch.Tensor]] = {"softmax": torch.softmax, "softmin": F.softmin}
+
+
+@functools.lru_cache(maxsize=None)
+def rounds_once(op: str, dtype: torch.dtype, device: str) -> bool:
+    """Does ``op``'s ``dtype`` kernel on ``device`` compute in float32 inside and round once, so that
+    ``op(x)`` equals ``op(x, dtype=torch.float32).to(dtype)`` within one unit in the last place? Tried
+    on rows of 7, 64 and 4099 elements (a low-precision accumulation over 4099 would be off by many);
+    ``False`` where the kernel is missing or the device is not here. Cached per process.
+
+    >>> rounds_once("softmax", torch.bfloat16, "cpu")
+    True
+    """
+    fn = _ROUNDS_ONCE.get(op)
+    if fn is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n in (7, 64, 4099):
+                x = (torch.randn(4, n, generator=g) * 3).to(device=device, dtype=dtype)
+                low, ref = fn(x, -1), fn(x, -1, dtype=torch.float32).to(dtype).float()
+                ulp = torch.finfo(dtype).eps * ref.abs().clamp_min(torch.finfo(dtype).tiny)
+                if low.dtype != dtype or not bool(((low.float() - ref).abs() <= ulp).all()):
+                    return False
+    except Exception:  # noqa: BLE001 - no such kernel here
+        return False
+    return True

@@ -117,6 +117,10 @@ class Rule(str, enum.Enum):
         "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
         "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
         word="saves a cast")
+    WRITE_LOW = "cost:write-low", _about(
+        "a float32 op (softmax) whose low-precision kernel computes in float32 inside and rounds once, and whose "
+        "consumers all read its result low: it writes the low dtype (the same values, no cast, its saved output "
+        "half the bytes)", word="writes low")
     FIDELITY_STREAM = "fidelity:stream", _about(
         "reads a float32 activation (a residual stream, a carried state, positions): computes in float32 as "
         "type promotion would, instead of casting that value down (Policy.float32_stream)", word="float32 stream")

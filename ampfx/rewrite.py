@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -47,6 +47,9 @@ class Request:
     tracer: str = "auto"
     dynamic_dims: dict[int, str] | None = None
     calibrate: tuple[list[Any], Callable[[Any], torch.Tensor] | None] | None = None
+    #: what this conversion learnt about exporting each module path: the size try to start from (a module's
+    #: other training mode starts where its first export ended: ampfx.capture.export.capture)
+    export_sizes: dict[str, list[int]] = field(default_factory=dict, compare=False)
 
 
 class NotReproduced(ValueError):

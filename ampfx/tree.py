@@ -98,7 +98,8 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     kept = kept_below(request.policy, prefix)
     named = any(not why.startswith("keep_modules='auto'") for p, why in request.policy.keep_matched or ()
                 if p[len(prefix):] in kept and p.startswith(prefix))
-    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, named)
+    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, named,
+                             sizes=request.export_sizes.setdefault(prefix, [0]))
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)

@@ -30,7 +30,8 @@ MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_
           "hf_bert_seqcls", "hf_gpt2_lm", "hf_roberta", "hf_distilbert", "hf_t5",
           "hf_gpt2_lm_nocache", "hf_t5_nocache", "hf_llama_nocache", "hf_bart_nocache", "hf_vit", "hf_albert",
           "timm_convnext_atto", "timm_swin_tiny", "tv_regnet_y_400mf", "tv_densenet121",
-          "tv_r3d_18", "diffusers_unet2d", "nn_lstm_cls", "nn_gru_cls", "nn_transformer"]
+          "tv_r3d_18", "diffusers_unet2d", "nn_lstm_cls", "nn_gru_cls", "nn_transformer",
+          "timm_mobilevit_xxs", "timm_efficientvit_m0"]  # conv/attention hybrids: slow exports, many regions
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
 
@@ -67,8 +68,9 @@ def build(name):
         arch = {"timm_resnet18": "resnet18", "timm_vit_tiny": "vit_tiny_patch16_224",
                 "timm_deit_tiny": "deit_tiny_patch16_224", "timm_mobilenetv3_small_050": "mobilenetv3_small_050",
                 "timm_efficientnet_b0": "efficientnet_b0", "timm_convnext_atto": "convnext_atto",
-                "timm_swin_tiny": "swin_tiny_patch4_window7_224"}[name]
-        kw = {"img_size": 64} if "vit" in arch or "deit" in arch else {}
+                "timm_swin_tiny": "swin_tiny_patch4_window7_224", "timm_mobilevit_xxs": "mobilevit_xxs",
+                "timm_efficientvit_m0": "efficientvit_m0"}[name]
+        kw = {"img_size": 64} if ("vit" in arch or "deit" in arch) and "mobilevit" not in arch else {}
         if "swin" in arch:
             kw = {"img_size": 64, "window_size": 2}  # 64 px: 16, 8, 4, 2 patches a side per stage
         m = timm.create_model(arch, pretrained=False, num_classes=NC, **kw)
@@ -201,7 +203,7 @@ def call(m, inp):
 def run_case(name, dt):
     import torch
     import ampfx
-    from ampfx.measure import measure_step
+    from ampfx.measure import measure_step, saved_bytes
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -317,8 +319,18 @@ def run_case(name, dt):
             r["autocast_baseline_error"] = traceback.format_exc()[-600:]
             r["casts_autocast"] = None
         model.zero_grad(set_to_none=True)
-        if r["casts_autocast"] is not None and r["casts_ampfx"] >= r["casts_autocast"]:
-            r["problems"].append(f"casts {r['casts_ampfx']} >= autocast {r['casts_autocast']}")
+        for key, step in (("saved_mb_ampfx", step_amp), ("saved_mb_autocast", step_ac)):
+            torch.manual_seed(0)
+            try:
+                r[key] = saved_bytes(step) / 2**20
+            except Exception:  # noqa: BLE001 - autocast fails on some models
+                r[key] = None
+            model.zero_grad(set_to_none=True)
+        if r.get("saved_mb_autocast") is not None and r["saved_mb_ampfx"] > 1.01 * r["saved_mb_autocast"]:
+            r["problems"].append(f"saves {r['saved_mb_ampfx']:.3g} MB for backward > autocast "
+                                 f"{r['saved_mb_autocast']:.3g} MB")
+        if r["casts_autocast"] is not None and r["casts_ampfx"] > r["casts_autocast"]:
+            r["problems"].append(f"casts {r['casts_ampfx']} > autocast {r['casts_autocast']}")
         if r.get("mb_autocast") is not None and r["mb_ampfx"] > 1.01 * r["mb_autocast"]:  # > 1% more
             r["problems"].append(f"writes {r['mb_ampfx']:.3g} MB > autocast {r['mb_autocast']:.3g} MB")
     except Exception:
@@ -367,21 +379,24 @@ def main():
         res["wall_s"] = round(time.time() - t0, 1)
         print(f"{m:28s} {d} {res['status']:14s} {capture(res):34s} {res.get('converted')}/{res.get('total')} "
               f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} "
-              f"MB {fmt(res.get('mb_ampfx'), 3)}/{fmt(res.get('mb_autocast'), 3)} err {fmt(res.get('rel_err'))} "
+              f"MB {fmt(res.get('mb_ampfx'), 3)}/{fmt(res.get('mb_autocast'), 3)} "
+              f"saved {fmt(res.get('saved_mb_ampfx'), 3)}/{fmt(res.get('saved_mb_autocast'), 3)} "
+              f"convert {res.get('convert_s')} s err {fmt(res.get('rel_err'))} "
               f"(autocast {fmt(res.get('rel_err_autocast'))}) {res.get('problems') or ''}", flush=True)
         return res
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(one, cases))
-    print("\n| model | dtype | capture | converted | casts ampfx / autocast | MB written ampfx / autocast "
-          "| error ampfx / autocast | status |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model | dtype | capture | convert s | converted | casts ampfx / autocast | MB written ampfx / autocast "
+          "| MB saved for backward ampfx / autocast | error ampfx / autocast | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for res in sorted(results, key=lambda r: (r["model"], r["dtype"])):
         casts = f"{res.get('casts_ampfx')} / {res.get('casts_autocast') or 'n/a (autocast fails)'}"
         errs = f"{fmt(res.get('rel_err'))} / {fmt(res.get('rel_err_autocast'))}"
         mb = f"{fmt(res.get('mb_ampfx'), 3)} / {fmt(res.get('mb_autocast'), 3)}"
+        saved = f"{fmt(res.get('saved_mb_ampfx'), 3)} / {fmt(res.get('saved_mb_autocast'), 3)}"
         status = res["status"] + (": " + "; ".join(res.get("problems") or []) if res.get("problems") else "")
-        print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {res.get('converted')}/{res.get('total')} "
-              f"| {casts} | {mb} | {errs} | {status} |")
+        print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {fmt(res.get('convert_s'), 3)} "
+              f"| {res.get('converted')}/{res.get('total')} | {casts} | {mb} | {saved} | {errs} | {status} |")
     out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
     json.dump(results, open(out, "w"), indent=1, default=str)
 

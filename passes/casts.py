@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import integrations, ops, runtime
+from .. import integrations, ops, probes, runtime
 from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
 from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision, Rule, dtype_name
@@ -214,6 +214,44 @@ def _accumulates(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, ou
                 and (args[0], torch.float32) not in fixed)  # a split bias must be added first
 
 
+def _reads_low(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, kwargs: dict, ctx: PassContext,
+               casts: "_Casts") -> int:
+    """1 if the float32 ``node`` reads its low first input as it is: accumulating through its own
+    ``dtype=`` argument (set in ``kwargs``), or writing the low dtype (:func:`_writes_low`); else 0."""
+    if not _accumulates(node, entry, want, _out, casts.fixed):
+        return 0
+    if not _writes_low(node, entry, ctx):
+        kwargs[entry.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
+    return 1
+
+
+def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
+    """A float32 ``writes_low`` op (softmax) of a low value whose consumers all read it in that dtype
+    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.probes.rounds_once`),
+    the value every consumer would have read after a cast. Recorded on ``node`` (``out`` low, rule
+    ``cost:write-low``); ``False`` (nothing changed) otherwise."""
+    low = _out(node.args[0])
+    d = record(node)
+    if not entry.writes_low or not node.users or low != ctx.policy.dtype:
+        return False
+    for user in node.users:
+        u = record(user)
+        if (not isinstance(u, Decision) or u.kind not in COMPUTE or u.inplace or u.dtype != low
+                or u.category is Category.PASS or u.rule is Rule.SELECT):
+            return False
+        slots = [i for i, a in enumerate(user.args) if a is node] + [k for k, a in user.kwargs.items() if a is node]
+        if not slots or any(_slot_dtype(s, ops.ENTRIES.get(u.op), low) != low for s in slots):
+            return False  # read in float32 (a pinned slot), or from inside a list
+    if ctx.policy.probe and not probes.rounds_once(d.op, low, ctx.device):
+        return False  # (probe=False trusts the table: the CPU and CUDA kernels round once)
+    node.meta[RECORD] = dataclasses.replace(
+        d, out=low, rule=Rule.WRITE_LOW,
+        reason=f"{d.reason}; its {dtype_name(low)} kernel computes in float32 inside and rounds once (probe), and "
+               f"every consumer reads it in {dtype_name(low)}: it writes {dtype_name(low)}, the same values with no "
+               f"cast, and its output is saved for backward at {dtype_name(low)} size (was {d.rule})")
+    return True
+
+
 def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any],
                  keep_output_dtype: bool) -> set[tuple[fx.Node, torch.dtype]]:
     """The ``(value, dtype)`` casts :func:`insert_casts` would give ``node`` if it
@@ -358,11 +396,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
                  and want == low else None)
         args = list(node.args)
         kwargs = dict(node.kwargs)
-        if _accumulates(node, entry, want, _out, casts.fixed):
-            kwargs[entry.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
-            start = 1
-        else:
-            start = 0
+        start = _reads_low(node, entry, want, kwargs, ctx, casts)
         promoted = _promoted_inputs(node, entry, want, _out, casts.fixed)
         for i in range(start, len(args)):
             if args[i] in promoted:

@@ -418,7 +418,7 @@ class SlowToExport(Masked):
     """Masked (torch.fx cannot trace it), but its export takes seconds: it sleeps on fake tensors."""
 
     def forward(self, x, mask):
-        if isinstance(x, torch._subclasses.FakeTensor):
+        if type(x) is not torch.Tensor and not isinstance(x, torch.fx.Proxy):  # export's fake tensors
             import time
             time.sleep(3)
         return super().forward(x, mask)
@@ -490,7 +490,7 @@ class SlowOnDynamicWidth(Masked):
 
 
 def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
-    """Every dimension dynamic may take half of export_timeout; then the batch alone is dynamic: the graph
+    """Every dimension dynamic may take a quarter of export_timeout; then the batch alone is dynamic: the graph
     takes other batch sizes, and other sequence lengths raise GuardError (the notes say so)."""
     from ampfx.errors import GuardError
     torch.manual_seed(0)
@@ -503,3 +503,47 @@ def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
     assert rel_err(amp(x3, mask3), m(x3, mask3)) < 0.02
     with pytest.raises(GuardError):
         amp(torch.randn(2, 6, 16), torch.ones(2, 6))
+
+
+def test_the_other_training_mode_starts_from_the_sizes_the_first_export_ended_with():
+    """A model whose every-dimension export is too slow, with dropout (two modes, two exports): the
+    second export starts with the dynamic batch, and does not wait for the same timeout again."""
+    import time
+
+    class SlowWithDropout(SlowOnDynamicWidth):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x, mask):
+            return self.drop(super().forward(x, mask))
+
+    m, x, mask = SlowWithDropout(), torch.randn(2, 5, 16), torch.ones(2, 5)
+    t = time.perf_counter()
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=4)
+    assert time.perf_counter() - t < 4
+    other = next(r for r in amp.mode_module(False).ampfx_report.regions if r.path == "")
+    assert other.method == "export" and any("as the other training mode's export did" in s for s in other.steps)
+    m.eval()
+    assert rel_err(amp.eval()(x, mask), m(x, mask)) < 0.02
+
+
+def test_a_timeout_during_torchs_own_lazy_imports_leaves_export_working():
+    """In a fresh process the first export imports parts of torch; a timeout must not cut an import short
+    (a half-made module stays in sys.modules: every later export failed with "torch._dynamo has no
+    attribute 'exc'"). The timer waits for the import to finish."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "import torch, ampfx\n"
+        "from test_export import SlowToExport\n"
+        "m, x, mask = SlowToExport(), torch.randn(2, 5, 16), torch.ones(2, 5)\n"
+        "for t in (0.5, None):\n"
+        "    amp = ampfx.convert(m, 'bf16', example_inputs=(x, mask), export_timeout=t)\n"
+        "print(next(r for r in amp.ampfx_report.regions if r.path == '').method)\n")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "export", run.stdout

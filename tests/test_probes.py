@@ -155,3 +155,29 @@ def test_probing_leaves_the_random_stream_as_it_was(fresh_probes):
     torch.manual_seed(0)
     ampfx.convert(m, "bf16", example_inputs=(torch.ones(2, 4),))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_rounds_once_tells_a_float32_inside_kernel_from_a_low_accumulating_one(monkeypatch):
+    """softmax's CPU kernels compute in float32 and round once; a kernel that rounds its partial sums
+    to the low dtype (stood in for by a patched softmax) is told apart; unknown ops and absent devices are False."""
+    import torch.nn.functional as F
+    from ampfx import probes
+    assert probes.rounds_once("softmax", torch.bfloat16, "cpu") and probes.rounds_once("softmin", torch.float16, "cpu")
+    assert not probes.rounds_once("log_softmax", torch.bfloat16, "cpu")
+    assert not probes.rounds_once("softmax", torch.bfloat16, "no-such-device")
+
+    def low_sums(x, dim, dtype=None):
+        if dtype is not None:
+            return torch.softmax(x.to(dtype), dim)
+        e = (x.float() - x.float().amax(dim, keepdim=True)).exp().to(x.dtype)
+        total = torch.zeros_like(e[..., :1])
+        for i in range(e.shape[dim]):  # a running sum in the low dtype
+            total = total + e[..., i:i + 1]
+        return e / total
+
+    monkeypatch.setitem(probes._ROUNDS_ONCE, "softmax", low_sums)
+    probes.rounds_once.cache_clear()
+    try:
+        assert not probes.rounds_once("softmax", torch.bfloat16, "cpu")
+    finally:
+        probes.rounds_once.cache_clear()

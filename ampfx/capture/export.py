@@ -106,6 +106,9 @@ def time_limit(seconds: float | None) -> Iterator[str | None]:
         return
 
     def expire(signum: int, frame: Any) -> None:
+        if _importing(frame):  # an import cut short leaves a half-made module in sys.modules for good
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
         raise ExportTimeout(f"torch.export took longer than {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
@@ -115,6 +118,15 @@ def time_limit(seconds: float | None) -> Iterator[str | None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _importing(frame: Any) -> bool:
+    """Is a module being imported anywhere on ``frame``'s stack (torch imports parts of itself lazily)?"""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class ExportFailed(RuntimeError):
@@ -292,7 +304,8 @@ def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
             setattr(owner, name, value)
 
 
-def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | None = None) -> Capture:
+def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | None = None,
+            sizes: list[int] | None = None) -> Capture:
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
     (with the steps tried) if this torch cannot or the model does not export,
     or if exporting takes longer than ``timeout`` seconds (all tries together).
@@ -301,7 +314,9 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     Sizes are tried from the most dynamic down (:func:`_size_tries`): a try that
     fails over dynamic sizes, or runs past :data:`DYNAMIC_SHARE` of ``timeout``
     (export's symbolic size analysis can take minutes where a model does
-    arithmetic on its spatial sizes), gives way to the next."""
+    arithmetic on its spatial sizes), gives way to the next. ``sizes`` (a one-item list) is the
+    try to start from, and is set to the one that ended the tries: the module's other training mode
+    starts there rather than wait for the same timeout again."""
     why = unavailable()
     if why is not None:
         raise ExportFailed(why, [f"torch.export: {why}"])
@@ -311,7 +326,12 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     paths, steps, mode = _module_paths(model), [], _mode(model.training)
     start = time.perf_counter()
     tries = _size_tries(args, kwargs)
-    for i, (sizes, dynamic) in enumerate(tries):
+    memo = sizes if sizes is not None else [0]
+    first = min(memo[0], len(tries) - 1)
+    if first:
+        steps.append(f"torch.export: starting with {tries[first][0]}, as the other training mode's export did")
+    for i, (sizes, dynamic) in enumerate(tries[first:], first):
+        memo[0] = i
         last = i == len(tries) - 1
         left = None if not timeout else timeout - (time.perf_counter() - start)
         share = left if last or left is None else min(left, DYNAMIC_SHARE * timeout)
@@ -338,7 +358,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
                      "GuardError (convert again for other sizes)")
-    elif i > 0:
+    elif i > 0:  # fewer dynamic sizes than asked for
         notes.append(f"torch.export was given {sizes}: other dimensions are the example's, and calls with other "
                      "sizes there raise GuardError (convert again for other sizes)")
     if unbounded is not None and timeout:
@@ -346,7 +366,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
 
 
-DYNAMIC_SHARE = 0.5
+DYNAMIC_SHARE = 0.25
 """The share of ``export_timeout`` a try with dynamic sizes may take before fewer dynamic sizes are tried."""
 
 

@@ -36,12 +36,13 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
-            kept: frozenset[str] = frozenset(), required: bool = False) -> Capture | Uncaptured:
+            kept: frozenset[str] = frozenset(), required: bool = False, sizes: list[int] | None = None
+            ) -> Capture | Uncaptured:
     """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
     ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
     which would inline them, is not tried where torch.fx captured the module, nor where a kept module
     was named (``required``) rather than found by ``"auto"``; when torch.export does capture it, a
-    note says which modules it inlined."""
+    note says which modules it inlined. ``sizes``: :func:`ampfx.capture.export.capture`'s memo."""
     fx_capture, steps = None, []
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
@@ -57,7 +58,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
             return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
     try:
-        exported = export.capture(module, inputs, policy.export_timeout)
+        exported = export.capture(module, inputs, policy.export_timeout, sizes)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, [*steps, *e.steps])
     notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "

@@ -216,3 +216,39 @@ def test_out_argument_is_written_not_a_cast_copy():
     mul = next(n for n in gm.graph.nodes if n.target is torch.mul)
     assert rec(gm, mul.name).inplace
     assert mul.kwargs["out"].op != "call_function" or mul.kwargs["out"].target is not runtime.cast
+
+
+def _attention(m, x):
+    """Scores from two low GEMMs, a softmax, and a low GEMM reading the probabilities."""
+    return torch.softmax(F.linear(x, m.w) @ F.linear(x, m.v).T, -1) @ x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_softmax_read_only_by_low_gemms_writes_the_low_dtype(dtype):
+    """cost:write-low: the softmax of low scores whose one consumer is a low GEMM runs its low kernel
+    (float32 inside, one rounding): no dtype=float32, no cast of its output; it computes (dtype)
+    float32 and writes (out) the low dtype."""
+    module, gm, x = converted(_attention, x=torch.randn(6, 4), dtype=dtype, probe=True)
+    n = node(gm, "softmax")
+    d = rec(gm, "softmax")
+    assert "dtype" not in n.kwargs and casts_of(gm, "softmax") == []
+    assert d.rule == "cost:write-low" and d.dtype == torch.float32 and d.out == dtype
+    assert "rounds once" in d.reason and "exp of its inputs" in d.reason
+    torch.testing.assert_close(gm(x), module(x), **BF16_TOL)
+
+
+def test_a_softmax_with_a_float32_consumer_still_writes_float32():
+    """One consumer wants float32 (the graph output): the softmax reads low through dtype=float32 as before."""
+    def fn(m, x):
+        p = torch.softmax(F.linear(x, m.w) @ F.linear(x, m.v).T, -1)
+        return p @ x, p
+    _, gm, _ = converted(fn, x=torch.randn(6, 4), probe=True)
+    assert node(gm, "softmax").kwargs["dtype"] == torch.float32 and rec(gm, "softmax").rule == "table"
+
+
+def test_a_softmax_whose_low_kernel_does_not_round_once_writes_float32(monkeypatch):
+    """Where the probe finds the low kernel accumulates low (another device), nothing changes."""
+    from ampfx import probes
+    monkeypatch.setattr(probes, "rounds_once", lambda op, dtype, device: False)
+    _, gm, _ = converted(_attention, x=torch.randn(6, 4), probe=True)
+    assert node(gm, "softmax").kwargs["dtype"] == torch.float32 and len(casts_of(gm, "softmax")) == 1
