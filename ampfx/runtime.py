@@ -6,6 +6,7 @@ importable.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -126,3 +127,33 @@ def cast_pad(value: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> Any:
     out = value.new_zeros((*lead, *sizes), dtype=dtype)
     out[(Ellipsis, *(slice(0, n) for n in value.shape[value.dim() - len(sizes):]))] = value
     return out
+
+
+def _arguments_in(dtype: torch.dtype, low: torch.dtype, module: torch.nn.Module, args: tuple,
+                  kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook (with kwargs): ``low`` tensors of the call, in lists and dicts too, in ``dtype``."""
+    def to(v: Any) -> Any:
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == low else v
+    return torch.utils._pytree.tree_map(to, (args, kwargs))
+
+
+def _outputs_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, out: Any) -> Any:
+    """Forward hook: the float32 tensors of ``out`` in ``dtype``."""
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v, out)
+
+
+def cross_in_float32(module: torch.nn.Module, low: torch.dtype) -> None:
+    """Make the kept ``module``, which keeps its own Python (it could not be captured), take the
+    ``low`` values its caller's graph gives it in float32, as its Python was written for, and give
+    its float32 results back in ``low``, the dtype that graph reads them in. Its own hooks run
+    inside these two (they see float32, as in the model).
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> cross_in_float32(lin, torch.bfloat16)
+    >>> lin(torch.ones(1, 2, dtype=torch.bfloat16)).dtype
+    torch.bfloat16
+    """
+    module.register_forward_pre_hook(functools.partial(_arguments_in, torch.float32, low), prepend=True,
+                                     with_kwargs=True)
+    module.register_forward_hook(functools.partial(_outputs_in, low))

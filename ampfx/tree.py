@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import integrations, module_match, ops
+from . import integrations, module_match, ops, runtime
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured, short
 from .capture.tracer import AmpTracer, reads_mode
 from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
-from .report import Region, Report
+from .report import Region, Report, dtype_name
 from .rewrite import NotReproduced, Request, convert_graph, device_of
 from .meta import record
 from .observe import Observation, observe
@@ -75,11 +75,12 @@ def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
 
 
 def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
-          other_mode: bool) -> tuple[nn.Module, Report]:
-    """:func:`convert_tree` of ``root``, which sits at ``prefix`` in the model and is called with ``inputs``."""
+          other_mode: bool, arrive: torch.dtype | None = None) -> tuple[nn.Module, Report]:
+    """:func:`convert_tree` of ``root``, which sits at ``prefix`` in the model and is called with ``inputs``
+    (``arrive``: a kept module's boundary dtype, :attr:`_Job.arrive`)."""
     calls = _Observed(root, inputs, request.policy.dtype, prefix)
     top = _Part()
-    stack = [_Job(root, inputs, prefix, top, other_mode=other_mode)]
+    stack = [_Job(root, inputs, prefix, top, other_mode=other_mode, arrive=arrive)]
     result = root
     while stack:
         job = stack.pop()
@@ -173,7 +174,7 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
         for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
             getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
     try:
-        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False)
+        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive)
     except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
         gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
         return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "
@@ -190,6 +191,11 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
     """``job.module`` keeps its Python; a job for each child it calls (see the module docstring)."""
     prefix, part = job.prefix, job.part
     calls.expect([prefix.rstrip(".")])
+    if job.arrive in (torch.float16, torch.bfloat16):  # a kept module its caller gives low values
+        runtime.cross_in_float32(job.module, job.arrive)
+        job = dataclasses.replace(job, eager=(*job.eager, f"kept, and keeps its Python: its {dtype_name(job.arrive)} "
+                                              f"inputs are cast to float32 on entry and its float32 outputs back "
+                                              f"to {dtype_name(job.arrive)}, the dtype its caller's graph reads"))
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
              list(job.eager[-1:]))
     part.regions.append(Region(prefix.rstrip("."), "eager (children converted separately)", job.eager))

@@ -253,3 +253,104 @@ def test_compile_of_a_kept_block():
     ref = amp(idx)
     amp.blocks[0] = torch.compile(amp.blocks[0], backend="eager")
     assert torch.equal(amp(idx), ref)
+
+
+class ModeBlock(nn.Module):
+    """A block whose own Python reads ``self.training`` (its parent's does not)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d, d), nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + F.dropout(F.relu(self.norm(self.fc(x))), 0.1, training=self.training)
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type, d: int = 16) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(d, d), nn.Linear(d, 4)
+        self.blocks = nn.ModuleList(block(d) for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)  # a low GEMM first: the blocks' stream is low
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_kept_block_that_reads_the_mode_keeps_its_boundary_dtype_in_both_modes():
+    """Each kept block converts its other training mode itself (its parent reads no mode): that
+    conversion crosses the boundary in the same dtype (it returned float32 to a caller reading
+    bfloat16, and the head's GEMM failed in eval mode: DenseNet)."""
+    torch.manual_seed(0)
+    net, x = Stack(ModeBlock), torch.randn(8, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,), float32_stream=False)  # the stream crosses low
+    got = []
+    for b in amp.blocks:
+        b.mode_module(False).register_forward_hook(lambda m, a, out: got.append(out.dtype))
+    net.eval(), amp.eval()
+    with torch.no_grad():
+        assert (amp(x) - net(x)).abs().max() < 0.1 * net(x).abs().max()
+    assert got == [torch.bfloat16] * 3
+
+
+class Untraceable(nn.Module):
+    """Python on values: neither torch.fx nor torch.export captures it."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        if float(x.detach().abs().mean()) > 1e6:  # a value steers Python
+            x = x / 2
+        return x + self.fc(self.norm(x))
+
+
+def test_a_kept_block_that_cannot_be_captured_takes_float32_and_returns_the_boundary_dtype():
+    """The block keeps its Python, written for float32: the caller's bfloat16 values are cast to float32 on
+    entry and its float32 result back to bfloat16 on exit (the region's steps say so); values right."""
+    torch.manual_seed(0)
+    net, x = Stack(Untraceable), torch.randn(8, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,), float32_stream=False)  # the stream crosses low
+    region = next(r for r in amp.ampfx_report.regions if r.path == "blocks.1")
+    assert region.method.startswith("eager") and "cast to float32 on entry" in region.steps[-1]
+    seen = []
+    amp.blocks[1].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
+    out = amp(x)
+    assert seen == [(torch.float32, torch.bfloat16)]
+    assert (out - net(x)).abs().max() < 0.05 * net(x).abs().max()
+    out.float().sum().backward()
+    assert net.blocks[1].fc.weight.grad is not None
+
+
+class FinfoMask(nn.Module):
+    """torch.finfo of a traced dtype: torch.fx needs this module as a leaf; torch.export captures it."""
+
+    def forward(self, x):
+        return x.masked_fill(x > 3, torch.finfo(x.dtype).min)
+
+
+class BlocksAndALeaf(Stack):
+    def __init__(self) -> None:
+        super().__init__(ModeBlock)
+        self.mask = FinfoMask()
+
+    def forward(self, x):
+        return super().forward(self.mask(x))
+
+
+def test_auto_kept_blocks_give_way_to_one_exported_graph_where_fx_needs_leaves():
+    """torch.fx needs a leaf elsewhere in the model: the one exported graph is worth more than the auto-kept
+    boundaries (each leaf would be converted on its own, with casts at its edges; EfficientViT-M0 took 764
+    casts against autocast's 319): export captures it, inlining the blocks, and a note says so; blocks named
+    in keep_modules stay boundaries and the torch.fx graph with leaves is kept."""
+    torch.manual_seed(0)
+    net, x = BlocksAndALeaf(), torch.randn(8, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    assert root.method == "export" and any("inlines modules" in n for n in amp.ampfx_report.notes)
+    named = ampfx.convert(net, "bf16", example_inputs=(x,), keep_modules=("blocks.*",))
+    root = next(r for r in named.ampfx_report.regions if r.path == "")
+    assert root.method == "fx" and isinstance(named.blocks[0], AmpGraphModule)

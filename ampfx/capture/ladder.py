@@ -51,7 +51,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
-        if kept and (fx_capture is not None or required):
+        if kept and required:  # auto-kept blocks give way to one exported graph (a note says so)
             return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: it would inline the modules "
                                              f"keep_modules keeps as boundaries ({_few(kept)})"])
         if not exportable:
