@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> None:
         if name not in configs:
             ap.error(f"--models: unknown model {name!r}; choose from {', '.join(configs)}")
         model_rows(name, configs[name], dtypes, compile_, reps, device)
-    print(f"\n{'GEMM M x K -> N':<22}{'dtype':<10}{'friendly':<10}{'never ms':>10}{'always ms':>11}{'autocast ms':>13}"
-          f"{'alw/nev':>9}{'ac/nev':>9}")
     if not args.cpu:
+        print(f"\n{'GEMM M x K -> N':<22}{'dtype':<10}{'friendly':<10}{'never ms':>10}{'always ms':>11}"
+              f"{'autocast ms':>13}{'alw/nev':>9}{'ac/nev':>9}")
         gemm_rows(GEMMS_SMOKE if configs is SMOKE else GEMMS_FULL, dtypes, reps, device)
 
 

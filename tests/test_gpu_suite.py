@@ -27,3 +27,13 @@ def test_smoke_mode_prints_every_run_of_every_model_and_the_gemm_table():
 def test_an_unknown_model_is_named():
     run = _run("--smoke", "--models", "gpt3")
     assert run.returncode == 2 and "unknown model 'gpt3'" in run.stderr
+
+
+def test_cpu_mode_keeps_the_cpu_models_and_bf16():
+    """--cpu (without compile here: inductor's first build takes minutes) prints the transformer and CNN rows
+    in bf16 and no GEMM table."""
+    run = _run("--cpu", "--no-compile", "--reps", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split()[:3] for line in run.stdout.splitlines() if line.startswith(("gpt2", "resnet50"))]
+    assert {r[0] for r in rows} == {"gpt2", "resnet50"} and "GEMM" not in run.stdout
+    assert all(r[1] == "fp32" or r[2] == "bfloat16" for r in rows)
