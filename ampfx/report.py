@@ -121,6 +121,9 @@ class Rule(str, enum.Enum):
         "a float32 op (softmax) whose low-precision kernel computes in float32 inside and rounds once, and whose "
         "consumers all read its result low: it writes the low dtype (the same values, no cast, its saved output "
         "half the bytes)", word="writes low")
+    NO_FLOAT32_COPY = "cost:no-float32-copy", _about(
+        "the model's own conversion of a low value to float32, whose users all read it low: left out (they "
+        "would get the same values back)", word="float32 copy left out")
     FIDELITY_STREAM = "fidelity:stream", _about(
         "reads a float32 activation (a residual stream, a carried state, positions): computes in float32 as "
         "type promotion would, instead of casting that value down (Policy.float32_stream)", word="float32 stream")

@@ -225,15 +225,8 @@ def _reads_low(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, kwar
     return 1
 
 
-def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
-    """A float32 ``writes_low`` op (softmax) of a low value whose consumers all read it in that dtype
-    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.probes.rounds_once`),
-    the value every consumer would have read after a cast. Recorded on ``node`` (``out`` low, rule
-    ``cost:write-low``); ``False`` (nothing changed) otherwise."""
-    low = _out(node.args[0])
-    d = record(node)
-    if not entry.writes_low or not node.users or low != ctx.policy.dtype:
-        return False
+def _read_low_by_all(node: fx.Node, low: torch.dtype) -> bool:
+    """Does every user of ``node`` compute in ``low`` and read ``node`` in a slot cast to ``low``?"""
     for user in node.users:
         u = record(user)
         if (not isinstance(u, Decision) or u.kind not in COMPUTE or u.inplace or u.dtype != low
@@ -242,6 +235,53 @@ def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
         slots = [i for i, a in enumerate(user.args) if a is node] + [k for k, a in user.kwargs.items() if a is node]
         if not slots or any(_slot_dtype(s, ops.ENTRIES.get(u.op), low) != low for s in slots):
             return False  # read in float32 (a pinned slot), or from inside a list
+    return bool(node.users)
+
+
+_PLAIN_CAST_KWARGS = {"dtype", "non_blocking", "memory_format", "layout", "copy"}
+
+
+def _float32_copy_read_low(node: fx.Node, d: Decision, ctx: PassContext) -> bool:
+    """The model's own conversion of a low value to float32 (``x.float()``, ``x.to(torch.float32)``, an
+    exported ``x.to(query.dtype)`` that the float32 trace fixed at float32) whose users all read it in
+    the low dtype: those users would get back exactly the low value, so the copy is left out (the node
+    becomes ``runtime.cast(x, low)``, which returns ``x``), saving a cast each way. Recorded on the
+    node (``out`` low, rule ``cost:no-float32-copy``)."""
+    low = ctx.policy.dtype
+    entry = ops.ENTRIES.get(d.op)
+    if (entry is None or entry.result is not ops.Result.CAST or d.out != torch.float32 or not node.args
+            or not isinstance(node.args[0], fx.Node) or _out(node.args[0]) != low or d.inplace):
+        return False
+    rest = [a for a in node.args[1:] if a is not None and a is not False]
+    fixed = dict(entry.cast_to).get(str(node.target))
+    if any(a != torch.float32 for a in rest) or set(node.kwargs) - _PLAIN_CAST_KWARGS or node.kwargs.get("copy"):
+        return False  # a device move, another tensor's dtype, or a copy asked for
+    if not (fixed == torch.float32 or torch.float32 in (*rest, node.kwargs.get("dtype"))):
+        return False
+    if not _read_low_by_all(node, low):
+        return False
+    graph = node.graph
+    with graph.inserting_after(node):
+        new = graph.call_function(runtime.cast, (node.args[0], low))
+    new.meta = dict(node.meta)
+    new.meta[RECORD] = dataclasses.replace(
+        d, node=new.name, out=low, rule=Rule.NO_FLOAT32_COPY,
+        reason=f"{d.reason}; a float32 copy of a {dtype_name(low)} value whose users all read it in "
+               f"{dtype_name(low)}: they would get the same values back, so the copy is left out")
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
+
+
+def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
+    """A float32 ``writes_low`` op (softmax) of a low value whose consumers all read it in that dtype
+    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.probes.rounds_once`),
+    the value every consumer would have read after a cast. Recorded on ``node`` (``out`` low, rule
+    ``cost:write-low``); ``False`` (nothing changed) otherwise."""
+    low = _out(node.args[0])
+    d = record(node)
+    if not entry.writes_low or low != ctx.policy.dtype or not _read_low_by_all(node, low):
+        return False
     if ctx.policy.probe and not probes.rounds_once(d.op, low, ctx.device):
         return False  # (probe=False trusts the table: the CPU and CUDA kernels round once)
     node.meta[RECORD] = dataclasses.replace(
@@ -388,6 +428,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             if isinstance(target := _written(node), fx.Node):
                 casts.mutated(target)  # casts made before this mutation are not reused after it
             continue
+        if d.category is Category.PASS and _float32_copy_read_low(node, d, ctx):
+            continue  # the model's float32 copy of a low value, read only low: left out (cost:no-float32-copy)
         if d.category is Category.PASS or d.dtype not in CASTABLE or d.rule is Rule.SELECT:
             continue  # None: left as written; float64/complex (rule other-float): runs as written
         entry = ops.ENTRIES.get(d.op)

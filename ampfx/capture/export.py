@@ -48,6 +48,7 @@ import io
 import logging
 import operator
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -106,11 +107,14 @@ def time_limit(seconds: float | None) -> Iterator[str | None]:
         return
 
     def expire(signum: int, frame: Any) -> None:
-        if _importing(frame):  # an import cut short leaves a half-made module in sys.modules for good
+        if _importing(frame, outer):  # an import cut short leaves a half-made module in sys.modules for good
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             return
         raise ExportTimeout(f"torch.export took longer than {seconds:g} s")
 
+    outer = sys._getframe(1)  # the frame with the block: imports already under way around it are not its
+    while outer is not None and outer.f_code.co_filename == contextlib.__file__:
+        outer = outer.f_back
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -120,9 +124,11 @@ def time_limit(seconds: float | None) -> Iterator[str | None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _importing(frame: Any) -> bool:
-    """Is a module being imported anywhere on ``frame``'s stack (torch imports parts of itself lazily)?"""
-    while frame is not None:
+def _importing(frame: Any, outer: Any = None) -> bool:
+    """Is a module being imported on ``frame``'s stack, below ``outer`` (torch imports parts of itself
+    lazily)? Frames from ``outer`` up (the code around the timed block, which may itself run inside
+    an import) do not count."""
+    while frame is not None and frame is not outer:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back

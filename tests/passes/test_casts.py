@@ -252,3 +252,27 @@ def test_a_softmax_whose_low_kernel_does_not_round_once_writes_float32(monkeypat
     monkeypatch.setattr(probes, "rounds_once", lambda op, dtype, device: False)
     _, gm, _ = converted(_attention, x=torch.randn(6, 4), probe=True)
     assert node(gm, "softmax").kwargs["dtype"] == torch.float32 and len(casts_of(gm, "softmax")) == 1
+
+
+@pytest.mark.parametrize("spelling", ["float", "to"])
+def test_a_float32_copy_read_only_by_low_gemms_is_left_out(spelling):
+    """cost:no-float32-copy: the model's own ``.float()`` / ``.to(torch.float32)`` of a low GEMM output whose
+    one user is a low GEMM: the GEMM would read back exactly the low value, so the copy and its cast back
+    are left out (the node becomes a cast to the low dtype, which returns its input)."""
+    up = {"float": lambda t: t.float(), "to": lambda t: t.to(torch.float32)}[spelling]
+    module, gm, x = converted(lambda m, x: F.linear(up(F.linear(x, m.w)), m.v))
+    copy = [n for n in gm.graph.nodes if (d := meta.record(n)) is not None and getattr(d, "rule", None)
+            == "cost:no-float32-copy"]
+    assert len(copy) == 1 and copy[0].target is runtime.cast and copy[0].args[1] == torch.bfloat16
+    assert meta.record(copy[0]).out == torch.bfloat16 and casts_of(gm, copy[0].name) == []
+    assert [c for c in casts_of(gm, "linear") if c is not copy[0]] == []
+    torch.testing.assert_close(gm(x), module(x), **BF16_TOL)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x: torch.softmax(F.linear(x, m.w).float(), -1),  # a float32 user: the copy is what it asked for
+    lambda m, x: F.linear(F.linear(x, m.w).to(torch.float32, copy=True), m.v),  # a copy asked for
+])
+def test_a_float32_copy_with_a_float32_reader_or_asked_as_a_copy_stays(fn):
+    _, gm, _ = converted(fn, probe=True)
+    assert not [n for n in gm.graph.nodes if getattr(meta.record(n), "rule", None) == "cost:no-float32-copy"]
