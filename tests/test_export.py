@@ -429,11 +429,23 @@ def test_an_export_over_its_time_limit_takes_the_next_rung_and_leaves_no_timer()
     limit, the module keeps its Python with its children converted (still right), and the process's
     SIGALRM handler and timer are as they were."""
     import signal
+    import time
+    from ampfx.capture import export as export_mod
     torch.manual_seed(0)
-    m, x, mask = SlowToExport(), torch.randn(2, 5, 16), torch.ones(2, 5)
+    m, x, mask = Masked(), torch.randn(2, 5, 16), torch.ones(2, 5)
     m.register_forward_hook(lambda mod, args, out: out)  # the root's hooks are put back after export too
     handler = signal.getsignal(signal.SIGALRM)
-    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=0.5)
+    real = export_mod._export
+
+    def slow(*args, **kwargs):  # an export that takes 3 s (in the full suite a fake-tensor check in forward
+        time.sleep(3)           # did not always see fake tensors: the sleep is put in export itself)
+        return real(*args, **kwargs)
+
+    export_mod._export = slow
+    try:
+        amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=0.5)
+    finally:
+        export_mod._export = real
     root = next(r for r in amp.ampfx_report.regions if r.path == "")
     assert root.method.startswith("eager") and "longer than export_timeout=0.5 s" in root.steps[-1]
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL)[0] == 0
