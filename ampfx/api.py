@@ -221,9 +221,9 @@ def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
     names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
     # another library's module (a DGL conv) is a leaf its integration runs: its forward runs already
+    libraries = [n for n, m in named if n and integrations.library_of(m) is not None]
     kept = tuple((p, why) for p, why in module_match.resolve(model, policy.keep_modules, "keep_modules")
-                 if not any(integrations.library_of(model.get_submodule(".".join(p.split(".")[:i]))) is not None
-                            for i in range(1, p.count(".") + 2)))
+                 if not any(p == lib or p.startswith(lib + ".") for lib in libraries))
     rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
                 if policy.module_filter_fn is not None else None)
     leaves = []

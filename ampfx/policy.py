@@ -525,24 +525,11 @@ def _int_env(var: str, value: str) -> int:
         raise PolicyError(f"{var}={value!r}: use a whole number, e.g. 65536") from None
 
 
-def _threshold_env(value: str) -> float | None:
-    """``AMPFX_SENSITIVITY_THRESHOLD``: a number, or ``off`` / ``none`` / empty for no precision check.
+def _number_or_off(var: str, value: str, example: str) -> float | None:
+    """A number, or ``off`` / ``none`` / empty for none (``AMPFX_SENSITIVITY_THRESHOLD``,
+    ``AMPFX_EXPORT_TIMEOUT``); a :class:`PolicyError` naming ``var`` and ``example`` otherwise.
 
-    >>> _threshold_env("0.1"), _threshold_env("off")
-    (0.1, None)
-    """
-    if value.strip().lower() in ("", "off", "none"):
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise PolicyError(f"AMPFX_SENSITIVITY_THRESHOLD={value!r}: use a relative error such as 0.05, or off") from None
-
-
-def _seconds_env(value: str) -> float | None:
-    """``AMPFX_EXPORT_TIMEOUT``: seconds, or ``off`` / ``none`` / empty for no limit.
-
-    >>> _seconds_env("30"), _seconds_env("off")
+    >>> _number_or_off("AMPFX_EXPORT_TIMEOUT", "30", "60"), _number_or_off("AMPFX_EXPORT_TIMEOUT", "off", "60")
     (30.0, None)
     """
     if value.strip().lower() in ("", "off", "none"):
@@ -550,7 +537,7 @@ def _seconds_env(value: str) -> float | None:
     try:
         return float(value)
     except ValueError:
-        raise PolicyError(f"AMPFX_EXPORT_TIMEOUT={value!r}: use seconds such as 60, or off") from None
+        raise PolicyError(f"{var}={value!r}: use a number such as {example}, or off") from None
 
 
 def _split(var: str, value: str) -> tuple[str, ...]:
@@ -610,9 +597,10 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
     if "AMPFX_PAD_MULTIPLE" in seen:
         changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
     if "AMPFX_SENSITIVITY_THRESHOLD" in seen:
-        changes["sensitivity_threshold"] = _threshold_env(seen["AMPFX_SENSITIVITY_THRESHOLD"])
+        changes["sensitivity_threshold"] = _number_or_off("AMPFX_SENSITIVITY_THRESHOLD", seen["AMPFX_SENSITIVITY_THRESHOLD"],
+                                                          "0.05")
     if "AMPFX_EXPORT_TIMEOUT" in seen:
-        changes["export_timeout"] = _seconds_env(seen["AMPFX_EXPORT_TIMEOUT"])
+        changes["export_timeout"] = _number_or_off("AMPFX_EXPORT_TIMEOUT", seen["AMPFX_EXPORT_TIMEOUT"], "60")
     if "AMPFX_PAD" in seen:
         changes["pad"] = seen["AMPFX_PAD"].strip().lower()
     for var, fname in _BOOL_VARS.items():

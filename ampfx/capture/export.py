@@ -336,7 +336,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     first = min(memo[0], len(tries) - 1)
     if first:
         steps.append(f"torch.export: starting with {tries[first][0]}, as the other training mode's export did")
-    for i, (sizes, dynamic) in enumerate(tries[first:], first):
+    for i, (words, dynamic) in enumerate(tries[first:], first):
         memo[0] = i
         last = i == len(tries) - 1
         left = None if not timeout else timeout - (time.perf_counter() - start)
@@ -348,24 +348,24 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
                 ep = _export(model, args, kwargs, dynamic)
             break
         except ExportTimeout:
-            steps.append(f"torch.export with {sizes} ({mode} mode) stopped after {time.perf_counter() - t:.0f} s")
+            steps.append(f"torch.export with {words} ({mode} mode) stopped after {time.perf_counter() - t:.0f} s")
             if last:
                 steps.append(f"torch.export: longer than export_timeout={timeout:g} s in all "
                              "(Policy(export_timeout=...) or AMPFX_EXPORT_TIMEOUT; off: no limit)")
                 raise ExportFailed(f"torch.export took longer than export_timeout={timeout:g} s", steps) from None
         except Exception as e:  # noqa: BLE001 - any export error: fewer dynamic sizes if it was about sizes
             if last or not _about_sizes(e):
-                steps.append(f"torch.export ({mode} mode{'' if i == 0 else ', ' + sizes}): {_short(e)}")
+                steps.append(f"torch.export ({mode} mode{'' if i == 0 else ', ' + words}): {_short(e)}")
                 raise ExportFailed(_short(e), steps) from e
-            steps.append(f"torch.export with {sizes} ({mode} mode): {_short(e)}")
+            steps.append(f"torch.export with {words} ({mode} mode): {_short(e)}")
     gm = _unlift(ep)
     constants, notes = _clean(gm, model, paths)
-    steps.append(f"exported (torch.export, non-strict, training IR, {sizes})")
+    steps.append(f"exported (torch.export, non-strict, training IR, {words})")
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
                      "GuardError (convert again for other sizes)")
     elif i > 0:  # fewer dynamic sizes than asked for
-        notes.append(f"torch.export was given {sizes}: other dimensions are the example's, and calls with other "
+        notes.append(f"torch.export was given {words}: other dimensions are the example's, and calls with other "
                      "sizes there raise GuardError (convert again for other sizes)")
     if unbounded is not None and timeout:
         notes.append(unbounded)
