@@ -245,7 +245,10 @@ def _float32_copy_read_low(node: fx.Node, d: Decision, ctx: PassContext) -> bool
     """The model's own conversion of a low value to float32 (``x.float()``, ``x.to(torch.float32)``, an
     exported ``x.to(query.dtype)`` that the float32 trace fixed at float32) whose users all read it in
     the low dtype: those users would get back exactly the low value, so the copy is left out (the node
-    becomes ``runtime.cast(x, low)``, which returns ``x``), saving a cast each way. Recorded on the
+    becomes ``runtime.cast(x, low)``, which returns ``x``), saving a cast each way. Only where ``x`` was
+    float32 in the model (with example inputs), where the conversion returned ``x`` itself: leaving it out
+    keeps the model's aliasing (an in-place change of ``x`` after it is seen through it, as in the model;
+    the float32 copy ampfx made before hid it). Recorded on the
     node (``out`` low, rule ``cost:no-float32-copy``)."""
     low = ctx.policy.dtype
     entry = ops.ENTRIES.get(d.op)
@@ -258,8 +261,8 @@ def _float32_copy_read_low(node: fx.Node, d: Decision, ctx: PassContext) -> bool
         return False  # a device move, another tensor's dtype, or a copy asked for
     if not (fixed == torch.float32 or torch.float32 in (*rest, node.kwargs.get("dtype"))):
         return False
-    if not _read_low_by_all(node, low):
-        return False
+    if not _read_low_by_all(node, low) or [i.dtype for i in out_infos(node.args[0]) or ()][:1] != [torch.float32]:
+        return False  # a copy in the model too (its source was not float32 there): an in-place change may follow
     graph = node.graph
     with graph.inserting_after(node):
         new = graph.call_function(runtime.cast, (node.args[0], low))

@@ -276,3 +276,20 @@ def test_a_float32_copy_read_only_by_low_gemms_is_left_out(spelling):
 def test_a_float32_copy_with_a_float32_reader_or_asked_as_a_copy_stays(fn):
     _, gm, _ = converted(fn, probe=True)
     assert not [n for n in gm.graph.nodes if getattr(meta.record(n), "rule", None) == "cost:no-float32-copy"]
+
+
+def test_a_float32_conversion_that_was_a_no_op_keeps_the_models_aliasing():
+    """In the float32 model ``y.float()`` is ``y`` itself, so an in-place change of ``y`` after it shows through
+    it; leaving the copy out keeps that (a float32 copy hid it: the result was off by hundreds). A
+    conversion that copied in the model (its source was bfloat16 there) is kept."""
+    def aliased(m, x):
+        y = F.linear(x, m.w)
+        c = y.float()
+        y.mul_(100.0)  # seen through c in the model
+        return F.linear(c, m.v) + y.sum()
+
+    module, gm, x = converted(aliased, probe=True)
+    assert [n for n in gm.graph.nodes if getattr(meta.record(n), "rule", None) == "cost:no-float32-copy"]
+    torch.testing.assert_close(gm(x), module(x), atol=8.0, rtol=0.05)  # bfloat16 of values in the hundreds
+    _, gm, _ = converted(lambda m, x: F.linear(F.linear(x, m.w).to(torch.bfloat16).float(), m.v), probe=True)
+    assert not [n for n in gm.graph.nodes if getattr(meta.record(n), "rule", None) == "cost:no-float32-copy"]
