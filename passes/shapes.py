@@ -29,6 +29,7 @@ from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..report import dtype_name
+from ..shape_memo import ShapeMemo
 from ..state import copy_tree, kept_buffers, kept_rng, modes
 
 
@@ -127,6 +128,7 @@ class _MetaProp(fx.Interpreter):
         self.symbols = symbols
         self.copies: dict[int, torch.Tensor] = {}
         self.twins: dict[int, torch.nn.Module] = {}
+        self.memo = ShapeMemo()
 
     def meta(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device.type != "meta":
@@ -147,7 +149,27 @@ class _MetaProp(fx.Interpreter):
             for sub in twin.modules():
                 sub._parameters = {k: self.meta(v) for k, v in sub._parameters.items()}
                 sub._buffers = {k: self.meta(v) for k, v in sub._buffers.items()}
-        return twin(*args, **kwargs)
+        key = self.memo.key_of_module(twin, args, kwargs)
+        found = self.memo.find(key)
+        if found is None:
+            found = twin(*args, **kwargs)
+            self.memo.keep(key, found, args, kwargs, twin)
+        return found
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._memo_call(target, args, kwargs, super().call_function)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._memo_call(target, args, kwargs, super().call_method)
+
+    def _memo_call(self, target: Any, args: Any, kwargs: Any, run: Any) -> Any:
+        """A repeated call with the same sizes reuses its result (:class:`~ampfx.shape_memo.ShapeMemo`)."""
+        key = self.memo.key_of_call(target, args, kwargs)
+        found = self.memo.find(key)
+        if found is None:
+            found = run(target, args, kwargs)
+            self.memo.keep(key, found, args, kwargs)
+        return found
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

@@ -116,3 +116,107 @@ def test_buffers_are_restored_after_fake_propagation():
         assert torch.equal(v, before[k]), k
     assert _shape(gm, "_0")[0].shape[1] == 3
 
+
+
+class _Leaves(torch.fx.Tracer):
+    """Every module a leaf: their runs on meta tensors are what the memo reuses."""
+
+    def is_leaf_module(self, m, qualname):
+        return True
+
+
+def _leaf_graph(root):
+    return torch.fx.GraphModule(root, _Leaves().trace(root))
+
+
+class _Grows(nn.Module):
+    """Each call widens its output: its run changes its own attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 1
+
+    def forward(self, x):
+        self.n += 1
+        return x.repeat(1, self.n)
+
+
+class _Calls(nn.Module):
+    """Output size from a function attribute, which no key can see."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class _Twice(nn.Module):
+    def __init__(self, *mods):
+        super().__init__()
+        self.mods = nn.ModuleList(mods)
+
+    def forward(self, x):
+        return [m(x) for m in self.mods]
+
+
+def test_repeated_blocks_reuse_their_sizes_and_record_the_same_as_a_run():
+    """A stack of identical blocks runs each op once per distinct sizes; every
+    node records what running it records (the memo is off in the second graph)."""
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.GELU()) for _ in range(4)],
+                          nn.Linear(6, 3))
+    gm = _leaf_graph(model)
+    runs = []
+    original = nn.LayerNorm.forward
+    nn.LayerNorm.forward = lambda self, x: runs.append(1) or original(self, x)
+    try:
+        shapes.propagate(gm, (torch.randn(2, 6),))
+    finally:
+        nn.LayerNorm.forward = original
+    assert len(runs) == 1
+    unmemo = _leaf_graph(model)
+    keep = shapes.ShapeMemo.find
+    shapes.ShapeMemo.find = lambda self, key: None
+    try:
+        shapes.propagate(unmemo, (torch.randn(2, 6),))
+    finally:
+        shapes.ShapeMemo.find = keep
+    assert [meta.out_infos(n) for n in gm.graph.nodes] == [meta.out_infos(n) for n in unmemo.graph.nodes]
+    assert meta.out_infos(list(gm.graph.nodes)[-2]) == (TensorInfo((2, 3), torch.float32),)
+
+
+def test_a_module_that_changes_its_attributes_runs_on_every_call():
+    """The same instance called twice widens its output each time: the second
+    call's sizes are its own, not the first call's."""
+    grows = _Grows()
+    gm = _leaf_graph(_Twice(grows, grows, grows))
+    shapes.propagate(gm, (torch.randn(2, 3),))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [meta.out_infos(n)[0].shape for n in calls] == [(2, 6), (2, 9), (2, 12)]
+
+
+def test_modules_with_function_attributes_or_hooks_are_not_reused():
+    """Two instances of one class whose behaviour sits in a function attribute,
+    or in a forward hook, have the same sizes and attributes but differ."""
+    hooked = nn.ReLU()
+    hooked.register_forward_hook(lambda m, args, out: out.repeat(2, 1))
+    gm = _leaf_graph(_Twice(_Calls(torch.relu), _Calls(lambda x: x.repeat(1, 2)), nn.ReLU(), hooked))
+    shapes.propagate(gm, (torch.randn(2, 3),))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [meta.out_infos(n)[0].shape for n in calls] == [(2, 3), (2, 6), (2, 3), (4, 3)]
+
+
+def test_in_place_size_changes_are_not_lost():
+    """``unsqueeze_`` changes its input's sizes: a second one on a value of the
+    same sizes must run again, and ``contiguous`` (which returns its input) too."""
+    def f(x, y):
+        a = x.contiguous()
+        a.unsqueeze_(0)
+        b = y.contiguous()
+        b.unsqueeze_(0)
+        return x + 0, y + 0
+
+    gm = graph(f)
+    shapes.propagate(gm, (torch.randn(2, 3), torch.randn(2, 3)))
+    assert _shape(gm, "add") == _shape(gm, "add_1") == (TensorInfo((1, 2, 3), torch.float32),)
