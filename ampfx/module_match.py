@@ -187,9 +187,9 @@ as shards, or run a forward bound when they were made; the model must be convert
 
 _HOOKS = ("_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 """Hooks that make ``"auto"`` keep a module: they fire only when its forward is called. So do forward
-pre-hooks other than :data:`_TRACED_PRE_HOOKS`."""
+pre-hooks other than :data:`TRACED_PRE_HOOKS`."""
 
-_TRACED_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+TRACED_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
 """Forward pre-hooks that recompute a weight from the module's own tensors (pruning, the old
 ``weight_norm`` and ``spectral_norm``): tracing runs them into the graph, which recomputes the weight
 on every call, so they do not make ``"auto"`` keep their module. Any other pre-hook (a user's own,
@@ -199,7 +199,7 @@ with effects a graph would run once at conversion) does."""
 def _hooked(m: nn.Module) -> bool:
     """Does ``m`` carry hooks that fire only when its forward is called (see :data:`_HOOKS`)?"""
     return (any(getattr(m, h, None) for h in _HOOKS)
-            or any(not isinstance(h, _TRACED_PRE_HOOKS) for h in m._forward_pre_hooks.values()))
+            or any(not isinstance(h, TRACED_PRE_HOOKS) for h in m._forward_pre_hooks.values()))
 
 
 def class_names(module: nn.Module) -> set[str]:

@@ -33,6 +33,7 @@ from .passes import PIPELINE, autocast, calibrate, paint, sensitivity, shapes
 from .passes.context import PassContext
 from .policy import Policy
 from .report import COMPUTE, CastInfo, Decision, Region, Report
+from .module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
@@ -50,6 +51,9 @@ class Request:
     #: what this conversion learnt about exporting each module path: the size try to start from (a module's
     #: other training mode starts where its first export ended: ampfx.capture.export.capture)
     export_sizes: dict[str, list[int]] = field(default_factory=dict, compare=False)
+    #: classes of the modules whose forward torch.export found it would not repeat (a cache they fill), by
+    #: training mode: an export of a module around one of their kind in that mode is not tried again
+    export_drops: dict[bool, set[type]] = field(default_factory=dict, compare=False)
 
 
 class NotReproduced(ValueError):
@@ -74,7 +78,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
     :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = graph_module(work, capture.graph)
-    keep_hooks(gm, work)  # torch.fx traces forward alone, and torch.export ran without the module's own hooks
+    # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
+    keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")

@@ -266,21 +266,39 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     # first write by a dispatch mode, which costs every op of every run a trip through Python
     small = [t for t in held if id(t) not in params or cloned]
     data = [(t, t.data, t._version) for t in held]
-    attrs = [(m, dict(m.__dict__), {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
-             for m in model.modules()]
     guard = _SaveBeforeWrite([] if cloned else [t for t in held if id(t) in params])
     with _kept_values(small):
         try:
-            with kept_rng(*held, *tensors), (contextlib.nullcontext() if cloned else guard):
+            with kept_attributes(model), kept_rng(*held, *tensors), (contextlib.nullcontext() if cloned else guard):
                 yield
         finally:
-            for m, before, contents in attrs:
-                for k in [k for k in m.__dict__ if k not in before]:
-                    del m.__dict__[k]
-                m.__dict__.update(before)
-                for k, v in contents.items():
-                    _refill(before[k], v)
             _put_back(data, guard.saved, cloned)
+
+
+@contextlib.contextmanager
+def kept_attributes(model: nn.Module) -> Iterator[None]:
+    """Each module's attributes put back after the block: rebound, added, or top-level containers
+    changed in place (a cache a forward fills: a run during conversion must not leave it filled,
+    or a later capture would take its contents for constants).
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> net.cache = {}
+    >>> with kept_attributes(net):
+    ...     net.cache["cpu"] = 1; net.calls = 1
+    >>> net.cache, hasattr(net, "calls")
+    ({}, False)
+    """
+    attrs = [(m, dict(m.__dict__), {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before, contents in attrs:
+            for k in [k for k in m.__dict__ if k not in before]:
+                del m.__dict__[k]
+            m.__dict__.update(before)
+            for k, v in contents.items():
+                _refill(before[k], v)
 
 
 def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, cloned: bool) -> None:
@@ -338,13 +356,15 @@ HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_
 
 
 @contextlib.contextmanager
-def without_hooks(module: nn.Module) -> Iterator[None]:
+def without_hooks(module: nn.Module, keep: tuple[type, ...] = ()) -> Iterator[None]:
     """``module`` without its own forward hooks and pre-hooks inside the block (torch.export traces
     ``__call__``, which would inline them; :func:`keep_hooks` gives them to the graph module instead),
-    put back after."""
+    put back after. Hooks that are instances of ``keep`` stay (they belong in the graph)."""
     saved = {name: getattr(module, name).copy() for name in HOOK_DICTS}
     for name in HOOK_DICTS:
-        getattr(module, name).clear()
+        hooks = getattr(module, name)
+        for key in [k for k, h in hooks.items() if not isinstance(h, keep)]:
+            del hooks[key]
     try:
         yield
     finally:
@@ -352,10 +372,11 @@ def without_hooks(module: nn.Module) -> Iterator[None]:
             getattr(module, name).update(hooks)
 
 
-def keep_hooks(new: nn.Module, old: nn.Module) -> None:
+def keep_hooks(new: nn.Module, old: nn.Module, skip: tuple[type, ...] = ()) -> None:
     """Give ``new`` (a graph traced from ``old.forward``) ``old``'s forward hooks and pre-hooks:
     torch.fx traces ``forward`` alone, so a hook on the traced module itself would be dropped
-    (its submodules' hooks are traced into the graph).
+    (its submodules' hooks are traced into the graph). Hooks that are instances of ``skip`` are
+    in the graph already (:func:`without_hooks` kept them for torch.export).
 
     >>> lin = torch.nn.Linear(2, 2)
     >>> _ = lin.register_forward_hook(lambda m, a, out: out * 0)
@@ -365,4 +386,4 @@ def keep_hooks(new: nn.Module, old: nn.Module) -> None:
     0.0
     """
     for name in HOOK_DICTS:
-        getattr(new, name).update(getattr(old, name))
+        getattr(new, name).update((k, h) for k, h in getattr(old, name).items() if not isinstance(h, skip))

@@ -99,8 +99,11 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     kept = kept_below(request.policy, prefix)
     named = any(not why.startswith("keep_modules='auto'") for p, why in request.policy.keep_matched or ()
                 if p[len(prefix):] in kept and p.startswith(prefix))
+    known = request.export_drops.setdefault(work.training, set())  # classes, in this training mode
+    drops = {path for path, m in work.named_modules() if type(m) in known}
     capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, named,
-                             sizes=request.export_sizes.setdefault(prefix, [0]))
+                             sizes=request.export_sizes.setdefault(prefix, [0]), drops=drops)
+    known.update(type(work.get_submodule(p)) for p in drops)
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)

@@ -559,3 +559,133 @@ def test_a_timeout_during_torchs_own_lazy_imports_leaves_export_working():
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "export", run.stdout
+
+
+class _Steps(nn.Module):
+    """Four small layers, the third of which stalls export's size analysis when the width is symbolic."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 4)
+        self.mask, self.stall = Masked(d), _Stall()
+
+    def forward(self, x, mask):
+        return self.out(self.stall(self.b(self.a(x))) + self.mask(x, mask)[..., :1])
+
+
+class _Stall(nn.Module):
+    def forward(self, x):
+        if isinstance(x.shape[1], torch.SymInt):
+            import time
+            time.sleep(1.5)
+        return x
+
+
+def test_a_dynamic_export_that_stalls_on_one_module_gives_way_at_once():
+    """One module taking seconds where the others took milliseconds (export's symbolic size analysis
+    stuck on arithmetic with sizes) ends the every-dimension try when its forward ends, long before
+    export_timeout's share (15 s here); the report names the module, and the batch-only graph is right."""
+    import time
+    m = _Steps()
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5)
+    t = time.perf_counter()
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=60)
+    assert time.perf_counter() - t < 12
+    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    stalled = [s for s in root.steps if "stalled" in s]
+    assert root.method == "export" and len(stalled) == 1 and "'stall'" in stalled[0], root.steps
+    assert any("dynamic first (batch) dimension" in n for n in amp.ampfx_report.notes)
+    x3, mask3 = torch.randn(3, 5, 16), torch.ones(3, 5)
+    assert rel_err(amp(x3, mask3), m(x3, mask3)) < 0.02
+
+
+class _EvalCache(nn.Module):
+    """timm's attention-bias cache: in eval mode the first call stores a tensor made from a parameter,
+    later calls read it. torch.fx cannot trace it (torch.finfo of a traced dtype)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin, self.bias = nn.Linear(d, d), nn.Parameter(torch.randn(d))
+        self.cache = {}
+
+    def forward(self, x):
+        x = x.clamp(min=torch.finfo(x.dtype).min)
+        if self.training:
+            return self.lin(x) + self.bias * 2
+        if "b" not in self.cache:
+            self.cache["b"] = self.bias * 2
+        return self.lin(x) + self.cache["b"]
+
+
+class _TwoCaches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _EvalCache(), _EvalCache()
+
+    def forward(self, x):
+        x = x.clamp(min=torch.finfo(x.dtype).min)
+        return self.second(self.first(x))
+
+
+def test_a_cache_a_forward_fills_under_export_stops_it_there_and_is_emptied_again():
+    """Export would bake the cached tensor into the graph as a constant: the capture stops when the
+    caching module's forward ends (not after tracing the rest), the cache holds no fake tensor after
+    it, and the converted module computes what the model computes."""
+    from ampfx.capture import export
+    from ampfx.inputs import ExampleInputs
+    m = _TwoCaches().eval()
+    with pytest.raises(export.ExportFailed) as e:
+        export.capture(m, ExampleInputs.of((torch.randn(2, 16),)), drops=(drops := set()))
+    assert "'first': attribute 'cache' changed in place" in str(e.value.steps) and "'second'" not in str(e.value.steps)
+    assert drops == {"first"} and m.first.cache == {} and m.second.cache == {}
+
+
+def test_modules_of_a_class_export_found_unfaithful_are_not_exported_again_in_that_mode():
+    """After the root's export stopped at ``first``'s cache, neither ``first`` nor ``second`` (the same
+    class) is exported again in eval mode: their regions say why, and the model's caches work as in eager."""
+    torch.manual_seed(0)
+    m, x = _TwoCaches().eval(), torch.randn(2, 16)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    regions = {r.path: r for r in amp.ampfx_report.regions}
+    for path in ("first", "second"):
+        assert any("torch.export not tried: an earlier export in this training mode" in s
+                   for s in regions[path].steps), regions[path].steps
+    assert rel_err(amp(x), m(x)) < 0.02
+    assert all(type(v) is torch.Tensor for v in m.first.cache.values())
+
+
+class _Counts(nn.Module):
+    """Sets a Python attribute on every call: no graph repeats it, so the module keeps its Python and
+    its children are converted on their own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("kind", ["prune", "old_weight_norm"])
+def test_a_pruned_or_weight_normed_module_exported_on_its_own_recomputes_its_weight(kind):
+    """A pruning / weight_norm pre-hook sets ``weight`` from ``weight_orig`` (``weight_g``, ``weight_v``)
+    on every call. Exported without it, the weight was a constant of the graph: no gradient reached the
+    parameters, and after an optimizer step the converted module still used the old weight."""
+    from torch.nn.utils import prune
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    if kind == "prune":
+        prune.l1_unstructured(lin, "weight", 0.5)
+    else:
+        with pytest.warns(FutureWarning):
+            nn.utils.weight_norm(lin)
+    m, x = _Counts(lin), torch.randn(3, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
+    assert {r.path: r.method for r in amp.ampfx_report.regions}["inner"] == "export"
+    amp(x).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lin.parameters())
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.mul_(-2)
+    assert rel_err(amp(x), m(x)) < 0.02

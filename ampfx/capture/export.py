@@ -59,9 +59,10 @@ import torch.nn as nn
 
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
-from ..state import kept_random, without_hooks
+from ..module_match import TRACED_PRE_HOOKS
+from ..state import kept_attributes, kept_random, without_hooks
 from .base import Capture, short
-from .semantics import Watch
+from .semantics import Dropped, Watch
 from .tracer import dropped_by
 
 MIN_TORCH = (2, 5)
@@ -122,6 +123,53 @@ def time_limit(seconds: float | None) -> Iterator[str | None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+STALL_SECONDS = 1.0
+STALL_RATIO = 25.0
+"""A try with dynamic sizes is abandoned (the next try takes over) when one module's forward takes longer
+than both :data:`STALL_SECONDS` and :data:`STALL_RATIO` times the average of the modules before it:
+export's symbolic size analysis has met arithmetic on sizes it cannot simplify (``ceil(H / p) * p``
+reshapes of a conv/attention hybrid took 2-7 s each, against milliseconds for a module elsewhere).
+Relative to the average, so a slower or loaded machine does not change the verdict."""
+
+
+class ExportStalled(ExportTimeout):
+    """A dynamic-size try stalled on one module (:data:`STALL_RATIO`)."""
+
+
+@contextlib.contextmanager
+def stall_limit(model: nn.Module, active: bool) -> Iterator[None]:
+    """While ``active``, raise :class:`ExportStalled` at the end of a module's forward that stalled
+    (:data:`STALL_SECONDS`); a forward hook on every module, removed when the block ends.
+
+    >>> with stall_limit(nn.Linear(2, 2), active=True):
+    ...     pass
+    """
+    if not active:
+        yield
+        return
+    from torch.nn.modules.module import register_module_forward_hook
+
+    names = {id(m): path or "the root module" for path, m in model.named_modules()}
+    first = last = None  # from the first module's end: export's setup before it is not a module's time
+    ends = 0
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        nonlocal first, last, ends
+        now = time.perf_counter()
+        took, average = (now - last, (last - first) / ends) if ends else (0.0, None)
+        first, last, ends = first or now, now, ends + (last is not None)
+        if average is not None and took > STALL_SECONDS and took > STALL_RATIO * average:
+            raise ExportStalled(f"symbolic size analysis stalled: {took:.1f} s passed before the forward of "
+                                f"{names.get(id(module), type(module).__name__)!r} ended, "
+                                f"{took / max(average, 1e-9):.0f}x the average module before it")
+
+    handle = register_module_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _importing(frame: Any, outer: Any = None) -> bool:
@@ -199,10 +247,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # given (caches), also when it fails
     args, kwargs = snapshot((args, kwargs))
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
-    with torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, kept_random(torch_too=False) as draws:
-        ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    try:
+        with kept_attributes(model), torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, \
+                kept_random(torch_too=False) as draws:  # a cache filled with fake tensors is emptied again
+            ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    except Dropped:  # the watch stopped export where a forward did what the graph would not repeat
+        pass
     if watch.dropped:
-        raise Unfaithful(f"torch.export would drop what the forward does ({'; '.join(dropped_by(watch))})")
+        raise Unfaithful(f"torch.export would drop what the forward does ({'; '.join(dropped_by(watch))})",
+                         tuple(watch.dropped))
     if draws.drew:
         raise RuntimeError("the model's Python drew a random number (random / numpy) while being exported: the "
                            "graph would take that draw's branch on every call")
@@ -210,7 +263,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
 
 
 class Unfaithful(RuntimeError):
-    """The exported graph would not repeat something the forward does (:mod:`ampfx.capture.semantics`)."""
+    """The exported graph would not repeat something the forward does (:mod:`ampfx.capture.semantics`);
+    ``paths``: the modules that do it ('' for the exported module itself)."""
+
+    def __init__(self, message: str, paths: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.paths = paths
 
 
 def _about_sizes(e: BaseException) -> bool:
@@ -311,7 +369,7 @@ def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
 
 
 def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | None = None,
-            sizes: list[int] | None = None) -> Capture:
+            sizes: list[int] | None = None, drops: set[str] | None = None) -> Capture:
     """Export ``model`` on ``example_inputs``; raises :class:`ExportFailed`
     (with the steps tried) if this torch cannot or the model does not export,
     or if exporting takes longer than ``timeout`` seconds (all tries together).
@@ -322,7 +380,8 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     (export's symbolic size analysis can take minutes where a model does
     arithmetic on its spatial sizes), gives way to the next. ``sizes`` (a one-item list) is the
     try to start from, and is set to the one that ended the tries: the module's other training mode
-    starts there rather than wait for the same timeout again."""
+    starts there rather than wait for the same timeout again. ``drops`` gets the paths (in ``model``) of
+    the modules that make the capture unfaithful (:class:`Unfaithful`), if that is why it fails."""
     why = unavailable()
     if why is not None:
         raise ExportFailed(why, [f"torch.export: {why}"])
@@ -343,10 +402,15 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
         share = left if last or left is None else min(left, DYNAMIC_SHARE * timeout)
         share = None if share is None else max(share, 0.01)  # 0 would mean no limit
         t = time.perf_counter()
-        try:  # the root's own hooks stay Python the graph module calls (rewrite.keep_hooks), as torch.fx's do
-            with time_limit(share) as unbounded, without_hooks(model):
+        # the root's own hooks stay Python the graph module calls (rewrite.keep_hooks), as torch.fx's do; a
+        # pruning or weight-norm pre-hook is traced in (left out, the weight it sets became a constant)
+        try:
+            with time_limit(share) as unbounded, without_hooks(model, keep=TRACED_PRE_HOOKS), \
+                    stall_limit(model, not last):
                 ep = _export(model, args, kwargs, dynamic)
             break
+        except ExportStalled as e:
+            steps.append(f"torch.export with {words} ({mode} mode) stopped after {time.perf_counter() - t:.1f} s: {e}")
         except ExportTimeout:
             steps.append(f"torch.export with {words} ({mode} mode) stopped after {time.perf_counter() - t:.0f} s")
             if last:
@@ -354,6 +418,8 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
                              "(Policy(export_timeout=...) or AMPFX_EXPORT_TIMEOUT; off: no limit)")
                 raise ExportFailed(f"torch.export took longer than export_timeout={timeout:g} s", steps) from None
         except Exception as e:  # noqa: BLE001 - any export error: fewer dynamic sizes if it was about sizes
+            if isinstance(e, Unfaithful) and drops is not None:
+                drops.update(e.paths)
             if last or not _about_sizes(e):
                 steps.append(f"torch.export ({mode} mode{'' if i == 0 else ', ' + words}): {_short(e)}")
                 raise ExportFailed(_short(e), steps) from e

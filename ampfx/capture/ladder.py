@@ -36,13 +36,15 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
-            kept: frozenset[str] = frozenset(), required: bool = False, sizes: list[int] | None = None
-            ) -> Capture | Uncaptured:
+            kept: frozenset[str] = frozenset(), required: bool = False, sizes: list[int] | None = None,
+            drops: set[str] | None = None) -> Capture | Uncaptured:
     """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
     ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
     which would inline them, is not tried where torch.fx captured the module, nor where a kept module
     was named (``required``) rather than found by ``"auto"``; when torch.export does capture it, a
-    note says which modules it inlined. ``sizes``: :func:`ampfx.capture.export.capture`'s memo."""
+    note says which modules it inlined. ``sizes`` and ``drops``: :func:`ampfx.capture.export.capture`'s memos;
+    torch.export is not tried where ``drops`` already names modules (paths in ``module``, of a class whose
+    forward an earlier export in this training mode found it would not repeat)."""
     fx_capture, steps = None, []
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
@@ -57,8 +59,12 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         if not exportable:
             return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
+        if drops:
+            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: an earlier export in this "
+                                             "training mode would drop what modules of the class of "
+                                             f"{_few(frozenset(p or '<this module>' for p in drops))} do"])
     try:
-        exported = export.capture(module, inputs, policy.export_timeout, sizes)
+        exported = export.capture(module, inputs, policy.export_timeout, sizes, drops)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, [*steps, *e.steps])
     notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "

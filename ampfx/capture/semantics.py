@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.autograd import grad_mode
+from torch.nn.modules.module import register_module_forward_hook
 
 from ..meta import USER_FLOAT32
 
@@ -83,6 +84,11 @@ GRAD_CONTEXTS: tuple[type, ...] = (grad_mode.no_grad, grad_mode.enable_grad, gra
 EXPORT_DROPS: tuple[type, ...] = (grad_mode.inference_mode,)
 """The context managers torch.export does not keep either (it keeps grad-mode and autocast regions as
 higher-order ops, but records the ops under ``inference_mode`` as plain ones)."""
+
+class Dropped(BaseException):
+    """Raised (under torch.export) when a module's forward did what the graph would not repeat: the capture
+    stops there. A ``BaseException``: export's own ``except Exception`` handlers must not swallow it."""
+
 
 _INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _ACTIVE: list[Watch] = []
@@ -119,6 +125,7 @@ class Watch:
         self.where: Callable[[], str] = lambda: ""  # the tracer says which module's forward runs now
         self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
         self._state: dict[str, _ModuleState] = {}
+        self._paths: dict[int, str] | None = None
 
     def __enter__(self) -> Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -128,6 +135,8 @@ class Watch:
             for cls in (*GRAD_CONTEXTS, torch.autocast):
                 stack.enter_context(_wrapped_context(cls))
             stack.enter_context(_wrapped_apply())
+            if self.export and self._state:
+                stack.callback(register_module_forward_hook(self._stop_at_attribute).remove)
             self._stack = stack.pop_all()
         _ACTIVE.append(self)
         return self
@@ -140,6 +149,27 @@ class Watch:
                 if not (self.export and of_tensor):
                     self.drop(path, change)
                     self.python_state = self.python_state or not of_tensor
+
+    def _stop_at_attribute(self, module: nn.Module, args: Any, output: Any) -> None:
+        """torch.export runs the Python once: a module whose forward set a Python attribute that feeds the
+        computation (a cache of attention biases) makes the capture unfaithful. Say so when that forward
+        ends, instead of after tracing the rest of the model."""
+        paths = self._paths if self._paths is not None else {id(s.module): p for p, s in self._state.items()}
+        self._paths = paths
+        path = paths.get(id(module))
+        if path is None:
+            return
+        state, now = self._state[path], vars(module)
+        # an attribute rebound to a tensor is put back by export itself (a prune or weight_norm pre-hook
+        # sets the weight on every call): only the end of the capture can tell
+        changed = [words for key, words in state.attr_changes(set())
+                   if words is not None and not isinstance(now.get(key), torch.Tensor)]
+        changed += [f"attribute {key!r} changed in place" for key, items in state.contents.items()
+                    if key in now and _items(now[key]) != items and _computes(now[key])]
+        if changed:
+            for words in changed:
+                self.drop(path, words)
+            raise Dropped(f"{path or 'the root module'!r}: {'; '.join(changed)}")
 
     def drop(self, path: str, what: str) -> None:
         """Record that the forward of the module at ``path`` does ``what``, which the graph would not repeat."""
@@ -265,15 +295,17 @@ class _ModuleState:
     attrs: dict[str, Any]
     tensors: dict[str, tuple[str, Any, int]]
     values: dict[str, torch.Tensor]
+    contents: dict[str, tuple] = dataclasses.field(default_factory=dict)  # a list's or dict's items (ids)
 
     @classmethod
     def of(cls, m: nn.Module) -> _ModuleState:
         attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
+        contents = {k: _items(v) for k, v in attrs.items() if type(v) in (list, dict)}
         tensors = {**{n: ("parameter", p, p._version) for n, p in m._parameters.items() if p is not None},
                    **{n: ("buffer", b, b._version) for n, b in m._buffers.items() if b is not None}}
         values = {n: b.detach().clone() for n, b in m._buffers.items()
                   if b is not None and b.device.type != "meta"}  # `.data` writes leave no version
-        return cls(m, attrs, tensors, values)
+        return cls(m, attrs, tensors, values, contents)
 
     def put_back(self, own: set[str]) -> list[tuple[str, bool]]:
         """Undo what the capture changed in this module's attributes and buffers (parameters'
@@ -290,16 +322,26 @@ class _ModuleState:
             if name in self.values and not _same(self.values[name], obj):
                 with torch.no_grad():
                     obj.copy_(self.values[name])
+        for key, words in self.attr_changes(own):
+            if words is not None:
+                changes.append((words, False))
+            if key in self.attrs:
+                now[key] = self.attrs[key]
+            else:
+                del now[key]
+        return changes
+
+    def attr_changes(self, own: set[str]) -> list[tuple[str, str | None]]:
+        """Each Python attribute set or changed since :meth:`of`, with what changed in words (``None``:
+        bookkeeping that cannot feed the computation, :func:`_computes`); changes nothing."""
+        now, out = vars(self.module), []
         for key in [k for k in now if k not in _INTERNAL and k not in self.attrs and k not in own]:
-            if _computes(now[key]):
-                changes.append((f"attribute {key!r} set{_traced(now[key])}", False))
-            del now[key]
+            out.append((key, f"attribute {key!r} set{_traced(now[key])}" if _computes(now[key]) else None))
         for key, value in self.attrs.items():
             if not _unchanged(value, now.get(key, _MISSING)):
-                if _computes(value) or _computes(now.get(key)):
-                    changes.append((f"attribute {key!r} changed{_traced(now.get(key))}", False))
-                now[key] = value
-        return changes
+                feeds = _computes(value) or _computes(now.get(key))
+                out.append((key, f"attribute {key!r} changed{_traced(now.get(key))}" if feeds else None))
+        return out
 
 
 def _computes(value: Any) -> bool:
@@ -314,6 +356,12 @@ def _computes(value: Any) -> bool:
     if isinstance(value, (list, tuple, dict)):
         return any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in torch.utils._pytree.tree_leaves(value))
     return isinstance(value, (torch.Tensor, fx.Proxy, int, float))
+
+
+def _items(value: Any) -> tuple:
+    """The ids of a list's items or of a dict's keys and values: a cache filled in place changes them."""
+    pairs = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return tuple((k, id(v)) for k, v in pairs)
 
 
 def _unchanged(old: Any, new: Any) -> bool:

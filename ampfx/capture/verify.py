@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..errors import ExampleInputsError
 from ..graph_module import graph_module
 from ..inputs import ExampleInputs
-from ..state import keep_hooks, kept_buffers, kept_rng
+from ..state import keep_hooks, kept_attributes, kept_buffers, kept_rng
 from .base import short
 
 
@@ -56,7 +56,7 @@ class _Run:
 
 def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs) -> _Run:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with kept_rng(*model.parameters()), kept_buffers(model), torch.enable_grad():
+    with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model), torch.enable_grad():
         torch.manual_seed(0)
         try:  # a copy of the inputs each time: the forward may change what it is given (caches)
             result = inputs.snapshot().call(m)
