@@ -249,7 +249,8 @@ class Decision:
     autocast: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rule", Rule(self.rule))
+        if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
+            object.__setattr__(self, "rule", Rule(self.rule))
 
     @property
     def key(self) -> str:

@@ -77,7 +77,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     observed of their leaves (:mod:`ampfx.observe`); ``arrive``: ``work`` is a kept module whose
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
     :class:`NotReproduced` when the graph does not run on ``inputs``."""
-    gm = graph_module(work, capture.graph)
+    gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values

@@ -3,7 +3,7 @@
 Shape propagation on ``meta`` tensors runs torch's Python references for some ops (``layer_norm``
 goes through ``torch._refs``, about 1 ms a call); a model of 2,000 identical blocks runs the same op
 on the same sizes 2,000 times. :class:`ShapeMemo` keys a call by what its result can depend on: the
-op, the sizes, strides, dtype and ``requires_grad`` of each tensor argument and the value of every
+op, the sizes, strides, dtype, device and ``requires_grad`` of each tensor argument and the value of every
 other argument, and for a module its class, mode and plain attributes (with its parameters' and
 buffers' sizes, and the same of its children). A call whose key was seen gets fresh meta tensors of
 the recorded sizes instead of running again.
@@ -40,9 +40,10 @@ _UNSAFE = object()
 
 def _leaf_key(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        if type(value) is not torch.Tensor or value.device.type != "meta":
+        if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout is not torch.strided:
             return _NO_KEY
-        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.requires_grad)
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.requires_grad,
+                value.device.type)
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if isinstance(value, slice):
@@ -54,9 +55,16 @@ def _leaf_key(value: Any) -> Hashable:
 
 
 def _tree_key(tree: Any) -> Hashable:
-    leaves, spec = tree_flatten(tree)
-    keys = tuple(_leaf_key(v) for v in leaves)
-    return _NO_KEY if _NO_KEY in keys else (str(spec), keys)
+    """The key of a nest of tuples, lists and dicts (the arguments of a call), or ``_NO_KEY``."""
+    kind = type(tree)
+    if isinstance(tree, (tuple, list)) and kind is not torch.Size:  # fx's immutable_list, namedtuples too
+        keys = tuple(_tree_key(v) for v in tree)
+        return _NO_KEY if any(k is _NO_KEY for k in keys) else (kind, keys)
+    if isinstance(tree, dict):
+        keys = tuple((k, _tree_key(v)) for k, v in tree.items())
+        return _NO_KEY if any(k is _NO_KEY for _, k in keys) or not all(type(k) is str for k, _ in keys) \
+            else (kind, keys)
+    return _leaf_key(tree)
 
 
 def _module_key(mod: torch.nn.Module) -> Hashable:
@@ -125,16 +133,17 @@ class ShapeMemo:
         return tree_unflatten([_fresh(v) for v in leaves], spec)
 
     def keep(self, key: Hashable | None, result: Any, args: Any, kwargs: Any,
-             module: torch.nn.Module | None = None) -> None:
-        """Store ``result`` of the run keyed ``key``; the inputs (and ``module``) are checked for
-        changes the run made, which a reuse would not make."""
+             module: torch.nn.Module | None = None, state: Hashable = None) -> None:
+        """Store ``result`` of the run keyed ``key``; the inputs are checked for changes the run made,
+        which a reuse would not make, and so is ``module`` (the module that ran: its key before the run
+        is ``state``; a class whose run changes its attributes is not reused again)."""
         if key is None:
             return
         inputs = (args, kwargs)
         leaves, spec = tree_flatten(result)
         ins = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         now = _tree_key(inputs) if module is None else (_module_key(module), _tree_key(inputs))
-        before = key[1] if module is None else (key[1], key[2])
+        before = key[1] if module is None else (state, key[2])
         if now != before or any(v is t for v in leaves for t in ins) or _tree_key(result) is _NO_KEY:
             if module is not None:
                 self._unsafe_types.add(type(module))

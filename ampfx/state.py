@@ -276,10 +276,11 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kept_attributes(model: nn.Module) -> Iterator[None]:
+def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None]:
     """Each module's attributes put back after the block: rebound, added, or top-level containers
     changed in place (a cache a forward fills: a run during conversion must not leave it filled,
-    or a later capture would take its contents for constants).
+    or a later capture would take its contents for constants). Without ``bookkeeping``, nn.Module's
+    own dicts (parameters, buffers, submodules, hooks) are left to the caller (a quarter of the cost).
 
     >>> net = torch.nn.Linear(2, 2)
     >>> net.cache = {}
@@ -288,13 +289,15 @@ def kept_attributes(model: nn.Module) -> Iterator[None]:
     >>> net.cache, hasattr(net, "calls")
     ({}, False)
     """
-    attrs = [(m, dict(m.__dict__), {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS})
+    skip = frozenset() if bookkeeping else _TORCH_KEYS
+    attrs = [(m, {k: v for k, v in m.__dict__.items() if k not in skip},
+              {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS and k not in skip})
              for m in model.modules()]
     try:
         yield
     finally:
         for m, before, contents in attrs:
-            for k in [k for k in m.__dict__ if k not in before]:
+            for k in [k for k in m.__dict__ if k not in before and k not in skip]:
                 del m.__dict__[k]
             m.__dict__.update(before)
             for k, v in contents.items():

@@ -143,17 +143,19 @@ class _MetaProp(fx.Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         mod = self.fetch_attr(target)
+        key = self.memo.key_of_module(mod, args, kwargs)
+        found = self.memo.find(key)
+        if found is not None:
+            return found
         twin = self.twins.get(id(mod))
         if twin is None:  # a copy of the module whose parameters and buffers are meta tensors
             twin = self.twins[id(mod)] = copy_tree(mod)
             for sub in twin.modules():
                 sub._parameters = {k: self.meta(v) for k, v in sub._parameters.items()}
                 sub._buffers = {k: self.meta(v) for k, v in sub._buffers.items()}
-        key = self.memo.key_of_module(twin, args, kwargs)
-        found = self.memo.find(key)
-        if found is None:
-            found = twin(*args, **kwargs)
-            self.memo.keep(key, found, args, kwargs, twin)
+        state = self.memo.key_of_module(twin, args, kwargs) if key is not None else None
+        found = twin(*args, **kwargs)
+        self.memo.keep(key, found, args, kwargs, twin, state and state[1])
         return found
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:

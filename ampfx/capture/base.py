@@ -39,6 +39,7 @@ class Capture:
     dropped: tuple[str, ...] = ()
     python_state: bool = False  # a module's forward sets Python attributes: torch.export would not repeat it either
     kept: tuple[str, ...] = ()  # leaves that keep_modules keeps as boundaries (each converted on its own)
+    module: fx.GraphModule | None = None  # the graph module verification ran (over the captured module), reused
 
 
 @dataclass(frozen=True)

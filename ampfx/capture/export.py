@@ -248,7 +248,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     args, kwargs = snapshot((args, kwargs))
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
     try:
-        with kept_attributes(model), torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, \
+        with kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, \
                 kept_random(torch_too=False) as draws:  # a cache filled with fake tensors is emptied again
             ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Dropped:  # the watch stopped export where a forward did what the graph would not repeat

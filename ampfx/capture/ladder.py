@@ -22,6 +22,7 @@ import dataclasses
 
 import torch.nn as nn
 
+from ..graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..state import kept_random
@@ -117,10 +118,12 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ch
     if not check:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
                                             "no example inputs)"), list(got.steps), True
-    wrong = reproduces(module, got.graph, inputs)
+    built = graph_module(module, got.graph)
+    wrong = reproduces(module, built, inputs)
     if wrong is None and not got.leaves:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
-                                            "gradients and buffer updates on the example inputs"), list(got.steps), True
+                                            "gradients and buffer updates on the example inputs", module=built), \
+            list(got.steps), True
     if wrong is not None:
         return None, [*got.steps, f"auto: {wrong}; trying torch.export"], not got.python_state
     return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying torch.export "

@@ -14,8 +14,11 @@ from ..state import keep_hooks, kept_attributes, kept_buffers, kept_rng
 from .base import short
 
 
-def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: float = 1e-4) -> str | None:
-    """``None`` if ``graph`` does what ``model`` does on ``inputs``, else why not.
+def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: ExampleInputs,
+               rtol: float = 1e-4) -> str | None:
+    """``None`` if ``graph`` does what ``model`` does on ``inputs``, else why not. ``graph`` may be the
+    graph module :func:`~ampfx.graph_module.graph_module` made of it over ``model`` (the conversion then
+    goes on with it rather than generate the same code again).
 
     Both run in float32 in the model's current mode (the mode being captured),
     from the same random seed (dropout draws the same masks) and the same
@@ -27,7 +30,7 @@ def reproduces(model: nn.Module, graph: fx.Graph, inputs: ExampleInputs, rtol: f
     buffer update that its outputs do not show; this catches both before
     conversion. Buffers, parameters' ``.grad`` and the random state are left as found.
     """
-    gm = graph_module(model, graph)
+    gm = graph if isinstance(graph, fx.GraphModule) else graph_module(model, graph)
     keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
         want = _run(model, model, inputs)
@@ -56,7 +59,7 @@ class _Run:
 
 def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs) -> _Run:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model), torch.enable_grad():
+    with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model, bookkeeping=False), torch.enable_grad():
         torch.manual_seed(0)
         try:  # a copy of the inputs each time: the forward may change what it is given (caches)
             result = inputs.snapshot().call(m)
