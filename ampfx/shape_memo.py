@@ -22,6 +22,8 @@ True
 >>> memo.keep(key, torch.add(x, 1.0), (x, 1.0), {})
 >>> memo.find(key).shape
 torch.Size([2, 3])
+>>> memo.key_of_call(torch.ops.aten.add_.Tensor, (x, 1.0), {}) is None  # it writes into x
+True
 """
 from __future__ import annotations
 
@@ -93,6 +95,10 @@ def _module_key(mod: torch.nn.Module) -> Hashable:
 
 
 def _in_place(target: Any) -> bool:
+    """Does the op write into an argument (``add_``, ``aten.add_.Tensor``, ``setitem``, ``out=`` ops)?"""
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or target in (
         operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
