@@ -56,6 +56,7 @@ from torch.autograd import grad_mode
 from torch.nn.modules.module import register_module_forward_hook
 
 from ..meta import USER_FLOAT32
+from ..state import _refill
 
 
 class Kind(enum.Enum):
@@ -164,8 +165,7 @@ class Watch:
         # sets the weight on every call): only the end of the capture can tell
         changed = [words for key, words in state.attr_changes(set())
                    if words is not None and not isinstance(now.get(key), torch.Tensor)]
-        changed += [f"attribute {key!r} changed in place" for key, items in state.contents.items()
-                    if key in now and _items(now[key]) != items and _computes(now[key])]
+        changed += state.filled(now)
         if changed:
             for words in changed:
                 self.drop(path, words)
@@ -295,12 +295,12 @@ class _ModuleState:
     attrs: dict[str, Any]
     tensors: dict[str, tuple[str, Any, int]]
     values: dict[str, torch.Tensor]
-    contents: dict[str, tuple] = dataclasses.field(default_factory=dict)  # a list's or dict's items (ids)
+    contents: dict[str, tuple] = dataclasses.field(default_factory=dict)  # a list's or dict's items, and a copy
 
     @classmethod
     def of(cls, m: nn.Module) -> _ModuleState:
         attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
-        contents = {k: _items(v) for k, v in attrs.items() if type(v) in (list, dict)}
+        contents = {k: (_items(v), v.copy()) for k, v in attrs.items() if type(v) in (list, dict)}
         tensors = {**{n: ("parameter", p, p._version) for n, p in m._parameters.items() if p is not None},
                    **{n: ("buffer", b, b._version) for n, b in m._buffers.items() if b is not None}}
         values = {n: b.detach().clone() for n, b in m._buffers.items()
@@ -329,7 +329,17 @@ class _ModuleState:
                 now[key] = self.attrs[key]
             else:
                 del now[key]
+        changes += [(words, False) for words in self.filled(now)]
+        for key, (_, copy) in self.contents.items():  # a cache filled while tracing holds proxies or fakes
+            if now.get(key) is self.attrs[key]:
+                _refill(now[key], copy)
         return changes
+
+    def filled(self, now: dict[str, Any]) -> list[str]:
+        """The list and dict attributes changed in place since :meth:`of` whose contents can feed the
+        computation (a cache of tensors a forward fills: a graph would not fill it), in words."""
+        return [f"attribute {key!r} changed in place" for key, (items, _) in self.contents.items()
+                if now.get(key) is self.attrs[key] and _items(now[key]) != items and _computes(now[key])]
 
     def attr_changes(self, own: set[str]) -> list[tuple[str, str | None]]:
         """Each Python attribute set or changed since :meth:`of`, with what changed in words (``None``:

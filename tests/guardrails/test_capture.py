@@ -413,3 +413,46 @@ def test_a_function_whose_backward_is_its_derivative_is_traced_through():
     amp = convert(m, x, tracer="export")
     assert [r.method for r in amp.ampfx_report.regions] == ["export"]
     assert torch.allclose(amp(x), m(x), rtol=0.05, atol=2e-2)
+
+
+class _BiasCache(nn.Module):
+    """timm's attention-bias cache: in eval mode the first call stores a tensor made from a parameter
+    in a dict, later calls read it; ``train()`` empties it (the parameter may change while training)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin, self.bias = nn.Linear(d, d), nn.Parameter(torch.randn(d))
+        self.cache = {}
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode:
+            self.cache = {}
+        return self
+
+    def forward(self, x):
+        if self.training:
+            return self.lin(x) + self.bias * 2
+        if "b" not in self.cache:
+            self.cache["b"] = self.bias * 2
+        return self.lin(x) + self.cache["b"]
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+def test_a_cache_filled_in_place_while_tracing_keeps_the_python(tracer):
+    """Tracing filled the dict with a Proxy, which stayed there: the conversion's own check of the
+    graph then ran the model on it and failed, and a graph would read the first call's tensor for
+    good. The module keeps its Python (a leaf), the cache holds real tensors, and after training
+    changes the parameter the converted module in eval mode follows the model."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(_BiasCache(), nn.ReLU(), _BiasCache()).eval(), torch.randn(2, 16)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), tracer=tracer)
+    steps = " ".join(s for r in amp.ampfx_report.regions for s in r.steps)
+    assert "attribute 'cache' changed in place" in steps
+    assert (amp(x).float() - m(x)).abs().max() < 0.05 * m(x).abs().max()
+    assert all(type(v) is torch.Tensor for mod in amp.modules() for v in getattr(mod, "cache", {}).values())
+    amp.train(), m.train()
+    with torch.no_grad():
+        m[0].bias.mul_(-1)
+    amp.eval(), m.eval()
+    assert (amp(x).float() - m(x)).abs().max() < 0.05 * m(x).abs().max()
