@@ -247,7 +247,10 @@ def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
     attributes (see the module docstring)."""
     gm = AmpGraphModule(root, graph, class_name=type(root).__name__)
     _keep_tree(gm, root, root.training)
-    kept = {name: value for name, value in _attributes(root) if name not in gm.__dict__}
+    # a tensor attribute the graph reads became a buffer (a pruned weight, which the pruning pre-hook sets on
+    # every call): a copy in __dict__ would shadow it with the value at conversion
+    kept = {name: value for name, value in _attributes(root) if name not in gm.__dict__
+            and name not in gm._buffers and name not in gm._parameters}
     _keep_attributes(gm, {**kept, "_ampfx_source": getattr(root, "_ampfx_source", type(root)),
                           "_ampfx_attrs": tuple(kept)})
     return gm

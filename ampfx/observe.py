@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .inputs import ExampleInputs
-from .state import kept_buffers, kept_rng, modes
+from .state import kept_attributes, kept_buffers, kept_rng, modes
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,9 @@ def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool | Callable[[
                     seen[path].append(None)
         hooks.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
     try:
+        # a cache the run fills is emptied again: a capture after it would take its contents for constants
         with kept_rng(*model.parameters(), *inputs.tensors()), kept_buffers(model), \
-                modes(model, training=False), torch.no_grad():
+                kept_attributes(model, bookkeeping=False), modes(model, training=False), torch.no_grad():
             inputs.call(model)
     finally:
         for h in hooks:

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout,
           type(Ellipsis))
 _NO_KEY = object()
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) - {"_parameters", "_buffers", "_modules", "training"}
 _UNSAFE = object()
 """Stored under a key whose run showed it must not be reused."""
 
@@ -83,7 +84,7 @@ def _module_key(mod: torch.nn.Module) -> Hashable:
             if any(k is _NO_KEY for _, k in children):
                 return _NO_KEY
             parts.append(children)
-        elif "hook" in name or name == "_non_persistent_buffers_set":
+        elif name in _MODULE_KEYS:  # nn.Module's own hook dicts and bookkeeping
             if "forward" in name and value:
                 return _NO_KEY  # a hook's behaviour is not in the key
         else:

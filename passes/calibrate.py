@@ -37,7 +37,7 @@ from ..ops import Category
 from .. import meta
 from ..inputs import ExampleInputs
 from ..report import Decision, Rule, dtype_name
-from ..state import kept_buffers, kept_rng
+from ..state import kept_attributes, kept_buffers, kept_rng
 from .context import PassContext
 
 UNDERFLOW_FLAG = 0.01  # flag nodes losing more than this fraction of gradient values to underflow
@@ -92,7 +92,8 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
             return out
 
     count = 0
-    with kept_buffers(gm, grads=True), kept_rng(*gm.parameters()):  # dropout draws nothing from the caller's
+    with kept_buffers(gm, grads=True), kept_attributes(gm, bookkeeping=False), \
+            kept_rng(*gm.parameters()):  # dropout draws nothing from the caller's
         for batch in batches:
             out = Recorder(gm).run(*ExampleInputs.of(batch).positional(gm))
             loss = loss_fn(out) if loss_fn is not None else default_loss(out)

@@ -30,7 +30,7 @@ from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..report import dtype_name
 from ..shape_memo import ShapeMemo
-from ..state import copy_tree, kept_buffers, kept_rng, modes
+from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, modes
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ def propagate(gm: fx.GraphModule, example_inputs: Any,
     ``"fake"`` or ``"real"``. ``dynamic_dims`` (``{0: "batch"}``) makes those
     dimensions of every tensor input symbolic, named as given."""
     args = ExampleInputs.of(example_inputs).positional(gm)
-    with kept_buffers(gm):  # leaves may update buffers in place (batch-norm counters)
+    # leaves may update buffers in place (batch-norm counters) and fill caches (with fake tensors)
+    with kept_buffers(gm), kept_attributes(gm, bookkeeping=False):
         return _propagate(gm, args, dynamic_dims or {})
 
 

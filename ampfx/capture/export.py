@@ -387,6 +387,11 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
         raise ExportFailed(why, [f"torch.export: {why}"])
     if inputs is None:
         raise ExportFailed("torch.export needs example_inputs", ["torch.export: no example_inputs"])
+    order = [isinstance(h, TRACED_PRE_HOOKS) for h in model._forward_pre_hooks.values()]
+    if True in order and not all(order[order.index(True):]):
+        raise ExportFailed("a forward pre-hook follows a pruning / weight_norm one", [
+            "torch.export: not tried: a forward pre-hook of this module runs after its pruning / weight_norm "
+            "pre-hook; the graph computes the weight, so that hook would run before it (register it first)"])
     args, kwargs = inputs.ordered(model.forward)
     paths, steps, mode = _module_paths(model), [], _mode(model.training)
     start = time.perf_counter()

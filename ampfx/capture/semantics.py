@@ -56,6 +56,7 @@ from torch.autograd import grad_mode
 from torch.nn.modules.module import register_module_forward_hook
 
 from ..meta import USER_FLOAT32
+from ..module_match import TRACED_PRE_HOOKS
 from ..state import _refill
 
 
@@ -161,10 +162,11 @@ class Watch:
         if path is None:
             return
         state, now = self._state[path], vars(module)
-        # an attribute rebound to a tensor is put back by export itself (a prune or weight_norm pre-hook
-        # sets the weight on every call): only the end of the capture can tell
+        # a pruning / weight_norm pre-hook (traced in) sets its weight on every call, as a tensor attribute
+        hooked = {getattr(h, "_tensor_name", None) or getattr(h, "name", None)
+                  for h in module._forward_pre_hooks.values() if isinstance(h, TRACED_PRE_HOOKS)}
         changed = [words for key, words in state.attr_changes(set())
-                   if words is not None and not isinstance(now.get(key), torch.Tensor)]
+                   if words is not None and not (key in hooked and isinstance(now.get(key), torch.Tensor))]
         changed += state.filled(now)
         if changed:
             for words in changed:

@@ -456,3 +456,69 @@ def test_a_cache_filled_in_place_while_tracing_keeps_the_python(tracer):
         m[0].bias.mul_(-1)
     amp.eval(), m.eval()
     assert (amp(x).float() - m(x)).abs().max() < 0.05 * m(x).abs().max()
+
+
+class _FirstCallCache(nn.Module):
+    """Keeps what its first call saw: a dict filled in place (``dict``) or an attribute set once (``tensor``)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(4, 4), kind
+        self.cache = {} if kind == "dict" else None
+
+    def forward(self, x):
+        if self.kind == "dict":
+            if "k" not in self.cache:
+                self.cache["k"] = x.detach().mean(0)
+            return self.lin(x) + self.cache["k"]
+        if self.cache is None:
+            self.cache = x.detach().mean(0)
+        return self.lin(x) + self.cache
+
+
+class _LoopRoot(nn.Module):
+    """torch.fx cannot trace the root (a loop over a size): its children are captured on their own."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.pre, self.c = nn.Linear(4, 4), _FirstCallCache(kind)
+
+    def forward(self, x):
+        y = self.c(self.pre(x))
+        for _ in range(x.shape[0]):
+            y = y + 0.0
+        return y
+
+
+@pytest.mark.parametrize("tracer", ["auto", "export"])
+@pytest.mark.parametrize("kind", ["dict", "tensor"])
+def test_a_cache_a_conversion_run_filled_is_not_taken_for_a_constant(kind, tracer):
+    """The conversion's own runs (observing the regions' inputs, checking a capture) filled the cache
+    with the example's values, and the capture after them read it as a constant: every later call
+    added the example's mean (error ~5). The runs put the model's attributes back, and a forward that
+    fills the cache keeps its Python, as in eager."""
+    torch.manual_seed(0)
+    m, ref = _LoopRoot(kind), None
+    ref = copy.deepcopy(m)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(torch.randn(2, 4),), tracer=tracer)
+    x = torch.randn(2, 4) * 5
+    assert (amp(x).float() - ref(x)).abs().max() < 0.1
+    x2 = torch.randn(2, 4)
+    assert (amp(x2).float() - ref(x2)).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+def test_a_pruned_module_converted_alone_follows_its_weight(tracer):
+    """A pruned ``nn.Linear`` as the whole model: its pruning pre-hook sets ``weight`` on every call. The
+    graph module kept a copy of the conversion-time ``weight`` that shadowed the one the hook sets, so
+    a changed ``weight_orig`` was never seen (fx); with a pre-hook registered after the pruning one,
+    export is not tried (its graph computes the weight, which would reverse the hooks' order)."""
+    from torch.nn.utils import prune
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 4), torch.randn(3, 4)
+    prune.l1_unstructured(m, "weight", 0.5)
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), tracer=tracer)
+    with torch.no_grad():
+        m.weight_orig.mul_(3)
+    assert (amp(x).float() - m(x)).abs().max() < 0.05 * m(x).abs().max()

@@ -220,3 +220,24 @@ def test_in_place_size_changes_are_not_lost():
     gm = graph(f)
     shapes.propagate(gm, (torch.randn(2, 3), torch.randn(2, 3)))
     assert _shape(gm, "add") == _shape(gm, "add_1") == (TensorInfo((1, 2, 3), torch.float32),)
+
+
+class _Heads(nn.Module):
+    """Its output's layout and dtype come from plain attributes whose names contain "hook"."""
+
+    def __init__(self, heads, dtype):
+        super().__init__()
+        self.hook_heads, self.hook_dtype = heads, dtype
+
+    def forward(self, x):
+        return x.reshape(x.shape[0], self.hook_heads, -1).to(self.hook_dtype)
+
+
+def test_attributes_named_like_hooks_are_part_of_a_modules_key():
+    """Only nn.Module's own hook dictionaries are left out of the key: two instances differing in a
+    user attribute called ``hook_dtype`` record their own dtypes and sizes."""
+    gm = _leaf_graph(_Twice(_Heads(2, torch.float32), _Heads(4, torch.float16)))
+    shapes.propagate(gm, (torch.randn(3, 8),))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [meta.out_infos(n) for n in calls] == [(TensorInfo((3, 2, 4), torch.float32),),
+                                                  (TensorInfo((3, 4, 2), torch.float16),)]
