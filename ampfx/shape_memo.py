@@ -129,6 +129,10 @@ class ShapeMemo:
         state = _module_key(mod) if inputs is not _NO_KEY else _NO_KEY
         return None if state is _NO_KEY else ("module", state, inputs)
 
+    def state_of(self, module: torch.nn.Module) -> Hashable:
+        """What a module's run depends on besides its inputs (:meth:`keep` compares it after the run)."""
+        return _module_key(module)
+
     def find(self, key: Hashable | None) -> Any:
         """A fresh copy of the result stored under ``key``, or ``None``."""
         if key is None:
@@ -144,13 +148,17 @@ class ShapeMemo:
         """Store ``result`` of the run keyed ``key``; the inputs are checked for changes the run made,
         which a reuse would not make, and so is ``module`` (the module that ran: its key before the run
         is ``state``; a class whose run changes its attributes is not reused again)."""
+        if module is not None and _module_key(module) != state:  # its next run differs: the class is not reused
+            self._unsafe_types.add(type(module))
+            if key is not None:
+                self._seen[key] = _UNSAFE
+            return
         if key is None:
             return
         inputs = (args, kwargs)
         leaves, spec = tree_flatten(result)
         ins = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-        now = _tree_key(inputs) if module is None else (_module_key(module), _tree_key(inputs))
-        before = key[1] if module is None else (state, key[2])
+        now, before = _tree_key(inputs), key[1] if module is None else key[2]
         if now != before or any(v is t for v in leaves for t in ins) or _tree_key(result) is _NO_KEY:
             if module is not None:
                 self._unsafe_types.add(type(module))

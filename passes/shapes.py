@@ -154,9 +154,9 @@ class _MetaProp(fx.Interpreter):
             for sub in twin.modules():
                 sub._parameters = {k: self.meta(v) for k, v in sub._parameters.items()}
                 sub._buffers = {k: self.meta(v) for k, v in sub._buffers.items()}
-        state = self.memo.key_of_module(twin, args, kwargs) if key is not None else None
+        state = self.memo.state_of(twin)  # also where the call has no key: a change shows in later calls
         found = twin(*args, **kwargs)
-        self.memo.keep(key, found, args, kwargs, twin, state and state[1])
+        self.memo.keep(key, found, args, kwargs, twin, state)
         return found
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:

@@ -241,3 +241,35 @@ def test_attributes_named_like_hooks_are_part_of_a_modules_key():
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert [meta.out_infos(n) for n in calls] == [(TensorInfo((3, 2, 4), torch.float32),),
                                                   (TensorInfo((3, 4, 2), torch.float16),)]
+
+
+class _GrowsWhenGiven(nn.Module):
+    """Widens its later outputs only on a call given a complex number (an argument no key holds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 1
+
+    def forward(self, x, flag=None):
+        if flag is not None:
+            self.n += 1
+        return x.repeat(1, self.n)
+
+
+class _ThreeCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.other, self.grows = _GrowsWhenGiven(), _GrowsWhenGiven()
+
+    def forward(self, x):
+        return self.other(x), self.grows(x, 1j), self.grows(x)
+
+
+def test_a_change_made_by_a_call_without_a_key_is_not_missed():
+    """``other(x)`` stores the sizes for ``n == 1``; ``grows(x, 1j)`` (no key: a complex argument)
+    raises ``grows``'s ``n`` to 2 on its meta copy; ``grows(x)`` then has the key ``other`` stored
+    (the original's ``n`` is still 1) but must run: it is twice as wide."""
+    gm = _leaf_graph(_ThreeCalls())
+    shapes.propagate(gm, (torch.randn(2, 3),))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [meta.out_infos(n)[0].shape for n in calls] == [(2, 3), (2, 6), (2, 6)]
