@@ -301,7 +301,7 @@ def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None
                 del m.__dict__[k]
             m.__dict__.update(before)
             for k, v in contents.items():
-                _refill(before[k], v)
+                refill(before[k], v)
 
 
 def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, cloned: bool) -> None:
@@ -322,7 +322,7 @@ def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, c
                            "please report this with the model")
 
 
-def _refill(container: Any, contents: Any) -> None:
+def refill(container: Any, contents: Any) -> None:
     """Put ``contents`` back into ``container`` in place (its identity is what others hold);
     compared by identity only (``==`` on tensors is elementwise)."""
     if isinstance(container, dict):

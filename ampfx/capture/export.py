@@ -152,18 +152,21 @@ def stall_limit(model: nn.Module, active: bool) -> Iterator[None]:
     from torch.nn.modules.module import register_module_forward_hook
 
     names = {id(m): path or "the root module" for path, m in model.named_modules()}
-    first = last = None  # from the first module's end: export's setup before it is not a module's time
-    ends = 0
+    first = last = 0.0  # times from the first module's end: export's setup before it is not a module's time
+    ends = 0  # module ends after the first
 
     def check(module: nn.Module, args: Any, output: Any) -> None:
         nonlocal first, last, ends
         now = time.perf_counter()
-        took, average = (now - last, (last - first) / ends) if ends else (0.0, None)
-        first, last, ends = first or now, now, ends + (last is not None)
-        if average is not None and took > STALL_SECONDS and took > STALL_RATIO * average:
+        if not first:
+            first = last = now
+            return
+        took, average = now - last, (last - first) / ends if ends else None
+        if average is not None and took > max(STALL_SECONDS, STALL_RATIO * average):
             raise ExportStalled(f"symbolic size analysis stalled: {took:.1f} s passed before the forward of "
                                 f"{names.get(id(module), type(module).__name__)!r} ended, "
                                 f"{took / max(average, 1e-9):.0f}x the average module before it")
+        last, ends = now, ends + 1
 
     handle = register_module_forward_hook(check)
     try:

@@ -57,7 +57,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ..meta import USER_FLOAT32
 from ..module_match import TRACED_PRE_HOOKS
-from ..state import _refill
+from ..state import refill
 
 
 class Kind(enum.Enum):
@@ -127,7 +127,7 @@ class Watch:
         self.where: Callable[[], str] = lambda: ""  # the tracer says which module's forward runs now
         self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
         self._state: dict[str, _ModuleState] = {}
-        self._paths: dict[int, str] | None = None
+        self._paths: dict[int, str] = {}  # id of each watched module -> its path (under export)
 
     def __enter__(self) -> Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -138,6 +138,7 @@ class Watch:
                 stack.enter_context(_wrapped_context(cls))
             stack.enter_context(_wrapped_apply())
             if self.export and self._state:
+                self._paths = {id(s.module): p for p, s in self._state.items()}
                 stack.callback(register_module_forward_hook(self._stop_at_attribute).remove)
             self._stack = stack.pop_all()
         _ACTIVE.append(self)
@@ -156,9 +157,7 @@ class Watch:
         """torch.export runs the Python once: a module whose forward set a Python attribute that feeds the
         computation (a cache of attention biases) makes the capture unfaithful. Say so when that forward
         ends, instead of after tracing the rest of the model."""
-        paths = self._paths if self._paths is not None else {id(s.module): p for p, s in self._state.items()}
-        self._paths = paths
-        path = paths.get(id(module))
+        path = self._paths.get(id(module))
         if path is None:
             return
         state, now = self._state[path], vars(module)
@@ -297,12 +296,12 @@ class _ModuleState:
     attrs: dict[str, Any]
     tensors: dict[str, tuple[str, Any, int]]
     values: dict[str, torch.Tensor]
-    contents: dict[str, tuple] = dataclasses.field(default_factory=dict)  # a list's or dict's items, and a copy
+    contents: dict[str, Any] = dataclasses.field(default_factory=dict)  # a copy of each list or dict attribute
 
     @classmethod
     def of(cls, m: nn.Module) -> _ModuleState:
         attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
-        contents = {k: (_items(v), v.copy()) for k, v in attrs.items() if type(v) in (list, dict)}
+        contents = {k: v.copy() for k, v in attrs.items() if type(v) in (list, dict)}
         tensors = {**{n: ("parameter", p, p._version) for n, p in m._parameters.items() if p is not None},
                    **{n: ("buffer", b, b._version) for n, b in m._buffers.items() if b is not None}}
         values = {n: b.detach().clone() for n, b in m._buffers.items()
@@ -332,16 +331,16 @@ class _ModuleState:
             else:
                 del now[key]
         changes += [(words, False) for words in self.filled(now)]
-        for key, (_, copy) in self.contents.items():  # a cache filled while tracing holds proxies or fakes
+        for key, copy in self.contents.items():  # a cache filled while tracing holds proxies or fakes
             if now.get(key) is self.attrs[key]:
-                _refill(now[key], copy)
+                refill(now[key], copy)
         return changes
 
     def filled(self, now: dict[str, Any]) -> list[str]:
         """The list and dict attributes changed in place since :meth:`of` whose contents can feed the
         computation (a cache of tensors a forward fills: a graph would not fill it), in words."""
-        return [f"attribute {key!r} changed in place" for key, (items, _) in self.contents.items()
-                if now.get(key) is self.attrs[key] and _items(now[key]) != items and _computes(now[key])]
+        return [f"attribute {key!r} changed in place" for key, copy in self.contents.items()
+                if now.get(key) is self.attrs[key] and _items(now[key]) != _items(copy) and _computes(now[key])]
 
     def attr_changes(self, own: set[str]) -> list[tuple[str, str | None]]:
         """Each Python attribute set or changed since :meth:`of`, with what changed in words (``None``:
