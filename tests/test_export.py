@@ -654,6 +654,51 @@ def test_modules_of_a_class_export_found_unfaithful_are_not_exported_again_in_th
     assert all(type(v) is torch.Tensor for v in m.first.cache.values())
 
 
+@pytest.mark.skipif(not hasattr(torch.fx.config, "do_not_emit_stack_traces"), reason="this torch records them always")
+@pytest.mark.parametrize("before", [False, True])
+def test_export_records_no_stack_traces_and_leaves_torchs_setting_as_found(before, monkeypatch):
+    """Each node's Python stack took a tenth of an export's time; no pass reads it. The switch is
+    torch's global config: it is set for the export only."""
+    from ampfx.capture import export
+    from ampfx.inputs import ExampleInputs
+    monkeypatch.setattr(torch.fx.config, "do_not_emit_stack_traces", before)
+    cap = export.capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ExampleInputs.of((torch.randn(2, 4),)))
+    assert not [n for n in cap.graph.nodes if n.meta.get("stack_trace")]
+    assert torch.fx.config.do_not_emit_stack_traces is before
+
+
+class _LeafCaches(nn.Module):
+    """torch.fx traces the root and keeps the two caching modules as leaves."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _EvalCache(), _EvalCache()
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_export_is_not_tried_where_the_models_own_run_fills_a_cache(monkeypatch):
+    """torch.fx needs leaves, so the ladder would try torch.export next; in eval mode the real run that
+    checks the fx graph has already filled both caches, which export would stop at: it is not tried
+    (it took 1.5 s to reach EfficientViT-M0's first cache). The train-mode conversion still exports
+    (no cache there), and both modes compute what the model computes."""
+    from ampfx.capture import export
+    calls = []
+    real = export._export
+    monkeypatch.setattr(export, "_export", lambda model, *a: calls.append(model.training) or real(model, *a))
+    torch.manual_seed(0)
+    m, x = _LeafCaches().train(), torch.randn(2, 16)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    assert calls == [True] and amp.ampfx_report.regions[0].method == "export"
+    root = amp.mode_module(False).ampfx_report.regions[0]
+    assert root.method == "fx" and any("torch.export not tried: the model's own run shows" in s and "'first'" in s
+                                       and "attribute 'cache' changed in place" in s for s in root.steps), root.steps
+    assert rel_err(amp(x), m(x)) < 0.02
+    amp.eval(), m.eval()
+    assert rel_err(amp(x), m(x)) < 0.02 and all(type(v) is torch.Tensor for v in m.first.cache.values())
+
+
 class _Counts(nn.Module):
     """Sets a Python attribute on every call: no graph repeats it, so the module keeps its Python and
     its children are converted on their own."""

@@ -45,11 +45,13 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     was named (``required``) rather than found by ``"auto"``; when torch.export does capture it, a
     note says which modules it inlined. ``sizes`` and ``drops``: :func:`ampfx.capture.export.capture`'s memos;
     torch.export is not tried where ``drops`` already names modules (paths in ``module``, of a class whose
-    forward an earlier export in this training mode found it would not repeat)."""
-    fx_capture, steps = None, []
+    forward an earlier export in this training mode found it would not repeat), nor where the model's own
+    run that checks the torch.fx graph shows a forward doing that (an eval-mode cache filled); those
+    modules' paths are added to ``drops``."""
+    fx_capture, steps, seen = None, [], {}
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
-        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx, kept=kept)
+        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx, kept=kept, seen=seen)
         if fx_capture is not None and (only_fx or fx_capture.why):
             return fx_capture
         if only_fx:
@@ -60,6 +62,13 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         if not exportable:
             return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
+        if seen:  # the model's own run (verifying the fx graph) changed Python state: export would stop there
+            if drops is not None:
+                drops.update(seen)
+            what = "; ".join(f"{p or 'the root module'!r}: {', '.join(w)}" for p, w in sorted(seen.items())[:3])
+            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: the model's own run shows forwards "
+                                             f"setting Python state its graph would not repeat ({what}"
+                                             + (f" and {len(seen) - 3} more)" if len(seen) > 3 else ")")])
         if drops:
             return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: an earlier export in this "
                                              "training mode would drop what modules of the class of "
@@ -92,13 +101,13 @@ def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Unca
 
 
 def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, check: bool,
-             kept: frozenset[str] = frozenset()) -> tuple[Capture | None, list[str], bool]:
+             kept: frozenset[str] = frozenset(), seen: dict | None = None) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
     set when it reproduces the module without leaves; a capture without ``why`` (it
     needed leaves) is kept only if torch.export fails; a graph that computes something
     else is never returned. The flag: may torch.export be tried next (not when a forward sets
-    Python attributes, :attr:`Capture.python_state`)."""
+    Python attributes, :attr:`Capture.python_state`). ``seen``: :func:`~ampfx.capture.verify.reproduces`'s."""
     try:
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
@@ -119,7 +128,7 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ch
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
                                             "no example inputs)"), list(got.steps), True
     built = graph_module(module, got.graph)
-    wrong = reproduces(module, built, inputs)
+    wrong = reproduces(module, built, inputs, seen=seen)
     if wrong is None and not got.leaves:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
                                             "gradients and buffer updates on the example inputs", module=built), \

@@ -160,13 +160,7 @@ class Watch:
         path = self._paths.get(id(module))
         if path is None:
             return
-        state, now = self._state[path], vars(module)
-        # a pruning / weight_norm pre-hook (traced in) sets its weight on every call, as a tensor attribute
-        hooked = {getattr(h, "_tensor_name", None) or getattr(h, "name", None)
-                  for h in module._forward_pre_hooks.values() if isinstance(h, TRACED_PRE_HOOKS)}
-        changed = [words for key, words in state.attr_changes(set())
-                   if words is not None and not (key in hooked and isinstance(now.get(key), torch.Tensor))]
-        changed += state.filled(now)
+        changed = self._state[path].unfaithful()
         if changed:
             for words in changed:
                 self.drop(path, words)
@@ -200,6 +194,32 @@ class Watch:
             if self.scopes[i][0] == key:
                 del self.scopes[i]
                 return
+
+
+@contextlib.contextmanager
+def python_changes(model: nn.Module) -> Iterator[dict[str, tuple[str, ...]]]:
+    """The modules of ``model`` (paths, '' for ``model``) whose Python state the block changed in a way a
+    graph would not repeat (:meth:`_ModuleState.unfaithful`), in words; filled when the block ends without
+    an error, and nothing is put back (the caller's :func:`~ampfx.state.kept_attributes` does that). A real
+    run of the model that shows one tells, before torch.export is tried, that its graph would be unfaithful.
+
+    >>> class Cached(nn.Linear):
+    ...     def forward(self, x):
+    ...         self.cache.setdefault("w", self.weight * 2)
+    ...         return x @ self.cache["w"].t()
+    >>> net = nn.Sequential(Cached(2, 2)); net[0].cache = {}
+    >>> with python_changes(net) as seen:
+    ...     _ = net(torch.ones(1, 2))
+    >>> seen
+    {'0': ("attribute 'cache' changed in place",)}
+    """
+    before = [(path, _ModuleState.of(m, tensors=False)) for path, m in model.named_modules()]
+    seen: dict[str, tuple[str, ...]] = {}
+    yield seen
+    for path, state in before:
+        changed = state.unfaithful()
+        if changed:
+            seen[path] = tuple(changed)
 
 
 @contextlib.contextmanager
@@ -299,9 +319,12 @@ class _ModuleState:
     contents: dict[str, Any] = dataclasses.field(default_factory=dict)  # a copy of each list or dict attribute
 
     @classmethod
-    def of(cls, m: nn.Module) -> _ModuleState:
+    def of(cls, m: nn.Module, tensors: bool = True) -> _ModuleState:
+        """The module's state now (``tensors=False``: its Python attributes only)."""
         attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
         contents = {k: v.copy() for k, v in attrs.items() if type(v) in (list, dict)}
+        if not tensors:
+            return cls(m, attrs, {}, {}, contents)
         tensors = {**{n: ("parameter", p, p._version) for n, p in m._parameters.items() if p is not None},
                    **{n: ("buffer", b, b._version) for n, b in m._buffers.items() if b is not None}}
         values = {n: b.detach().clone() for n, b in m._buffers.items()
@@ -341,6 +364,17 @@ class _ModuleState:
         computation (a cache of tensors a forward fills: a graph would not fill it), in words."""
         return [f"attribute {key!r} changed in place" for key, copy in self.contents.items()
                 if now.get(key) is self.attrs[key] and _items(now[key]) != _items(copy) and _computes(now[key])]
+
+    def unfaithful(self) -> list[str]:
+        """What the module's forward changed since :meth:`of` that a graph, which runs the Python once, would
+        not repeat, in words: a Python attribute set or changed that feeds the computation (a tensor too,
+        except the weight a traced pruning / weight_norm pre-hook sets on every call), a list or dict filled."""
+        now = vars(self.module)
+        hooked = {getattr(h, "_tensor_name", None) or getattr(h, "name", None)
+                  for h in self.module._forward_pre_hooks.values() if isinstance(h, TRACED_PRE_HOOKS)}
+        changed = [words for key, words in self.attr_changes(set())
+                   if words is not None and not (key in hooked and isinstance(now.get(key), torch.Tensor))]
+        return changed + self.filled(now)
 
     def attr_changes(self, own: set[str]) -> list[tuple[str, str | None]]:
         """Each Python attribute set or changed since :meth:`of`, with what changed in words (``None``:

@@ -1,6 +1,7 @@
 """Verification of a capture: does the captured graph compute what the model computes?"""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +13,11 @@ from ..graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..state import keep_hooks, kept_attributes, kept_buffers, kept_rng
 from .base import short
+from .semantics import python_changes
 
 
 def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: ExampleInputs,
-               rtol: float = 1e-4) -> str | None:
+               rtol: float = 1e-4, seen: dict[str, tuple[str, ...]] | None = None) -> str | None:
     """``None`` if ``graph`` does what ``model`` does on ``inputs``, else why not. ``graph`` may be the
     graph module :func:`~ampfx.graph_module.graph_module` made of it over ``model`` (the conversion then
     goes on with it rather than generate the same code again).
@@ -29,11 +31,13 @@ def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: Examp
     but computes something else, and a graph can lose a ``no_grad`` region or a
     buffer update that its outputs do not show; this catches both before
     conversion. Buffers, parameters' ``.grad`` and the random state are left as found.
+    ``seen``, where given, gets the modules whose forward, in the model's own run, changed Python
+    state a graph would not repeat (:func:`~ampfx.capture.semantics.python_changes`).
     """
     gm = graph if isinstance(graph, fx.GraphModule) else graph_module(model, graph)
     keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
-        want = _run(model, model, inputs)
+        want = _run(model, model, inputs, seen)
     except ExampleInputsError:
         raise
     except Exception:  # noqa: BLE001 - nothing to compare (a meta-device model; outputs that take no weighting)
@@ -57,12 +61,15 @@ class _Run:
     backward: bool
 
 
-def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs) -> _Run:
+def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs, seen: dict | None = None) -> _Run:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model, bookkeeping=False), torch.enable_grad():
         torch.manual_seed(0)
         try:  # a copy of the inputs each time: the forward may change what it is given (caches)
-            result = inputs.snapshot().call(m)
+            with python_changes(model) if seen is not None else contextlib.nullcontext({}) as changed:
+                result = inputs.snapshot().call(m)
+            if seen is not None:
+                seen.update(changed)
         except Exception as e:  # noqa: BLE001
             if m is model:
                 _reject(model, inputs, e)
