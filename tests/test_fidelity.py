@@ -101,3 +101,36 @@ def test_switch_variants_exist_only_for_policy_fields():
     for label in fm.variants():
         if "=" in label:
             assert label.split()[1].split("=")[0] in fields
+
+
+class _TanhGELU(torch.nn.Module):
+    """HF's ``gelu_new`` (GPT-2, ALBERT, ...), written out: ``x**3`` overflows float16 above |x| = 40."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_float16_power_stays_float32_where_its_gradient_would_overflow():
+    """Why ``pow`` is on the float16 deny list (2-3 more casts per tanh-GELU than CPU autocast): with
+    pre-activations of a few hundred, ``pow``'s backward (3 x**2 times a gradient of exactly 0 where
+    tanh saturates) is inf * 0 in float16, so every weight before it gets NaN gradients (the loss
+    scaler skips the step, and keeps skipping). The deny entry keeps them finite and close to float32's;
+    autocast's plan (``pow`` run in float16, as the environment override below asks) does not."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), _TanhGELU(), torch.nn.Linear(64, 16))
+    with torch.no_grad():
+        net[0].weight.mul_(400.0)  # pre-activations up to a few hundred, as outlier features reach
+    x = torch.randn(8, 16)
+    assert 150 < net[0](x).abs().max() < 3000
+
+    def grads(model):
+        net.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    want = grads(net)
+    got = grads(ampfx.convert(net, torch.float16, example_inputs=(x,)))
+    assert torch.isfinite(got).all() and ((got - want).abs().max() / want.abs().max()) < 0.01
+    as_autocast = ampfx.convert(net, torch.float16, example_inputs=(x,),
+                                environ={"AMPFX_DENYLIST_REMOVE": "pow", "AMPFX_INFERLIST_ADD": "pow"})
+    assert not torch.isfinite(grads(as_autocast)).all()
