@@ -252,9 +252,12 @@ _views = ["view", "reshape", "permute", "transpose", "t", "flatten", "unflatten"
 _aliasing = {"view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
              "expand_as", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "view_as", "reshape_as",
              "movedim", "swapaxes", "diagonal", "contiguous", "detach"}
+_view_modules = {"pixel_shuffle": ("PixelShuffle",), "pixel_unshuffle": ("PixelUnshuffle",),
+                 "channel_shuffle": ("ChannelShuffle",)}
 for _name in _views:
-    _op(_name, C, _NEUTRAL, fns=[f for f in _torch_fns(_name) if _name != "unfold"],
-        methods=[_name], aten=[_name],
+    _op(_name, C, _NEUTRAL, fns=[f for f in _torch_fns(_name) if _name != "unfold"],  # F.unfold: im2col, below
+        methods=[_name], aten=[_name, *(["native_channel_shuffle"] if _name == "channel_shuffle" else [])],
+        modules=_mods(*_view_modules.get(_name, ())),
         index_args=(("index", 2) if _name in ("index_select", "gather") else ()), view=_name in _aliasing)
 _op("getitem", C, _NEUTRAL + "; a slice is cast after it is taken (fewer bytes)", fns=[operator.getitem],
     view=True, select=True)
@@ -279,6 +282,11 @@ for _name in ("max", "min", "amax", "amin", "maximum", "minimum", "abs", "neg", 
     _op(_name, C, "selects or negates: exact in any float format",
         fns=[*_torch_fns(_name), *([operator.neg] if _name == "neg" else [])],
         methods=[_name, *(["__neg__"] if _name == "neg" else [])], aten=[_name])
+_op("threshold", C, "keeps x or writes a given value: exact in any float format",
+    fns=_torch_fns("threshold", "hardshrink"), methods=["hardshrink"], modules=_mods("Threshold", "Hardshrink"),
+    aten=["threshold", "hardshrink"])
+_op("im2col", C, _NEUTRAL + " (copies each sliding window's values, zero padding)", fns=[F.unfold],
+    modules=_mods("Unfold"), aten=["im2col"])
 _op("where", C, "selects between values: exact", fns=[torch.where], methods=["where"], aten=["where"])
 _op("masked_fill", C, "fills selected values: exact", fns=[torch.masked_fill], methods=["masked_fill"],
     aten=["masked_fill"], index_args=(1, "mask"))
@@ -315,6 +323,8 @@ for _name, _extra_fns, _methods, _mod in [
     ("logsigmoid", [], [], ("LogSigmoid",)),
     ("sqrt", [], ["sqrt"], ()),
     ("erf", [], ["erf"], ()),
+    ("glu", [], [], ("GLU",)),  # a * sigmoid(b), the halves of its input (conformer convolution modules)
+    ("softshrink", [], ["softshrink"], ("Softshrink",)),
 ]:
     _op(_name, I, _ELEMENTWISE, fns=[*_torch_fns(_name), *_extra_fns], methods=_methods, modules=_mods(*_mod),
         aten=[_name], promotes=_name in ("add", "sub", "mul", "div"),
@@ -324,6 +334,8 @@ _op("avg_pool", I, "window mean: the kernel accumulates in float32",
                    "adaptive_avg_pool3d"),
     modules=_mods("AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d"),
     aten=["avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d", "avg_pool3d"], probe="avg_pool")
+_op("fold", I, "sums the few sliding windows that overlap each output: as accurate as its inputs", fns=[F.fold],
+    modules=_mods("Fold"), aten=["col2im"])
 _op("interpolate", I, "weighted sums of a few neighbours: as accurate as its inputs",
     fns=[F.interpolate, F.upsample], modules=_mods("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"),
     aten=["upsample_nearest2d", "upsample_bilinear2d"], probe="interpolate")
@@ -387,9 +399,9 @@ _op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=
 _op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"], reduction=True)
 _op("norm", D, _REDUCE + " (squares overflow float16)",
     fns=[torch.norm, torch.linalg.norm, torch.linalg.vector_norm, torch.cdist, F.pairwise_distance],
-    methods=["norm"], aten=["norm", "linalg_vector_norm"], reduction=True)
+    modules=_mods("PairwiseDistance"), methods=["norm"], aten=["norm", "linalg_vector_norm"], reduction=True)
 _op("normalize", I, "x / max(norm(x), eps): the norm kernel accumulates in float32 and bfloat16 holds eps; "
-    "follows its inputs", fns=[F.normalize, F.cosine_similarity],
+    "follows its inputs", fns=[F.normalize, F.cosine_similarity], modules=_mods("CosineSimilarity"),
     fp16=(D, "x / max(norm(x), eps): eps (1e-12 by default, 1e-8 in cosine_similarity) is 0 in float16, so a "
              "zero vector gives 0/0 = NaN; float32"))
 _op("cumsum", D, "running sum: every output carries the rounding of all before it",

@@ -34,6 +34,13 @@ def test_required_op_has_an_entry_with_a_reason(name):
     ((torch.ops.aten.sum.dim_IntList, torch.sum, "sum"), "sum"),
     ((nn.LSTM,), "lstm"),
     ((F.relu_, "relu_", nn.ReLU), "relu"),
+    ((F.glu, nn.GLU, torch.ops.aten.glu.default), "glu"),
+    ((F.threshold, nn.Threshold, F.hardshrink, nn.Hardshrink, torch.ops.aten.hardshrink.default), "threshold"),
+    ((F.unfold, nn.Unfold, torch.ops.aten.im2col.default), "im2col"),
+    ((F.fold, nn.Fold, torch.ops.aten.col2im.default), "fold"),
+    ((F.pixel_shuffle, nn.PixelShuffle), "pixel_shuffle"),
+    ((F.cosine_similarity, nn.CosineSimilarity), "normalize"),
+    ((F.pairwise_distance, nn.PairwiseDistance), "norm"),
 ])
 def test_function_method_module_and_aten_forms_share_one_name(keys, name):
     """The same op reached as a function, a method, a module or an ATen overload is one op."""
