@@ -3,6 +3,8 @@ import copy
 import io
 import pickle
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -665,6 +667,27 @@ def test_export_records_no_stack_traces_and_leaves_torchs_setting_as_found(befor
     cap = export.capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ExampleInputs.of((torch.randn(2, 4),)))
     assert not [n for n in cap.graph.nodes if n.meta.get("stack_trace")]
     assert torch.fx.config.do_not_emit_stack_traces is before
+
+
+def test_whole_dimension_slices_export_records_are_left_out():
+    """``x[:, t]`` records ``aten.slice(x, 0, 0, <max>)`` under export, where eager indexing records
+    nothing; its backward writes a zero tensor of ``x``'s size. The graph reads ``x`` instead (a note
+    says how many); partial and strided slices stay, and values and gradients are the model's."""
+    from ampfx.capture import export
+    from ampfx.inputs import ExampleInputs
+
+    class Index(nn.Module):
+        def forward(self, x):
+            return x[:, 1, :, None] * 2 + x[:, :2].sum() + x[1:, ::2].sum()
+
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    cap = export.capture(Index(), ExampleInputs.of((x,)))
+    slices = [n.args[1:] for n in cap.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    assert sorted(slices) == [(0, 1, sys.maxsize), (1, 0, 2), (1, 0, sys.maxsize, 2)]
+    assert "dropped export's whole-dimension slices (3)" in cap.notes
+    amp = ampfx.convert(Index(), "bf16", example_inputs=(x,), tracer="export")
+    want = torch.autograd.grad(Index()(x).sum(), x)[0]
+    assert torch.equal(torch.autograd.grad(amp(x).float().sum(), x)[0], want)
 
 
 class _LeafCaches(nn.Module):

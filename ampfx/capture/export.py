@@ -325,6 +325,11 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
             graph.erase_node(node)
             dropped["dtype assertions"] = dropped.get("dtype assertions", 0) + 1
             continue
+        if _full_slice(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped["whole-dimension slices"] = dropped.get("whole-dimension slices", 0) + 1
+            continue
         if node.op == "get_attr":
             target = str(node.target)
             try:
@@ -346,6 +351,18 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
         _mark_user_float32(node)
     notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
     return constants, notes
+
+
+def _full_slice(node: fx.Node) -> bool:
+    """Is ``node`` ``aten.slice(x, dim, 0, <end of any size>)``, which export records for each ``:`` of
+    ``x[:, t]`` where eager indexing records nothing? Its backward writes a zero tensor of ``x``'s size
+    and copies the gradient in (a selective scan indexing ``dt[:, t]`` per step wrote 10% more bytes
+    in its step than the model); reading ``x`` itself is the same values, the same storage."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return False
+    _, start, end, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1:])
+    return (isinstance(node.args[0], fx.Node) and start in (None, 0) and step in (None, 1)
+            and (end is None or (isinstance(end, int) and end >= sys.maxsize)))
 
 
 def _mark_user_float32(node: fx.Node) -> None:
