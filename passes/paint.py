@@ -20,7 +20,8 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 Steps 4 and 5 repeat until nothing changes. Step 6 moves an infer/clear op
 painted low to float32 where that removes a cast and adds none; step 7 moves a
 whole connected region of them where that needs fewer casts and moves no more
-bytes. A slot the op's entry pins to
+bytes (a region of clear ops only, whose values are the same either way, may move
+up to :data:`LAUNCH_BYTES` more per cast saved). A slot the op's entry pins to
 float32 (a norm's weight and bias, ``OpEntry.fp32_args``) is not counted as a
 float input in step 4.
 
@@ -241,10 +242,19 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
                     "float32 saves a cast")
 
 
+LAUNCH_BYTES = 16 * 1024
+"""What a cast costs beyond its bytes, in bytes: its launch (microseconds, in which a CPU core moves tens of
+kilobytes and a GPU megabytes). Counted where only cost differs: a region of clear ops (copies,
+concatenations, views) holds the same values cast before it or after it. A diffusion model's timestep
+embedding ``cat([cos(t), sin(t)])`` feeding a GEMM is cast once after the ``cat`` rather than twice
+before it, for a few hundred bytes more."""
+
+
 def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Step 7: a connected region of infer/clear ops painted low computes in
-    float32 instead when that needs fewer casts and moves no more bytes.
-    Returns whether any region moved.
+    float32 instead when that needs fewer casts and moves no more bytes; a
+    region of clear ops only may move :data:`LAUNCH_BYTES` more per cast saved
+    (its values do not depend on where the cast is). Returns whether any region moved.
 
     Casts are counted as :func:`~ampfx.passes.casts.needed_casts` would insert
     them (one per value and dtype, shared with consumers outside the region;
@@ -279,7 +289,8 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
         cost = {option: _region_cost(region, touched, option, dec, users_of, keep, ctx)
                 for option in (low, torch.float32)}
         (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
-        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low):
+        exact = all(dec[n].category is Category.CLEAR for n in region)  # same values cast before or after
+        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low + exact * (n_low - n_fp32) * LAUNCH_BYTES):
             continue
         _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
         for n in touched:

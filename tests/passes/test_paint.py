@@ -4,6 +4,8 @@
 Several graphs use ``keep_output_dtype=False``: then graph outputs need no cast back
 to float32, and step 7 (which counts those casts) leaves the step under test alone.
 """
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -156,6 +158,28 @@ def test_step7_a_region_moves_to_float32_when_it_needs_fewer_casts():
     assert rec(gm, "mul").out == torch.float32
     gm, _ = run(Scale(), (torch.randn(2, 4),))
     assert sorted(c.args[0].name for c in calls(gm, runtime.cast)) == ["w", "x"]
+
+
+@pytest.mark.parametrize("size,moves", [(16, True), (4096, False)])
+def test_step7_a_clear_region_moves_where_a_cast_saved_outweighs_its_extra_bytes(size, moves):
+    """A diffusion model's timestep embedding: ``cat([cos(t), sin(t)])`` (deny ops, float32) feeds a
+    GEMM. Low, the cat needs two casts; in float32, one after it, but it copies float32 (more bytes).
+    A cat holds the same values either way, so only cost decides: for a small embedding a cast's
+    launch (``LAUNCH_BYTES``) outweighs those bytes and the cat moves; for a large one it stays low.
+    (An infer region gets no such credit: tests/passes/test_fidelity.py's TF-AMP-only stream stays low.)"""
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 2 * size))
+
+        def forward(self, t):
+            return F.linear(torch.cat([torch.cos(t), torch.sin(t)], -1), self.w)
+
+    gm, _ = run(Embed(), (torch.randn(2, size),), **PAINT)
+    assert rec(gm, "cat").out == (torch.float32 if moves else torch.bfloat16)
+    if moves:
+        before, after = map(int, re.search(r"(\d+) casts -> (\d+)", rec(gm, "cat").reason).groups())
+        assert rec(gm, "cat").rule == "paint:save-cast" and before - after == 1
 
 
 def test_in_place_ops_keep_the_dtype_of_the_tensor_they_mutate():
