@@ -11,10 +11,11 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import calibrate, casts, classify, pad, paint, reductions, tuned
+from . import calibrate, casts, classify, pad, paint, reductions, tuned, unpack
 from .context import PassContext
 
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
+    unpack.unpack,  # a tensor unpacked into all its rows: one unbind, as eager Python runs it (needs shapes)
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
