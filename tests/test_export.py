@@ -345,6 +345,26 @@ def test_auto_keeps_fx_leaves_when_export_fails():
     assert any(s.startswith("torch.export") for s in steps) and steps[-1] == "kept the torch.fx graph with leaves"
 
 
+def test_an_fx_graph_with_leaves_is_run_only_when_it_is_kept(monkeypatch):
+    """The fx graph with leaves is only a fallback for export: its check against the model (its own run,
+    forward and backward) waits until export fails, and is skipped where export captures the model."""
+    from ampfx.capture import ladder
+    runs = []
+    real = ladder.compare
+    monkeypatch.setattr(ladder, "compare", lambda model, *a, **k: runs.append(type(model)) or real(model, *a, **k))
+    ampfx.convert(Outer(), "bf16", example_inputs=(torch.randn(3, 8),))  # export fails in child b: fx kept
+    assert runs.count(Outer) == 1
+    runs.clear()
+
+    class Clamp(nn.Linear):  # torch.fx cannot trace it (torch.finfo of a traced dtype): a leaf; export can
+        def forward(self, x):
+            return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
+
+    amp = ampfx.convert(nn.Sequential(Clamp(16, 16), nn.ReLU(), nn.Linear(16, 4)), "bf16",
+                        example_inputs=(torch.randn(2, 16),))
+    assert amp.ampfx_report.regions[0].method == "export" and runs == []
+
+
 # ------------------------------------------------------------------ errors
 def test_export_needs_example_inputs():
     with pytest.raises(TypeError, match="tracer='export' runs the model on example_inputs"):

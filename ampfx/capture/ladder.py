@@ -19,17 +19,20 @@ one. :func:`capture` tries, with ``tracer="auto"``:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.nn as nn
 
 from ..graph_module import graph_module
+from ..errors import ExampleInputsError
 from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..state import kept_random
 from . import export
 from .base import Capture, Uncaptured
 from .tracer import RootUntraceable, trace
-from .verify import reproduces
+from .verify import compare, reference
 
 
 FROZEN_DRAW = ("the model's Python drew a random number while being traced (a layerdrop `if torch.rand(()) < p`): "
@@ -48,35 +51,36 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     forward an earlier export in this training mode found it would not repeat), nor where the model's own
     run that checks the torch.fx graph shows a forward doing that (an eval-mode cache filled); those
     modules' paths are added to ``drops``."""
-    fx_capture, steps, seen = None, [], {}
+    fx_capture, steps, run = None, [], _ModelRun()
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
-        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx, kept=kept, seen=seen)
+        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, check=not only_fx, kept=kept, run=run)
+        seen = run.seen
         if fx_capture is not None and (only_fx or fx_capture.why):
             return fx_capture
         if only_fx:
             return Uncaptured(tuple(steps))
         if kept and required:  # auto-kept blocks give way to one exported graph (a note says so)
-            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: it would inline the modules "
+            return _with_leaves(fx_capture, run, [*steps, "auto: torch.export not tried: it would inline the modules "
                                              f"keep_modules keeps as boundaries ({_few(kept)})"])
         if not exportable:
-            return _with_leaves(fx_capture, [*steps, "auto: a forward sets Python attributes, which torch.export "
+            return _with_leaves(fx_capture, run, [*steps, "auto: a forward sets Python attributes, which torch.export "
                                              "does not repeat either (it puts them back after tracing): not tried"])
         if seen:  # the model's own run (verifying the fx graph) changed Python state: export would stop there
             if drops is not None:
                 drops.update(seen)
             what = "; ".join(f"{p or 'the root module'!r}: {', '.join(w)}" for p, w in sorted(seen.items())[:3])
-            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: the model's own run shows forwards "
+            return _with_leaves(fx_capture, run, [*steps, "auto: torch.export not tried: the model's own run shows forwards "
                                              f"setting Python state its graph would not repeat ({what}"
                                              + (f" and {len(seen) - 3} more)" if len(seen) > 3 else ")")])
         if drops:
-            return _with_leaves(fx_capture, [*steps, "auto: torch.export not tried: an earlier export in this "
+            return _with_leaves(fx_capture, run, [*steps, "auto: torch.export not tried: an earlier export in this "
                                              "training mode would drop what modules of the class of "
                                              f"{_few(frozenset(p or '<this module>' for p in drops))} do"])
     try:
         exported = export.capture(module, inputs, policy.export_timeout, sizes, drops)
     except export.ExportFailed as e:
-        return _with_leaves(fx_capture, [*steps, *e.steps])
+        return _with_leaves(fx_capture, run, [*steps, *e.steps])
     notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "
              "module boundaries (hooks registered on them do not fire; FSDP2 cannot shard them one by one); name them "
              "in keep_modules (the module then keeps its Python around them), or use tracer='fx' where it "
@@ -90,8 +94,22 @@ def _few(paths: frozenset[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Uncaptured:
-    """No single graph: the torch.fx graph with leaves if there is one (it reproduces the module), else none."""
+@dataclass
+class _ModelRun:
+    """What the fx rung's real run of the model leaves for later: the modules it saw change Python state
+    a graph would not repeat, and the check of a graph with leaves against that run (``None``: nothing to
+    check), made only if that graph is kept (its own run, forward and backward, was half the check's time:
+    1.3 s of MaxViT-nano's, which exports)."""
+
+    seen: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    check: Callable[[], str | None] | None = None
+
+
+def _with_leaves(fx_capture: Capture | None, run: _ModelRun, steps: list[str]) -> Capture | Uncaptured:
+    """No single graph: the torch.fx graph with leaves if there is one and it reproduces the module, else none."""
+    wrong = run.check() if fx_capture is not None and run.check is not None else None
+    if wrong is not None:
+        return Uncaptured((*steps, f"auto: {wrong}: the torch.fx graph with leaves is not kept either"))
     if fx_capture is None:
         return Uncaptured(tuple(steps))
     return dataclasses.replace(fx_capture, steps=(*steps, "kept the torch.fx graph with leaves"),
@@ -101,13 +119,14 @@ def _with_leaves(fx_capture: Capture | None, steps: list[str]) -> Capture | Unca
 
 
 def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, check: bool,
-             kept: frozenset[str] = frozenset(), seen: dict | None = None) -> tuple[Capture | None, list[str], bool]:
+             kept: frozenset[str] = frozenset(), run: _ModelRun | None = None) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
     set when it reproduces the module without leaves; a capture without ``why`` (it
     needed leaves) is kept only if torch.export fails; a graph that computes something
     else is never returned. The flag: may torch.export be tried next (not when a forward sets
-    Python attributes, :attr:`Capture.python_state`). ``seen``: :func:`~ampfx.capture.verify.reproduces`'s."""
+    Python attributes, :attr:`Capture.python_state`). ``run`` gets what the model's real run showed, and
+    the check of a graph with leaves, which waits until that graph is needed (:class:`_ModelRun`)."""
     try:
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
@@ -127,13 +146,20 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ch
     if not check:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
                                             "no example inputs)"), list(got.steps), True
-    built = graph_module(module, got.graph)
-    wrong = reproduces(module, built, inputs, seen=seen)
-    if wrong is None and not got.leaves:
+    built, run = graph_module(module, got.graph), run if run is not None else _ModelRun()
+    try:
+        want = reference(module, inputs, run.seen)
+    except ExampleInputsError:
+        raise
+    except Exception:  # noqa: BLE001 - nothing to compare (a meta-device model; outputs that take no weighting)
+        want = None
+    if got.leaves:  # export comes next; this graph is checked only if it is kept
+        run.check = (lambda: compare(module, built, inputs, want)) if want is not None else None
+        return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying "
+                                 "torch.export for one graph"], not got.python_state
+    wrong = compare(module, built, inputs, want) if want is not None else None
+    if wrong is None:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
                                             "gradients and buffer updates on the example inputs", module=built), \
             list(got.steps), True
-    if wrong is not None:
-        return None, [*got.steps, f"auto: {wrong}; trying torch.export"], not got.python_state
-    return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying torch.export "
-                             "for one graph"], not got.python_state
+    return None, [*got.steps, f"auto: {wrong}; trying torch.export"], not got.python_state

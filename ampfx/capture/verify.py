@@ -35,19 +35,29 @@ def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: Examp
     state a graph would not repeat (:func:`~ampfx.capture.semantics.python_changes`).
     """
     gm = graph if isinstance(graph, fx.GraphModule) else graph_module(model, graph)
-    keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
-        want = _run(model, model, inputs, seen)
+        want = reference(model, inputs, seen)
     except ExampleInputsError:
         raise
     except Exception:  # noqa: BLE001 - nothing to compare (a meta-device model; outputs that take no weighting)
         return None
+    return compare(model, gm, inputs, want, rtol)
+
+
+def reference(model: nn.Module, inputs: ExampleInputs, seen: dict[str, tuple[str, ...]] | None = None) -> _Run:
+    """The model's own run that :func:`reproduces` compares a graph with (raises what the model raises;
+    :class:`~ampfx.errors.ExampleInputsError` when it does not run on ``inputs`` at all)."""
+    return _run(model, model, inputs, seen)
+
+
+def compare(model: nn.Module, gm: fx.GraphModule, inputs: ExampleInputs, want: _Run, rtol: float = 1e-4) -> str | None:
+    """:func:`reproduces`'s second half: run ``gm`` (over ``model``) and compare with ``want``."""
+    keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
         got = _run(gm, model, inputs)
     except Exception as e:  # noqa: BLE001
         return f"the torch.fx graph does not run on the example inputs ({short(e)})"
-    return _compare_outputs(want.outputs, got.outputs, rtol) or _compare_named(
-        want, got, rtol)
+    return _compare_outputs(want.outputs, got.outputs, rtol) or _compare_named(want, got, rtol)
 
 
 @dataclass(frozen=True)
