@@ -82,6 +82,26 @@ def test_rows_returned_or_not_all_selected_stay_selections():
     assert len(_unbinds(gm)) == 1
 
 
+def test_the_items_of_a_tuple_holding_one_tensor_are_not_rows():
+    """``out, _ = attention(x, x, x, need_weights=False)`` returns ``(tensor, None)``: its shapes record one
+    tensor, whose first dimension here is 2, and both items are taken. They are a tuple's items, not rows
+    (torchvision's ViT failed at its first call)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            out, _ = self.attn(x, x, x, need_weights=False)
+            return out + x
+
+    x = torch.randn(2, 5, 8)
+    gm, _ = run(Block(), (x,), upto=unpack.unpack)  # meta-tensor shapes: each tensor's sizes, not the tuple
+    assert not _unbinds(gm)
+    amp = ampfx.convert(Block(), torch.bfloat16, example_inputs=(x,))
+    assert amp(x).shape == (2, 5, 8)
+
+
 def test_nothing_changes_without_shapes():
     gm, _ = run(Attention(), None, upto=unpack.unpack)
     assert not _unbinds(gm)
