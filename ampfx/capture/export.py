@@ -356,8 +356,8 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
 def _full_slice(node: fx.Node) -> bool:
     """Is ``node`` ``aten.slice(x, dim, 0, <end of any size>)``, which export records for each ``:`` of
     ``x[:, t]`` where eager indexing records nothing? Its backward writes a zero tensor of ``x``'s size
-    and copies the gradient in (a selective scan indexing ``dt[:, t]`` per step wrote 10% more bytes
-    in its step than the model); reading ``x`` itself is the same values, the same storage."""
+    and copies the gradient in (a selective scan indexing ``dt[:, t]`` per step wrote 9% more bytes
+    in its step with them than without, 4% more than autocast); reading ``x`` itself is the same values, the same storage."""
     if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
         return False
     _, start, end, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1:])
