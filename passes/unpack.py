@@ -8,9 +8,11 @@ block wrote 5% more bytes per training step than autocast. With shapes, where th
 ``torch.unbind(x)`` and its items (one backward ``stack``).
 
 Not where an unbind would raise and the selections do not: ``unbind``'s outputs may not be changed in
-place, so every use of a selection, followed through ops that can return their input (views,
-dropout, ``.to``), must end in an op that makes a new tensor (a GEMM, an elementwise op), never in an
-in-place op, an op ampfx has no table entry for, or the graph's output.
+place, nor may their base, so every use of a selection, followed through ops that can return their
+input (views, dropout, ``.to``), must end in an op that makes a new tensor (a GEMM, an elementwise op),
+never in an in-place op, an op ampfx has no table entry for (a leaf of a class defined outside torch
+counts as one), or the graph's output; and no view of the tensor's base may be written in place.
+Negative indices are left as written (``x[-1]`` is the last row at every size).
 
 Before: ``getitem = qkv[0]; getitem_1 = qkv[1]; getitem_2 = qkv[2]``
 After:  ``unbind = torch.unbind(qkv); getitem = unbind[0]; getitem_1 = unbind[1]; getitem_2 = unbind[2]``
@@ -38,7 +40,7 @@ def unpack(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     for node in list(gm.graph.nodes):
         rows = _rows(node, gm)
-        if rows is not None and all(_safe(g, gm) for g in rows):
+        if rows is not None and _unwritten(node, gm) and all(_safe(g, gm) for g in rows):
             _to_unbind(gm, node, rows)
 
 
@@ -53,10 +55,10 @@ def _rows(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node] | None:
     picks = {}
     for u in node.users:
         if u.op == "call_function" and u.target is operator.getitem and u.args[0] is node and not u.kwargs \
-                and type(u.args[1]) is int and -n <= u.args[1] < n:
-            picks.setdefault(u.args[1] % n, []).append(u)
-        elif is_inplace(u, gm):
-            return None  # the tensor itself is written: leave it as written
+                and type(u.args[1]) is int:
+            if not 0 <= u.args[1] < n:  # x[-1] is the last row at any size, unbind(x)[n - 1] is not
+                return None
+            picks.setdefault(u.args[1], []).append(u)
     if n < 2 or sorted(picks) != list(range(n)) or any(len(v) > 1 for v in picks.values()):
         return None
     rows = [picks[i][0] for i in range(n)]
@@ -68,6 +70,37 @@ def _rows(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node] | None:
     return rows
 
 
+def _entry(n: fx.Node, gm: fx.GraphModule) -> ops.OpEntry | None:
+    """``n``'s table entry where ampfx knows what it does to its input: not a leaf of a class defined
+    outside torch (a subclass of ``nn.Linear`` may write its input in place), not an unlisted op."""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return None
+    if n.op == "call_module" and not type(gm.get_submodule(str(n.target))).__module__.startswith("torch."):
+        return None
+    name = ops.lookup_name(op_key(n, gm))
+    return ops.ENTRIES.get(name) if name is not None else None
+
+
+def _unwritten(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Is no alias of ``node`` written in place: the tensor it views (up through view ops), and every
+    view of that (``t.view(-1).mul_(2)`` after ``a, b = t`` makes unbind's outputs raise)?"""
+    root = node
+    while (entry := _entry(root, gm)) is not None and entry.view and root.args and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    seen, stack = {root}, [root]
+    while stack:
+        for u in stack.pop().users:
+            if u in seen or u.op == "output":
+                continue
+            entry = _entry(u, gm)
+            if is_inplace(u, gm) or entry is None:
+                return False
+            if entry.view:
+                seen.add(u)
+                stack.append(u)
+    return True
+
+
 def _safe(start: fx.Node, gm: fx.GraphModule) -> bool:
     """Does every use of ``start`` (through ops that may return their input) end in a new tensor?"""
     seen, stack = set(), [start]
@@ -76,11 +109,8 @@ def _safe(start: fx.Node, gm: fx.GraphModule) -> bool:
             if u in seen:
                 continue
             seen.add(u)
-            if u.op == "output" or is_inplace(u, gm):
-                return False
-            name = ops.lookup_name(op_key(u, gm)) if u.op in ("call_function", "call_method", "call_module") else None
-            entry = ops.ENTRIES.get(name) if name is not None else None
-            if entry is None:
+            entry = _entry(u, gm)
+            if u.op == "output" or is_inplace(u, gm) or entry is None:
                 return False
             if entry.category not in MAKES_NEW:
                 stack.append(u)

@@ -102,6 +102,78 @@ def test_the_items_of_a_tuple_holding_one_tensor_are_not_rows():
     assert amp(x).shape == (2, 5, 8)
 
 
+class Rows(nn.Module):
+    """``a, b, c = t[0], t[1], t[2]`` of a (3, B, 4) tensor, then ``then(self, t)``."""
+
+    def __init__(self, then=lambda self, t: None):
+        super().__init__()
+        self.lin = nn.Linear(4, 12)
+        self.then = then
+
+    def forward(self, x):
+        t = self.lin(x).view(x.shape[0], 3, 4).transpose(0, 1).contiguous()
+        a, b, c = t[0], t[1], t[2]
+        self.then(self, t)
+        return a * b + c
+
+
+class ScaledLinear(nn.Linear):
+    """A leaf of a user's class: it scales its input in place."""
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("then", [lambda self, t: t.view(-1).mul_(2), lambda self, t: t[0:1].mul_(2)],
+                         ids=["view-mul_", "slice-mul_"])
+def test_rows_whose_base_is_written_through_a_view_stay_selections(then):
+    """Writing the base through a view makes unbind's outputs raise at their next use (found by review)."""
+    torch.manual_seed(0)
+    m, x = Rows(then), torch.randn(2, 4)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,))
+    assert not _unbinds(amp)
+    assert (amp(x).float() - m(x)).abs().max() < 0.1
+
+
+def test_negative_indices_stay_selections():
+    """``h[-1]`` is the last row at every size; unbind(h)[2] is not (a call with 5 rows computed row 2)."""
+    class Neg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h[0] * h[1] + h[-1]
+
+    torch.manual_seed(0)
+    m = Neg()
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(torch.randn(3, 4),))
+    assert not _unbinds(amp)
+    x5 = torch.randn(5, 4)
+    assert (amp(x5).float() - m(x5)).abs().max() < 0.05
+
+
+def test_a_row_given_to_a_leaf_of_a_users_class_stays_a_selection():
+    """Its table entry comes from its base class (nn.Linear); what its forward does to its input does not."""
+    class M(Rows):
+        def __init__(self):
+            super().__init__()
+            self.proj = ScaledLinear(4, 4)
+
+        def forward(self, x):
+            t = self.lin(x).view(x.shape[0], 3, 4).transpose(0, 1)
+            q, k, v = t[0], t[1], t[2]
+            return self.proj(q) * k + v
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(2, 4)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), keep_modules=["proj"])
+    assert not _unbinds(amp)
+    assert (amp(x).float() - m(x)).abs().max() < 0.1
+
+
 def test_nothing_changes_without_shapes():
     gm, _ = run(Attention(), None, upto=unpack.unpack)
     assert not _unbinds(gm)
