@@ -212,8 +212,9 @@ def _probe_variant(kind: str, node: fx.Node, gm: fx.GraphModule) -> probes.Varia
     return probes.variant_of(kind, target, node.kwargs, module, rank, node.args)
 
 
-def _out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
-    """A Python float among ``node``'s arguments that ``low`` cannot hold, else ``None``.
+def _out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule | None = None) -> float | None:
+    """A Python float among ``node``'s arguments (a leaf module's float attributes, given ``gm``:
+    ``nn.Threshold(0.1, -1e5)``) that ``low`` cannot hold, else ``None``.
     (Exported graphs bake in constants such as ``torch.finfo(torch.float32).min`` for masks:
     ``masked_fill(x_bf16, mask, -3.40e38)`` raises.)
 
@@ -223,7 +224,9 @@ def _out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
     (-3.4028234663852886e+38, None)
     """
     top = torch.finfo(low).max
-    for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+    attrs = [v for v in vars(gm.get_submodule(str(node.target))).values() if isinstance(v, float)] \
+        if gm is not None and node.op == "call_module" else []
+    for a in [*torch.utils._pytree.tree_leaves((node.args, node.kwargs)), *attrs]:
         if isinstance(a, float) and a == a and abs(a) != float("inf") and abs(a) > top:
             return a
     return None
@@ -353,7 +356,7 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
             verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
                                      f"{name}{probes.describe(variant)} has no working {dtype_name(low)} kernel on "
                                      f"{ctx.device} ({err}): float32")
-    if (big := _out_of_range(node, low)) is not None:
+    if (big := _out_of_range(node, low, gm)) is not None:
         verdict = decide.Verdict(Category.FP32, torch.float32, Rule.RANGE_CONSTANT,
                                  f"{name} uses the constant {big:.4g}, outside {dtype_name(low)}'s range: float32")
     return verdict

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ampfx
 from ampfx import Category, Policy, meta
 from ampfx.passes import classify
 from ampfx.policy import from_env
@@ -155,6 +156,18 @@ def test_a_constant_the_low_dtype_cannot_hold_keeps_the_op_float32(dtype, expect
     "range:constant"; bfloat16 holds it and the mul stays INFER."""
     gm, _ = run(lambda x: x * 1e5, dtype=dtype, **CLASSIFY)
     assert (rec(gm, "mul").rule, rec(gm, "mul").category) == expect
+
+
+@pytest.mark.parametrize("module", [nn.Threshold(0.1, -1e5), nn.Hardtanh(-1e5, 1e5)], ids=["Threshold", "Hardtanh"])
+def test_a_leaf_modules_constant_the_low_dtype_cannot_hold_keeps_it_float32(module):
+    """The module form keeps its constant as an attribute, not an argument: float16 would raise at the
+    first call (``value cannot be converted to type c10::Half without overflow``; found by review)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), module, nn.Softmax(-1))
+    x = torch.randn(2, 8)
+    amp = ampfx.convert(m, torch.float16, example_inputs=(x,))
+    assert amp.ampfx_report.by_node("_1").rule == "range:constant"
+    assert (amp(x) - m(x)).abs().max() < 1e-3
 
 
 def test_in_place_ops_are_flagged():
