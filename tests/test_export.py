@@ -345,6 +345,22 @@ def test_auto_keeps_fx_leaves_when_export_fails():
     assert any(s.startswith("torch.export") for s in steps) and steps[-1] == "kept the torch.fx graph with leaves"
 
 
+def test_a_hook_on_the_converted_module_itself_does_not_stop_export():
+    """The module's own hooks stay Python around its graph: what they set (a monitoring hook keeping the
+    last output) is not the forward's, and export is still tried (found by review: the real run that
+    checks the fx graph counted it, and the model kept its fx graph with leaves)."""
+    class Clamp(nn.Linear):  # torch.fx cannot trace it (torch.finfo of a traced dtype): a leaf; export can
+        def forward(self, x):
+            return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
+
+    m, x = nn.Sequential(Clamp(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 16)
+    m.register_forward_hook(lambda mod, args, out: setattr(mod, "last_output", out.detach()))
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    assert amp.ampfx_report.regions[0].method == "export", amp.ampfx_report.regions[0].steps
+    out = amp(x)
+    assert torch.equal(amp.last_output, out.detach())  # the hook runs around the graph, given the converted module
+
+
 def test_an_fx_graph_with_leaves_is_run_only_when_it_is_kept(monkeypatch):
     """The fx graph with leaves is only a fallback for export: its check against the model (its own run,
     forward and backward) waits until export fails, and is skipped where export captures the model."""

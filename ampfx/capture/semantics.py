@@ -198,10 +198,12 @@ class Watch:
 
 @contextlib.contextmanager
 def python_changes(model: nn.Module) -> Iterator[dict[str, tuple[str, ...]]]:
-    """The modules of ``model`` (paths, '' for ``model``) whose Python state the block changed in a way a
-    graph would not repeat (:meth:`_ModuleState.unfaithful`), in words; filled when the block ends without
-    an error, and nothing is put back (the caller's :func:`~ampfx.state.kept_attributes` does that). A real
-    run of the model that shows one tells, before torch.export is tried, that its graph would be unfaithful.
+    """The modules of ``model`` (paths, '' for ``model``) whose Python state a call of ``model`` in the block
+    changed in a way a graph would not repeat (:meth:`_ModuleState.unfaithful`), in words, from the start
+    of its forward to its end (``model``'s own hooks are outside: they stay Python around a graph); filled
+    when that forward ends, and nothing is put back (the caller's :func:`~ampfx.state.kept_attributes`
+    does that). A real run of the model that shows one tells, before torch.export is tried, that its
+    graph would be unfaithful.
 
     >>> class Cached(nn.Linear):
     ...     def forward(self, x):
@@ -213,13 +215,26 @@ def python_changes(model: nn.Module) -> Iterator[dict[str, tuple[str, ...]]]:
     >>> seen
     {'0': ("attribute 'cache' changed in place",)}
     """
-    before = [(path, _ModuleState.of(m, tensors=False)) for path, m in model.named_modules()]
     seen: dict[str, tuple[str, ...]] = {}
-    yield seen
-    for path, state in before:
-        changed = state.unfaithful()
-        if changed:
-            seen[path] = tuple(changed)
+    before: list[tuple[str, _ModuleState]] = []
+
+    def start(module: nn.Module, args: Any) -> None:
+        before[:] = [(path, _ModuleState.of(m, tensors=False)) for path, m in model.named_modules()]
+
+    def end(module: nn.Module, args: Any, output: Any) -> None:
+        for path, state in before:
+            changed = state.unfaithful()
+            if changed:
+                seen[path] = tuple(changed)
+
+    # the forward itself, inside the model's own hooks: those stay Python around an exported graph
+    # (`self.last = out.detach()` in a forward hook on it does not make its graph unfaithful)
+    handles = [model.register_forward_pre_hook(start), model.register_forward_hook(end, prepend=True)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
