@@ -34,6 +34,13 @@ from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 
+INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                             "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                             "__irshift__"})
+"""Methods that write their tensor, called by name (``a.__setitem__(0, 1.0)``; ``a[0] = 1.0`` and ``a += b``
+reach the graph as ``operator.setitem`` / ``operator.iadd``)."""
+
+
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     """``x.add_(y)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``x[i] = v``,
     ``torch.div(a, b, out=t)`` (writes ``t``: a cast copy of ``t`` would take the write instead)."""
@@ -41,7 +48,7 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
         return True
     if node.op == "call_method":
         name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
+        return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
     if node.op == "call_function":
         if node.kwargs.get("inplace") is True:
             return True

@@ -183,6 +183,27 @@ def test_in_place_ops_are_flagged():
         ("add", False), ("add", True), ("relu", True)]
 
 
+def test_a_write_by_a_dunder_method_called_by_name_is_in_place():
+    """``a.__setitem__(0, 1.0)`` on a row of a low GEMM's output wrote a float32 copy the later product
+    did not read: the result was off by 0.5 (found by review). It is in place, so it writes the row."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 12)
+
+        def forward(self, x):
+            t = self.lin(x).view(x.shape[0], 3, 4).permute(1, 0, 2)
+            a, b, c = t[0], t[1], t[2]
+            a.__setitem__(0, 1.0)
+            return a * b + c
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(2, 4)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,))
+    assert [r.inplace for r in amp.ampfx_report.compute if r.op == "Tensor.__setitem__"] == [True]
+    assert (amp(x).float() - m(x)).abs().max() < 0.05
+
+
 def test_a_region_leaf_is_float32_whatever_its_type():
     """A call_module node named in ``ctx.regions`` (a module that could not be traced,
     run eagerly) is FP32 with rule "region", even when its type is on the allow list."""
