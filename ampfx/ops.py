@@ -636,7 +636,22 @@ def aliases_of(name: str) -> list[Any]:
 INPLACE_OPERATORS: frozenset[Callable] = frozenset(
     {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv})
 """Python operators that write into their first argument (``x[i] = v``, ``x += y`` on a tensor).
-Methods and ATen ops say so by their trailing ``_`` (``add_``); modules by ``inplace=True``."""
+Methods and ATen ops say so by their name (:func:`is_inplace_name`); modules by ``inplace=True``."""
+
+INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                             "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                             "__irshift__"})
+"""Methods that write their tensor when called by name (``a.__setitem__(0, 1.0)``); ``a[0] = 1.0`` and
+``a += b`` reach a graph as the operators of :data:`INPLACE_OPERATORS`."""
+
+
+def is_inplace_name(name: str) -> bool:
+    """Does the method or op called ``name`` write its first argument?
+
+    >>> is_inplace_name("add_"), is_inplace_name("__iadd__"), is_inplace_name("__add__"), is_inplace_name("add")
+    (True, True, False, False)
+    """
+    return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
 
 
 def is_view(name: str) -> bool:

@@ -27,16 +27,18 @@ True
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Hashable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import ops
+from .state import TORCH_KEYS
+
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout,
           type(Ellipsis))
 _NO_KEY = object()
-_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) - {"_parameters", "_buffers", "_modules", "training"}
+_MODULE_KEYS = TORCH_KEYS - {"_parameters", "_buffers", "_modules", "training"}
 _UNSAFE = object()
 """Stored under a key whose run showed it must not be reused."""
 
@@ -100,9 +102,8 @@ def _in_place(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or target in (
-        operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
+    return ops.is_inplace_name(target if isinstance(target, str) else getattr(target, "__name__", "")) \
+        or ops.is_inplace_operator(target)
 
 
 class ShapeMemo:

@@ -159,7 +159,7 @@ CLONE_BYTES = 128 * 2**20
 """Parameters up to this many bytes in all are cloned before conversion's runs and put back after;
 larger ones are copied on first write (:class:`_SaveBeforeWrite`), which keeps memory flat but makes
 every op of those runs pass through Python."""
-_TORCH_KEYS = frozenset(nn.Module().__dict__)  # nn.Module's own bookkeeping (hooks, parameters, ...)
+TORCH_KEYS = frozenset(nn.Module().__dict__)  # nn.Module's own bookkeeping (hooks, parameters, ...)
 
 
 class _SaveBeforeWrite(TorchDispatchMode):
@@ -206,7 +206,7 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
     found: dict[int, torch.Tensor] = {}
     for m in model.modules():
         for v in (*m._parameters.values(), *m._buffers.values(),
-                  *tree_leaves([v for k, v in m.__dict__.items() if k not in _TORCH_KEYS])):
+                  *tree_leaves([v for k, v in m.__dict__.items() if k not in TORCH_KEYS])):
             if isinstance(v, torch.Tensor):
                 found[id(v)] = v
     return list(found.values())
@@ -289,7 +289,7 @@ def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None
     >>> net.cache, hasattr(net, "calls")
     ({}, False)
     """
-    skip = frozenset() if bookkeeping else _TORCH_KEYS
+    skip = frozenset() if bookkeeping else TORCH_KEYS
     attrs = [(m, {k: v for k, v in m.__dict__.items() if k not in skip},
               {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS and k not in skip})
              for m in model.modules()]
@@ -346,11 +346,11 @@ def reset_attributes(copies: list[tuple[nn.Module, nn.Module]]) -> None:
     must not greet the converted module's first call. nn.Module's own bookkeeping (parameters,
     buffers, submodules, hooks, training flags) is left alone."""
     for original, copy in copies:
-        for k in [k for k in copy.__dict__ if k not in original.__dict__ and k not in _TORCH_KEYS]:
+        for k in [k for k in copy.__dict__ if k not in original.__dict__ and k not in TORCH_KEYS]:
             if not isinstance(copy.__dict__[k], nn.Module):
                 del copy.__dict__[k]
         for k, v in original.__dict__.items():
-            if k not in _TORCH_KEYS and k != "forward" and copy.__dict__.get(k, v) is not v:
+            if k not in TORCH_KEYS and k != "forward" and copy.__dict__.get(k, v) is not v:
                 copy.__dict__[k] = v.copy() if type(v) in _CONTAINERS else v
 
 

@@ -62,8 +62,9 @@ def main():
         def err(g):
             return ((g - want).abs().max() / want.abs().max()).item()
 
-        print(f"| {scale} | {seen['max']:.0f} | " + " / ".join(str((~torch.isfinite(g)).sum().item()) for g in (got, got_low, ac))
-              + " | " + " / ".join(f"{err(g):.3g}" for g in (got, got_low, ac)) + " |", flush=True)
+        runs = (got, got_low, ac)
+        print(f"| {scale} | {seen['max']:.0f} | " + " / ".join(str((~torch.isfinite(g)).sum().item()) for g in runs)
+              + " | " + " / ".join(f"{err(g):.3g}" for g in runs) + " |", flush=True)
 
 
 if __name__ == "__main__":

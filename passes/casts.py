@@ -51,7 +51,7 @@ from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .classify import attr_of, original_dtype
+from .classify import attr_of, original_dtype, view_group
 
 
 class _Casts:
@@ -66,16 +66,7 @@ class _Casts:
     def mutated(self, node: fx.Node) -> None:
         """``node`` was changed in place: casts of it, of the tensor it views and
         of that tensor's other views made before now are not reused after."""
-        base = node
-        while _is_view(base) and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
-        group, stack = set(), [base]
-        while stack:
-            n = stack.pop()
-            if n not in group:
-                group.add(n)
-                stack.extend(u for u in n.users if _is_view(u))
-        for n in group:
+        for n in view_group(node, _is_view):
             self.epochs[n] = self.epochs.get(n, 0) + 1
 
     def get(self, value: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -34,11 +34,19 @@ from ..report import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 
-INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                             "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                             "__irshift__"})
-"""Methods that write their tensor, called by name (``a.__setitem__(0, 1.0)``; ``a[0] = 1.0`` and ``a += b``
-reach the graph as ``operator.setitem`` / ``operator.iadd``)."""
+def view_group(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """``node``, the tensor it views (up through nodes ``is_view`` accepts) and every view of that: the
+    nodes an in-place write to any one of them changes."""
+    base = node
+    while is_view(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    group, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n not in group:
+            group.add(n)
+            stack.extend(u for u in n.users if is_view(u))
+    return group
 
 
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -48,14 +56,14 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
         return True
     if node.op == "call_method":
         name = str(node.target)
-        return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
+        return ops.is_inplace_name(name)
     if node.op == "call_function":
         if node.kwargs.get("inplace") is True:
             return True
         packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
         name = getattr(packet if packet is not None else node.target, "__name__", "")
         return ops.is_inplace_operator(node.target) or custom_ops.writes_inputs(node.target) or (
-            name.endswith("_") and not name.endswith("__") and node.target not in (torch._assert,))
+            ops.is_inplace_name(name) and node.target not in (torch._assert,))
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
     return False

@@ -290,7 +290,8 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 for option in (low, torch.float32)}
         (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
         exact = all(dec[n].category is Category.CLEAR for n in region)  # same values cast before or after
-        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low + exact * (n_low - n_fp32) * LAUNCH_BYTES):
+        launches = (n_low - n_fp32) * LAUNCH_BYTES if exact else 0
+        if not (n_fp32 < n_low and bytes_fp32 <= bytes_low + launches):
             continue
         _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
         for n in touched:

@@ -27,7 +27,7 @@ import torch.fx as fx
 from .. import ops
 from ..meta import OUT_INFOS, out_infos
 from ..ops import Category
-from .classify import is_inplace, op_key
+from .classify import is_inplace, op_key, view_group
 from .context import PassContext
 
 MAKES_NEW = (Category.ALLOW, Category.INFER, Category.DENY)
@@ -83,22 +83,11 @@ def _entry(n: fx.Node, gm: fx.GraphModule) -> ops.OpEntry | None:
 
 def _unwritten(node: fx.Node, gm: fx.GraphModule) -> bool:
     """Is no alias of ``node`` written in place: the tensor it views (up through view ops), and every
-    view of that (``t.view(-1).mul_(2)`` after ``a, b = t`` makes unbind's outputs raise)?"""
-    root = node
-    while (entry := _entry(root, gm)) is not None and entry.view and root.args and isinstance(root.args[0], fx.Node):
-        root = root.args[0]
-    seen, stack = {root}, [root]
-    while stack:
-        for u in stack.pop().users:
-            if u in seen or u.op == "output":
-                continue
-            entry = _entry(u, gm)
-            if is_inplace(u, gm) or entry is None:
-                return False
-            if entry.view:
-                seen.add(u)
-                stack.append(u)
-    return True
+    view of that (``t.view(-1).mul_(2)`` after ``a, b = t`` makes unbind's outputs raise)? Every use of
+    them must be an op ampfx knows."""
+    group = view_group(node, lambda n: bool(n.args) and (e := _entry(n, gm)) is not None and e.view)
+    return all(u.op == "output" or (not is_inplace(u, gm) and _entry(u, gm) is not None)
+               for n in group for u in n.users)
 
 
 def _safe(start: fx.Node, gm: fx.GraphModule) -> bool:

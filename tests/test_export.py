@@ -345,15 +345,23 @@ def test_auto_keeps_fx_leaves_when_export_fails():
     assert any(s.startswith("torch.export") for s in steps) and steps[-1] == "kept the torch.fx graph with leaves"
 
 
+class _Clamp(nn.Linear):
+    """torch.fx cannot trace it (torch.finfo of a traced dtype): a leaf; torch.export can."""
+
+    def forward(self, x):
+        return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
+
+
+def _clamped() -> nn.Module:
+    """A model torch.fx traces with one leaf and torch.export captures whole."""
+    return nn.Sequential(_Clamp(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
 def test_a_hook_on_the_converted_module_itself_does_not_stop_export():
     """The module's own hooks stay Python around its graph: what they set (a monitoring hook keeping the
     last output) is not the forward's, and export is still tried (found by review: the real run that
     checks the fx graph counted it, and the model kept its fx graph with leaves)."""
-    class Clamp(nn.Linear):  # torch.fx cannot trace it (torch.finfo of a traced dtype): a leaf; export can
-        def forward(self, x):
-            return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
-
-    m, x = nn.Sequential(Clamp(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 16)
+    m, x = _clamped(), torch.randn(2, 16)
     m.register_forward_hook(lambda mod, args, out: setattr(mod, "last_output", out.detach()))
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
     assert amp.ampfx_report.regions[0].method == "export", amp.ampfx_report.regions[0].steps
@@ -372,12 +380,7 @@ def test_an_fx_graph_with_leaves_is_run_only_when_it_is_kept(monkeypatch):
     assert runs.count(Outer) == 1
     runs.clear()
 
-    class Clamp(nn.Linear):  # torch.fx cannot trace it (torch.finfo of a traced dtype): a leaf; export can
-        def forward(self, x):
-            return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
-
-    amp = ampfx.convert(nn.Sequential(Clamp(16, 16), nn.ReLU(), nn.Linear(16, 4)), "bf16",
-                        example_inputs=(torch.randn(2, 16),))
+    amp = ampfx.convert(_clamped(), "bf16", example_inputs=(torch.randn(2, 16),))
     assert amp.ampfx_report.regions[0].method == "export" and runs == []
 
 
@@ -655,14 +658,22 @@ class _EvalCache(nn.Module):
         return self.lin(x) + self.cache["b"]
 
 
-class _TwoCaches(nn.Module):
+class _LeafCaches(nn.Module):
+    """torch.fx traces the root and keeps the two caching modules as leaves."""
+
     def __init__(self):
         super().__init__()
         self.first, self.second = _EvalCache(), _EvalCache()
 
     def forward(self, x):
-        x = x.clamp(min=torch.finfo(x.dtype).min)
         return self.second(self.first(x))
+
+
+class _TwoCaches(_LeafCaches):
+    """The same, with a root torch.fx cannot trace either."""
+
+    def forward(self, x):
+        return super().forward(x.clamp(min=torch.finfo(x.dtype).min))
 
 
 def test_a_cache_a_forward_fills_under_export_stops_it_there_and_is_emptied_again():
@@ -724,17 +735,6 @@ def test_whole_dimension_slices_export_records_are_left_out():
     amp = ampfx.convert(Index(), "bf16", example_inputs=(x,), tracer="export")
     want = torch.autograd.grad(Index()(x).sum(), x)[0]
     assert torch.equal(torch.autograd.grad(amp(x).float().sum(), x)[0], want)
-
-
-class _LeafCaches(nn.Module):
-    """torch.fx traces the root and keeps the two caching modules as leaves."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = _EvalCache(), _EvalCache()
-
-    def forward(self, x):
-        return self.second(self.first(x))
 
 
 def test_export_is_not_tried_where_the_models_own_run_fills_a_cache(monkeypatch):

@@ -251,8 +251,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     args, kwargs = snapshot((args, kwargs))
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
     try:
-        with kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), Watch(model, export=True) as watch, \
-                kept_random(torch_too=False) as draws, _no_stack_traces():  # a cache filled with fakes is emptied again
+        # kept_attributes: a cache filled with fake tensors is emptied again
+        with kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), \
+                Watch(model, export=True) as watch, kept_random(torch_too=False) as draws, _no_stack_traces():
             ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Dropped:  # the watch stopped export where a forward did what the graph would not repeat
         pass
@@ -357,7 +358,8 @@ def _full_slice(node: fx.Node) -> bool:
     """Is ``node`` ``aten.slice(x, dim, 0, <end of any size>)``, which export records for each ``:`` of
     ``x[:, t]`` where eager indexing records nothing? Its backward writes a zero tensor of ``x``'s size
     and copies the gradient in (a selective scan indexing ``dt[:, t]`` per step wrote 9% more bytes
-    in its step with them than without, 4% more than autocast); reading ``x`` itself is the same values, the same storage."""
+    in its step with them than without, 4% more than autocast); reading ``x`` itself is the same values,
+    the same storage."""
     if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
         return False
     _, start, end, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1:])

@@ -35,19 +35,20 @@ def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: Examp
     state a graph would not repeat (:func:`~ampfx.capture.semantics.python_changes`).
     """
     gm = graph if isinstance(graph, fx.GraphModule) else graph_module(model, graph)
+    want = reference(model, inputs, seen)
+    return None if want is None else compare(model, gm, inputs, want, rtol)
+
+
+def reference(model: nn.Module, inputs: ExampleInputs, seen: dict[str, tuple[str, ...]] | None = None) -> _Run | None:
+    """The model's own run that :func:`reproduces` compares a graph with; ``None`` where it gives nothing
+    to compare (a meta-device model, outputs that take no weighting). Raises
+    :class:`~ampfx.errors.ExampleInputsError` when the model does not run on ``inputs`` at all."""
     try:
-        want = reference(model, inputs, seen)
+        return _run(model, model, inputs, seen)
     except ExampleInputsError:
         raise
-    except Exception:  # noqa: BLE001 - nothing to compare (a meta-device model; outputs that take no weighting)
+    except Exception:  # noqa: BLE001 - nothing to compare
         return None
-    return compare(model, gm, inputs, want, rtol)
-
-
-def reference(model: nn.Module, inputs: ExampleInputs, seen: dict[str, tuple[str, ...]] | None = None) -> _Run:
-    """The model's own run that :func:`reproduces` compares a graph with (raises what the model raises;
-    :class:`~ampfx.errors.ExampleInputsError` when it does not run on ``inputs`` at all)."""
-    return _run(model, model, inputs, seen)
 
 
 def compare(model: nn.Module, gm: fx.GraphModule, inputs: ExampleInputs, want: _Run, rtol: float = 1e-4) -> str | None:
@@ -73,7 +74,8 @@ class _Run:
 
 def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs, seen: dict | None = None) -> _Run:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model, bookkeeping=False), torch.enable_grad():
+    with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model, bookkeeping=False), \
+            torch.enable_grad():
         torch.manual_seed(0)
         try:  # a copy of the inputs each time: the forward may change what it is given (caches)
             with python_changes(model) if seen is not None else contextlib.nullcontext({}) as changed:
