@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
-from . import guards, integrations, module_match
+from . import guards, integrations, module_match, view
 from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, UninitializedModelError
@@ -32,8 +32,8 @@ from .inputs import ExampleInputs
 from .policy import Policy, PolicyError, did_you_mean
 from .report import Report, dtype_name
 from .rewrite import Request
-from .state import copy_tree, one_thread, reset_attributes, untouched
-from .tree import convert_tree
+from .state import copy_tree, one_thread, untouched
+from .tree import convert_module, convert_tree
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +102,42 @@ def convert(
     if request.policy.disable:
         return _disabled_copy(model, request.policy)
     work = copy_tree(model)
-    copies = list(zip(_all_modules(model), _all_modules(work)))
     inputs = request.inputs.tensors() if request.inputs is not None else ()
     with untouched(model, *inputs), one_thread(model, *inputs):
         result, report = convert_tree(work, request)
-    reset_attributes(copies)
     check_tuned(request.policy, report.records)
-    follow(model, result)
+    result, views = view.rebase(result, model)
+    follower = follow(model, result, views)
+    _arm(views, request, follower)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
     _save(report, request.policy)
     return result
+
+
+def _arm(views: view.Views, request: Request, follower: Any) -> None:
+    """Give every graph module of the converted tree the means to convert its model module again when
+    what its graph fixed changes (:class:`ampfx.view.Reconvert`); what those conversions depend on is
+    added to what ``follower`` watches."""
+    def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
+        args, kwargs = call
+        inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
+        req = dataclasses.replace(request, inputs=inputs, dynamic_dims=request.dynamic_dims if not where else None,
+                                  export_sizes={}, export_drops={})
+        tensors = inputs.tensors()
+        with untouched(module, *tensors), one_thread(module, *tensors):
+            return convert_module(copy_tree(module), req, inputs, where, arrive)
+
+    def arm(made: view.Views) -> None:
+        follower.watch(made)
+        for gm, _ in made.graphs:
+            gm.set_reconvert(view.Reconvert(again, gm.__dict__.get("_ampfx_arrive"), request.policy.reconvert_limit,
+                                            arm))
+
+    for gm, _ in views.graphs:
+        gm.set_reconvert(view.Reconvert(again, gm.__dict__.get("_ampfx_arrive"), request.policy.reconvert_limit, arm))
 
 
 def _save(report: Report, policy: Policy) -> None:
@@ -184,14 +207,15 @@ def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:
 
 
 def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """``mode="inference"``: the weights of low-precision ops stored low once; the note saying so."""
-    count = 0
+    """``mode="inference"``: the weights of low-precision ops read from low copies (:mod:`ampfx.inference`);
+    the note saying so."""
+    count = nbytes = 0
     for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
-        count += store_low(gm, dtype)[0]
-    total_before = sum(p.numel() * p.element_size() for p in model.parameters())
-    total_after = sum(p.numel() * p.element_size() for p in result.parameters())
-    return (f"inference mode: {count} parameters stored in {dtype_name(dtype)} once; parameter bytes "
-            f"{total_before:,} -> {total_after:,} (saved {total_before - total_after:,})",)
+        copies = store_low(gm, dtype)
+        gm._install_dispatch()
+        count, nbytes = count + len(copies.entries), nbytes + copies.nbytes()
+    return (f"inference mode: {count} weights read from {dtype_name(dtype)} copies made once ({nbytes:,} bytes beside "
+            "the model's float32 weights) and made again only when a weight changes",)
 
 
 def _all_modules(model: nn.Module) -> list[nn.Module]:

@@ -45,7 +45,13 @@ def _what(value: Any) -> str:
 
 
 def check_model(model: Any) -> None:
-    """``model`` is an ``nn.Module`` instance (not its class, a function or ``None``)."""
+    """``model`` is an ``nn.Module`` instance (not its class, a function or ``None``), written in Python
+    (TorchScript is not: its submodules may be scripted, which stay as they are)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ArgumentError(f"convert() takes a Python nn.Module; got a TorchScript module ({type(model).__name__}, "
+                            "from torch.jit.script or torch.jit.trace), whose code ampfx cannot rewrite. Convert the "
+                            "Python model before scripting it; scripted submodules inside a Python model are kept "
+                            "as they are")
     if isinstance(model, nn.Module):
         return
     hint = ""

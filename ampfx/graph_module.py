@@ -1,123 +1,210 @@
-"""The converted module: an ``fx.GraphModule`` that keeps the model's whole module tree.
+"""The converted module: an ``fx.GraphModule`` that is a view of one of the model's modules.
 
-:class:`AmpGraphModule` keeps every parameter, buffer and submodule of the
-model it was built from (so ``state_dict()`` keys equal the model's), survives
-``copy.deepcopy`` and pickling with its report, and holds one graph per
-training mode when its graph depends on the mode: ``.train()`` / ``.eval()``
-switch to the other mode's own conversion (:meth:`AmpGraphModule.set_mode_graph`).
-It keeps the public attributes of the module it was built from (``stride``,
-``in_features``, ``config``...) and reaches that module's methods, so code
-around it that reads them still works.
+:class:`AmpGraphModule` stands for the model's module it was converted from (its
+*model module*, ``_ampfx_model``) and shares with it what ``nn.Module`` keeps:
+
+- the ``_parameters`` and ``_buffers`` dicts themselves (not copies), so
+  ``parameters()``, ``state_dict()`` and ``buffers()`` are the model's, in the model's
+  order and names, and a tensor replaced on either side (``load_state_dict(assign=True)``,
+  ``fc.bias = None``, ``.to()``) is replaced on both;
+- its hooks (the dicts themselves), so a hook registered on the model's module or on
+  this one fires when this one is called;
+- its training flag and its Python attributes: reads fall through to the model module
+  (``conv.stride``, ``config``, a method of its class bound to this module), writes go to
+  it; ``.train()`` / ``.eval()`` run the model module's own ``train``.
+
+Its children are the model's own modules, except where a child is converted too (a
+kept block: another :class:`AmpGraphModule`) or keeps its Python around converted
+children (a :class:`~ampfx.view.Mirror`). What the graph fixed about the model's Python
+(training flags, attributes, globals, hooks of the modules it traced through, the dtype
+and device of the tensors it reads: :mod:`ampfx.fixed`) is checked before each call; when
+it no longer holds, the module runs a conversion that does (the other training mode's,
+or one made again at the call: :meth:`AmpGraphModule.set_mode_graph`,
+:meth:`AmpGraphModule.set_reconvert`), or raises
+:class:`~ampfx.errors.StaleModelError` naming the change.
+
+A copy (``copy.deepcopy``) copies the model module along and stays a view of the copy;
+a pickled and loaded module is standalone (the model module's attributes kept as its own).
 
 >>> import torch, torch.fx as fx
 >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
 >>> g = graph_module(net, fx.symbolic_trace(net).graph)
->>> sorted(g.state_dict()) == sorted(net.state_dict())
-True
+>>> list(g.state_dict()) == list(net.state_dict()), g._parameters is net._parameters
+(True, True)
 >>> conv = torch.nn.Conv1d(2, 2, 3, stride=2)
 >>> graph_module(conv, fx.symbolic_trace(conv).graph).stride
 (2,)
 """
 from __future__ import annotations
 
-import copy
 import inspect
-from typing import Any, Iterator
+import logging
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import TrainingModeError
-from .state import HOOK_DICTS
+from .errors import StaleModelError, TrainingModeError
+from .state import TORCH_KEYS
 
-_MODULE_STATE = frozenset(nn.Module().__dict__) | {"training"}
-"""What every ``nn.Module`` holds in its ``__dict__`` (parameters, hooks...): not a public attribute."""
+log = logging.getLogger(__name__)
+
+TREE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+"""What ``nn.Module`` keeps of its tree (shared with the model module, ``_modules`` excepted)."""
+HOOKS = tuple(k for k in TORCH_KEYS if "hook" in k)
+"""Every hook dict of ``nn.Module`` (forward, backward, state-dict and load hooks)."""
+_LOCAL = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras", "meta",
+                    "shape_env", "_in_spec", "_out_spec", "_create_node_hooks", "_erase_node_hooks",
+                    "_replace_hooks", "_deepcopy_hooks", "forward", "graph", "code", *TREE, *HOOKS})
+"""``GraphModule``'s own attributes: kept on this module, never written to the model module."""
+_MISSING = object()
+MADE = ("_ampfx", "_tensor_constant", "_torchbind_obj")
+"""Attributes a capture made (constants torch.fx and ampfx set on the traced copy): the graph module's own."""
 
 
-def _keep_tree(gm: fx.GraphModule, root: nn.Module, training: bool) -> None:
-    """Put ``root``'s whole module tree (unused parameters and buffers too) on ``gm``."""
-    for name, child in root._modules.items():
-        gm._modules[name] = child
-    for name, p in root._parameters.items():
-        gm._parameters[name] = p
-    for name, b in root._buffers.items():
-        gm._buffers[name] = b
-    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
-    gm.training = training
+def _get_training(self: AmpGraphModule) -> bool:
+    model = self.__dict__.get("_ampfx_model")
+    return model.training if model is not None else self.__dict__.get("_ampfx_training", True)
+
+
+def _set_training(self: AmpGraphModule, mode: bool) -> None:
+    model = self.__dict__.get("_ampfx_model")
+    if model is not None:
+        model.training = mode
+    else:
+        self.__dict__["_ampfx_training"] = mode
 
 
 class AmpGraphModule(fx.GraphModule):
-    """A ``GraphModule`` that keeps the *whole* module tree of the model it was
-    traced from, so ``state_dict()`` keys equal the model's, also after
-    ``copy.deepcopy`` and pickling (plain ``GraphModule`` keeps only what the
-    graph references), and keeps its ``ampfx_report``."""
+    """A ``GraphModule`` over the tree of the model module it stands for (see the module docstring),
+    with its report (``ampfx_report``), the other training mode's conversion and call-time checks."""
 
-    def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
-        res = super().__deepcopy__(memo)
-        tree = copy.deepcopy({"_modules": self._modules, "_parameters": self._parameters,
-                              "_buffers": self._buffers}, memo)
-        holder = nn.Module()
-        holder._modules, holder._parameters, holder._buffers = tree["_modules"], tree["_parameters"], tree["_buffers"]
-        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
-        _keep_tree(res, holder, self.training)
-        for name in HOOK_DICTS:  # GraphModule's deepcopy keeps only state_dict hooks
-            getattr(res, name).update(copy.deepcopy(getattr(self, name), memo))
-        _keep_attributes(res, copy.deepcopy(_kept_attributes(self), memo))
-        if "ampfx_report" in self.__dict__:
-            res.ampfx_report = self.ampfx_report  # frozen: safe to share
-        if "_ampfx_guard" in self.__dict__:
-            res.set_guard(self.__dict__["_ampfx_guard"])  # immutable: safe to share
-        alt = self.__dict__.get("_ampfx_alt")
-        if alt is not None:
-            res.set_mode_graph(alt[0], copy.deepcopy(alt[1], memo))
-        return res
+    training = property(_get_training, _set_training)  # the model module's flag
 
-    def __reduce__(self):  # noqa: ANN204
-        fn, (body, *rest) = super().__reduce__()
-        body.pop("_ampfx_pairs", None)  # rebuilt on first use
-        if "<locals>" in getattr(body.get("_ampfx_source"), "__qualname__", ""):
-            body.pop("_ampfx_source")  # a class pickle cannot find: its methods are not reached after loading
-        args = (body, *rest)
-        holder = nn.Module()
-        holder._modules, holder._parameters, holder._buffers = self._modules, self._parameters, self._buffers
-        holder._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
-        kept = {k: v for k, v in _kept_attributes(self).items() if k in body or k == "_ampfx_attrs"}
-        return (_rebuild, (fn, args, holder, self.training, self.__dict__.get("ampfx_report"),
-                           self.__dict__.get("_ampfx_alt"), getattr(self.graph._codegen, "pytree_info", None), kept,
-                           self.__dict__.get("_ampfx_guard")))
+    # --- the view ------------------------------------------------------------------------------------
+
+    def view_of(self, model: nn.Module) -> None:
+        """Make this module stand for ``model``: share its parameter and buffer dicts (``_modules`` is
+        this module's own, ordered as ``model``'s), and read and write its flag and attributes. Entries
+        of this module's dicts that ``model`` lacks (constants a capture made) are kept as plain
+        attributes; copies of ``model``'s own attributes are dropped (they are read from it)."""
+        d = self.__dict__
+        for name in ("_parameters", "_buffers"):
+            theirs = getattr(model, name)
+            for key, value in d[name].items():
+                if key not in theirs and (key.startswith(MADE) or key not in model.__dict__):
+                    d[key] = value
+        for key in [k for k in d if k in model.__dict__ and k not in _LOCAL and not k.startswith((*MADE, "ampfx_"))]:
+            del d[key]
+        d["_parameters"], d["_buffers"] = model._parameters, model._buffers
+        d["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        own = d["_modules"]
+        order = [k for k in model._modules if k in own] + [k for k in own if k not in model._modules]
+        d["_modules"] = {k: own[k] for k in order if k in model._modules}
+        for k in order:
+            if k not in model._modules and own[k] is not None:  # a holder a capture made: not a child
+                d[k] = own[k]
+        d.pop("_ampfx_training", None)
+        d["_ampfx_model"] = model
+
+    def share_hooks(self, model: nn.Module) -> None:
+        """Use ``model``'s hook dicts as this module's own: a hook registered on either fires here."""
+        for name in HOOKS:
+            if name in model.__dict__:
+                self.__dict__[name] = model.__dict__[name]
+
+    def __getattr__(self, name: str) -> Any:
+        """``nn.Module``'s lookup, then the model module's attributes, then its class's methods and
+        properties bound to this module (code around it may call ``self.conv._conv_forward``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            model = self.__dict__.get("_ampfx_model")
+            if model is not None:
+                value = model.__dict__.get(name, _MISSING)
+                if value is not _MISSING:
+                    return value
+            source = type(model) if model is not None else self.__dict__.get("_ampfx_source")
+            attr = inspect.getattr_static(source, name, _MISSING) if source is not None else _MISSING
+            if attr is _MISSING:
+                raise
+            return attr.__get__(self, type(self)) if hasattr(type(attr), "__get__") else attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self.__dict__.get("_ampfx_model")
+        if model is None or name in _LOCAL or name.startswith(("_ampfx", "ampfx_")) or name == "training":
+            return super().__setattr__(name, value)
+        if isinstance(value, nn.Module) or (value is None and name in self.__dict__["_modules"]):
+            # the converted tree's structure is its own (a checkpoint wrapper around a kept block); where the
+            # graph traced the old module's forward, the new one would not run
+            recorded = self.__dict__.get("_ampfx_recorded")
+            if self.__dict__["_modules"].get(name) is value:
+                return  # set back as it was (a wrapping pass visits every child)
+            if recorded is not None and any(p == name or p.startswith(name + ".") for p in recorded.inlined):
+                self.__dict__["_ampfx_stale"] = (
+                    f"{name} was replaced on the converted module, but its graph traced the old module's forward, "
+                    f"so the new one would not run. Replace it on the model and convert again, or keep it as a "
+                    f"module boundary (keep_modules=[{name!r}])")
+            self.__dict__["_modules"][name] = value
+            return
+        setattr(model, name, value)  # parameters, buffers, attributes: the model module's
+
+    def __delattr__(self, name: str) -> None:
+        model = self.__dict__.get("_ampfx_model")
+        if model is None or name in _LOCAL or name.startswith(("_ampfx", "ampfx_")):
+            return super().__delattr__(name)
+        own = self.__dict__["_modules"]
+        if name in own:
+            del own[name]
+        if name in model.__dict__ or name in model._parameters or name in model._buffers or name in model._modules:
+            delattr(model, name)
+        elif name in self.__dict__:
+            del self.__dict__[name]
+
+    def train(self, mode: bool = True) -> "AmpGraphModule":
+        """The model module's own ``train(mode)`` (an override that keeps batch norm frozen runs): it sets
+        the flags this module and its children read."""
+        model = self.__dict__.get("_ampfx_model")
+        if model is None:
+            return super().train(mode)
+        model.train(mode)
+        return self
+
+    # --- conversions for other training modes and other values -------------------------------------------
 
     def set_mode_graph(self, training: bool, other: nn.Module) -> None:
-        """Run ``other`` whenever this module is in mode ``training``: the module's own conversion
-        in that mode (a graph module, or the model's Python with its children converted), over
-        the same parameters and buffers. Before each such call the training flags, parameters
-        and buffers of ``other``'s tree are set from this module's tree, path by path, so what
-        ``.train()`` / ``.eval()`` / ``.to()`` did here holds there."""
+        """Run ``other`` whenever this module is in mode ``training``: the module's own conversion in
+        that mode (a graph module, or the model's Python with its children converted), over the same
+        parameters and buffers."""
         self.__dict__["_ampfx_alt"] = (training, other)
-        self.__dict__.pop("_ampfx_pairs", None)
         self._install_dispatch()
 
+    def set_fixed(self, fixed: Any) -> None:
+        """Check ``fixed`` (:class:`ampfx.fixed.Fixed`) before the graph runs: what it fixed of the model's
+        Python still holds, or another conversion runs."""
+        self.__dict__["_ampfx_fixed"] = fixed
+        self._install_dispatch()
+
+    def set_reconvert(self, reconvert: Callable[..., nn.Module] | None) -> None:
+        """``reconvert(self, args, kwargs, changes)`` converts the model module again when neither this
+        graph nor another conversion holds (:class:`ampfx.view.Reconvert`); ``None``: raise instead."""
+        self.__dict__["_ampfx_reconvert"] = reconvert
+
     def set_guard(self, guard: Any) -> None:
-        """Call ``guard(args, kwargs)`` (:mod:`ampfx.guards`) before this module's own graph runs:
-        after the follow check and the mode choice, so a call in the other training mode is
-        checked by that mode's conversion alone (it may accept what this graph would not)."""
+        """Call ``guard(args, kwargs)`` (:mod:`ampfx.guards`) before this module's own graph runs: after
+        the choice of conversion, so a call in the other training mode is checked by that mode's
+        conversion alone (it may accept what this graph would not)."""
         self.__dict__["_ampfx_guard"] = guard
         self._install_dispatch()
 
     def set_check(self, check: Any) -> None:
-        """Call ``check(self)`` before every call (:mod:`ampfx.follow`: the model's mode and
-        replaced tensors); a copy or an unpickled module has none."""
+        """Call ``check(self)`` before every call (:mod:`ampfx.follow`: the model's structure); a copy or
+        an unpickled module has none."""
         self.__dict__["_ampfx_check"] = check
         self._install_dispatch()
-
-    def train(self, mode: bool = True) -> "AmpGraphModule":
-        """``nn.Module.train``; an explicit switch of this module is the latest word on its mode
-        (:meth:`ampfx.follow.Follower.own_mode`)."""
-        super().train(mode)
-        own_mode = getattr(self.__dict__.get("_ampfx_check"), "own_mode", None)
-        if own_mode is not None:
-            own_mode()
-        return self
 
     def mode_module(self, training: bool) -> nn.Module:
         """The module that runs when this one is in mode ``training`` (itself, or the other mode's
@@ -125,34 +212,81 @@ class AmpGraphModule(fx.GraphModule):
         alt = self.__dict__.get("_ampfx_alt")
         return alt[1] if alt is not None and alt[0] == training else self
 
-    def _mode_target(self) -> nn.Module | None:
-        """The other mode's conversion, brought in line with this tree, when this module is in
-        that mode; else ``None`` (this graph runs)."""
-        alt = self.__dict__.get("_ampfx_alt")
-        if alt is None or self.training != alt[0]:
-            return None
-        for mine, theirs in self._mode_pairs():
-            if theirs.training != mine.training:  # nn.Module.__setattr__ costs most of this loop: only on a change
-                theirs.training = mine.training
-            for own, their in ((mine._parameters, theirs._parameters), (mine._buffers, theirs._buffers)):
-                for name, value in own.items():
-                    if name in their and their[name] is not value:
-                        their[name] = value
-        return alt[1]
+    def variants(self) -> list[nn.Module]:
+        """The conversions made again at call time because what this graph fixed changed (each has an
+        ``ampfx_report`` whose notes say why), oldest first."""
+        return list(self.__dict__.get("_ampfx_variants", ()))
 
-    def _mode_pairs(self) -> tuple[tuple[nn.Module, nn.Module], ...]:
-        pairs = self.__dict__.get("_ampfx_pairs")
-        if pairs is None:
-            mine = dict(self.named_modules(remove_duplicate=False))
-            pairs = tuple((mine[path], theirs) for path, theirs in
-                          self.__dict__["_ampfx_alt"][1].named_modules(remove_duplicate=False) if path in mine)
-            self.__dict__["_ampfx_pairs"] = pairs
-        return pairs
+    def _runner(self, args: tuple, kwargs: dict) -> nn.Module | None:
+        """The conversion to run for this call: ``None`` for this graph."""
+        d = self.__dict__
+        fixed, alt = d.get("_ampfx_fixed"), d.get("_ampfx_alt")
+        if "_ampfx_stale" in d:
+            raise StaleModelError(d["_ampfx_stale"])
+        if fixed is None:  # a loaded copy, or during conversion: the training flag chooses
+            if alt is None or self.training != alt[0]:
+                return None
+            if "_ampfx_model" not in d:  # a loaded copy: its flags are its own, the other mode's follow them
+                _copy_flags(self, alt[1])
+            return alt[1]
+        if fixed.holds():
+            return None
+        if alt is not None and _holds(alt[1], alt[0], self):
+            return alt[1]
+        for variant in d.get("_ampfx_variants", ()):
+            if _holds(variant, None, self):
+                return variant
+        return self._reconvert(fixed, args, kwargs)
+
+    def _reconvert(self, fixed: Any, args: tuple, kwargs: dict) -> nn.Module:
+        changes = fixed.changes() or ["a value the graph fixed changed"]
+        make = self.__dict__.get("_ampfx_reconvert")
+        variants = self.__dict__.setdefault("_ampfx_variants", [])
+        where = self.__dict__.get("_ampfx_where", "")
+        name = f"model.{where}" if where else "the model"
+        if make is None or len(variants) >= make.limit:
+            why = ("it has no conversion to make again (a copy loaded from a pickle, or reconvert_limit=0)"
+                   if make is None or not make.limit else
+                   f"it was converted again {len(variants)} times already (reconvert_limit={make.limit})")
+            raise StaleModelError(
+                f"{name} changed after conversion: {'; '.join(changes[:3])}. Its graph fixed these values while "
+                f"tracing, and {why}. Fix: make a value that changes a tensor buffer (read at every call) or "
+                f"an argument of forward, keep the module's Python (leaf_modules=[{where or '<module path>'!r}]), "
+                "raise reconvert_limit / AMPFX_RECONVERT_LIMIT, or convert the model again")
+        lowered = fixed.lowered()
+        if lowered:
+            low = str(fixed.low).replace("torch.", "")
+            raise StaleModelError(
+                f"weights changed dtype after conversion (.half(), .bfloat16() or .to(dtype) on the model or the "
+                f"converted module): {', '.join(lowered[:3])}{' and more' if len(lowered) > 3 else ''}, but the "
+                f"model was converted to {low}: ops ampfx keeps float32 (norms, softmax) take {low} values with "
+                f"float32 weights. Fix: keep the weights float32 (.float() puts them back) and let ampfx cast them "
+                f"per op, or convert the model with the dtype its weights have")
+        log.info("ampfx: %s changed since conversion (%s); converting it again (%d of at most %d)", name,
+                 "; ".join(changes[:3]), len(variants) + 1, make.limit)
+        try:
+            variant = make(self, args, kwargs, changes)
+        except StaleModelError:
+            raise
+        except Exception as e:
+            raise StaleModelError(f"{name} changed after conversion ({'; '.join(changes[:3])}) and converting it "
+                                  f"again failed: {type(e).__name__}: {e}. Convert the model again, or undo the "
+                                  "change") from e
+        variants.append(variant)
+        return variant
+
+    def _run_graph(self, args: tuple, kwargs: dict) -> Any:
+        guard, low = self.__dict__.get("_ampfx_guard"), self.__dict__.get("_ampfx_low")
+        if guard is not None:
+            guard(args, kwargs)
+        if low is not None:  # mode="inference": weights changed since their copies were made are copied again
+            low.refresh(self)
+        return type(self)._ampfx_graph_forward(self, *args, **kwargs)
 
     def recompile(self) -> Any:
-        """``GraphModule.recompile`` (pickling calls it too), keeping the mode dispatch."""
+        """``GraphModule.recompile`` (pickling calls it too), keeping the dispatch."""
         code = super().recompile()
-        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard"} & self.__dict__.keys():
+        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low"} & self.__dict__.keys():
             self._install_dispatch()
         return code
 
@@ -166,32 +300,83 @@ class AmpGraphModule(fx.GraphModule):
             check = self.__dict__.get("_ampfx_check")
             if check is not None:
                 check(self)
-            target = self._mode_target()
+            target = self._runner(args, kwargs)
             if target is not None:
-                return target(*args, **kwargs)
-            guard = self.__dict__.get("_ampfx_guard")
+                return run(target, args, kwargs)
+            guard, low = self.__dict__.get("_ampfx_guard"), self.__dict__.get("_ampfx_low")
             if guard is not None:
                 guard(args, kwargs)
+            if low is not None:
+                low.refresh(self)
             return graph_forward(self, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(graph_forward)
         forward._ampfx_dispatch = True
+        cls._ampfx_graph_forward = graph_forward
         cls.forward = forward
 
-    def __getattr__(self, name: str) -> Any:
-        """``nn.Module``'s lookup, then the class of the module this was built from: its methods
-        and properties bound to this module (code around it may call ``self.conv._conv_forward``)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            source = self.__dict__.get("_ampfx_source")
-            attr = inspect.getattr_static(source, name, _MISSING) if source is not None else _MISSING
-            if attr is _MISSING or name.startswith("__"):
-                raise
-            return attr.__get__(self, type(self)) if hasattr(type(attr), "__get__") else attr
+    # --- copies ---------------------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
+        res = super().__deepcopy__(memo)
+        copied = memo[id(self.__dict__)]  # GraphModule deep-copied the whole __dict__ through memo
+        for name in (*TREE, *HOOKS, *(k for k in copied if k.startswith(("_ampfx", "ampfx_")))):
+            if name in copied:
+                res.__dict__[name] = copied[name]
+        if "ampfx_report" in self.__dict__:
+            res.__dict__["ampfx_report"] = self.ampfx_report  # frozen: safe to share
+        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed"} & res.__dict__.keys():
+            res._install_dispatch()
+        return res
+
+    def __reduce__(self):  # noqa: ANN204
+        """A standalone copy: the model module's attributes become this module's own, and nothing is
+        checked against a model (a loaded module shares no tensors with one)."""
+        fn, (body, *rest) = super().__reduce__()
+        model = body.pop("_ampfx_model", None)
+        for key in ("_ampfx_fixed", "_ampfx_reconvert", "_ampfx_check", "_ampfx_variants"):
+            body.pop(key, None)
+        if model is not None:
+            body["_ampfx_training"] = model.training
+            source = type(model)
+            if "<locals>" not in source.__qualname__:
+                body["_ampfx_source"] = source
+            for k, v in model.__dict__.items():
+                if k not in TORCH_KEYS and k not in body and not isinstance(v, nn.Module) and not callable(v):
+                    body[k] = v
+        elif "<locals>" in getattr(body.get("_ampfx_source"), "__qualname__", ""):
+            body.pop("_ampfx_source")
+        tree = {k: body[k] for k in (*TREE, *HOOKS) if k in body}
+        return (_rebuild, (fn, (body, *rest), tree, getattr(self.graph._codegen, "pytree_info", None)))
 
 
-_MISSING = object()
+def _copy_flags(source: nn.Module, target: nn.Module) -> None:
+    """Each module of ``target``'s tree gets the flag of the module at its path in ``source``'s (a loaded copy's
+    other training mode, which is not inside its tree)."""
+    flags = {path: m.training for path, m in source.named_modules(remove_duplicate=False)}
+    for path, m in target.named_modules(remove_duplicate=False):
+        flag = flags.get(path)
+        if flag is not None and m.training != flag:
+            m.training = flag
+
+
+def _holds(module: nn.Module, mode: bool | None, owner: AmpGraphModule) -> bool:
+    """May ``module`` (another conversion of ``owner``'s model module) run now? A graph module when its
+    fixed values hold; Python (which reads its values at run time) when ``owner`` is in ``mode``."""
+    if isinstance(module, AmpGraphModule):
+        fixed = module.__dict__.get("_ampfx_fixed")
+        return fixed.holds() if fixed is not None else mode is None or owner.training == mode
+    return mode is None or owner.training == mode
+
+
+def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``module`` (another conversion of a converted module's model module) inside that module's call,
+    without firing the model module's hooks again: a graph module through its own call (its own hooks: none
+    unless registered on it), Python through its ``forward``."""
+    if isinstance(module, AmpGraphModule):
+        return module(*args, **kwargs)
+    runner = getattr(type(module), "_ampfx_run", None)
+    return runner(module, args, kwargs) if runner is not None else module.forward(*args, **kwargs)
 
 
 class ModeUnavailable(nn.Module):
@@ -210,20 +395,18 @@ class ModeUnavailable(nn.Module):
             f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only.")
 
 
-def _rebuild(fn, args, holder: nn.Module, training: bool, report, alt=None,  # noqa: ANN001
-             pytree_info=None, kept=None, guard=None) -> AmpGraphModule:
+def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa: ANN001
     plain = fn(*args)
     if pytree_info is not None:
         _restore_pytree(plain, pytree_info)
     gm = AmpGraphModule(plain, plain.graph, class_name=type(plain).__name__)
-    _keep_tree(gm, holder, training)
-    _keep_attributes(gm, kept or {})
-    if report is not None:
-        gm.ampfx_report = report
-    if alt is not None:
-        gm.set_mode_graph(*alt)
-    if guard is not None:
-        gm.set_guard(guard)
+    body = args[0]
+    gm.__dict__.update(tree)
+    for key, value in body.items():
+        if key not in gm.__dict__ and key not in ("_graph", "_code"):
+            gm.__dict__[key] = value
+    if {"_ampfx_alt", "_ampfx_guard"} & gm.__dict__.keys():
+        gm._install_dispatch()
     return gm
 
 
@@ -243,33 +426,11 @@ def _restore_pytree(gm: fx.GraphModule, info: Any) -> None:
 
 
 def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:
-    """An :class:`AmpGraphModule` running ``graph`` over ``root``'s module tree, with ``root``'s
-    attributes (see the module docstring)."""
+    """An :class:`AmpGraphModule` running ``graph`` as a view of ``root`` (see the module docstring): its
+    parameters and buffers, its children, its flag and attributes."""
     gm = AmpGraphModule(root, graph, class_name=type(root).__name__)
-    _keep_tree(gm, root, root.training)
-    # a tensor attribute the graph reads became a buffer (a pruned weight, which the pruning pre-hook sets on
-    # every call): a copy in __dict__ would shadow it with the value at conversion
-    kept = {name: value for name, value in _attributes(root) if name not in gm.__dict__
-            and name not in gm._buffers and name not in gm._parameters}
-    _keep_attributes(gm, {**kept, "_ampfx_source": getattr(root, "_ampfx_source", type(root)),
-                          "_ampfx_attrs": tuple(kept)})
+    own = gm.__dict__["_modules"]
+    gm.__dict__["_modules"] = {**{k: v for k, v in root._modules.items()}, **{k: v for k, v in own.items()
+                                                                                if k not in root._modules}}
+    gm.view_of(root)
     return gm
-
-
-def _kept_attributes(gm: AmpGraphModule) -> dict[str, Any]:
-    """What :func:`graph_module` kept of its source module (``GraphModule``'s deepcopy and pickling drop it)."""
-    names = (*gm.__dict__.get("_ampfx_attrs", ()), "_ampfx_source", "_ampfx_attrs")
-    return {name: gm.__dict__[name] for name in names if name in gm.__dict__}
-
-
-def _keep_attributes(gm: AmpGraphModule, attributes: dict[str, Any]) -> None:
-    for name, value in attributes.items():
-        gm.__dict__.setdefault(name, value)
-
-
-def _attributes(root: nn.Module) -> Iterator[tuple[str, Any]]:
-    """``root``'s own attributes that are neither module state nor callables (``stride``, ``config``)."""
-    for name, value in vars(root).items():
-        if name not in _MODULE_STATE and not callable(value) and not isinstance(value, nn.Module) \
-                and not name.startswith("_ampfx"):
-            yield name, value

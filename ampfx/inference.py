@@ -1,71 +1,112 @@
-"""Inference mode: store the weights of low-precision ops in the low dtype, once.
+"""Inference mode: the weights of low-precision ops cast once, and again only when they change.
 
 In training mode (the default) parameters stay float32 masters and are cast
 after ``get_attr`` on every call. With ``convert(..., mode="inference")`` a
-parameter whose every use wants the low dtype (a cast to it in the graph, or
-an ALLOW leaf run with low-precision copies) is replaced, in the converted
-module only, by a low-precision copy that does not require grad: the casts
-in the graph then find the dtype already right and copy nothing. Parameters
-any consumer reads in float32 (batch-norm and layer-norm affine parameters,
-embedding tables, biases added in float32) stay float32. The model given to
-``convert`` is not changed.
+parameter whose every graph use is a cast to the low dtype is read from a
+low-precision copy the converted graph module keeps (:class:`LowCopies`): the
+casts in the graph then find the dtype already right and copy nothing. The
+copy is made again before a call when its float32 master changed (an in-place
+load, ``.data`` writes, an optimizer step: its version counter; or a replaced
+tensor), so the converted module always computes with the model's current
+weights. Parameters any consumer reads in float32 (batch-norm and layer-norm
+affine parameters, embedding tables, biases added in float32) and the
+parameters of leaves (which run as the model's own modules) are not copied.
+The model's parameters are not changed, and they are the converted module's
+``parameters()``: the copies sit beside them (2 bytes per bf16/fp16 weight).
 
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
->>> inf = ampfx.convert(m, "bf16", mode="inference")
->>> inf.get_submodule("0").weight.dtype, m[0].weight.dtype
-(torch.bfloat16, torch.float32)
+>>> x = torch.ones(1, 8)
+>>> inf, train = ampfx.convert(m, "bf16", mode="inference"), ampfx.convert(m, "bf16")
+>>> ampfx.count_casts(lambda: inf(x)) < ampfx.count_casts(lambda: train(x)), m[0].weight.dtype
+(True, torch.float32)
+>>> with torch.no_grad():
+...     _ = m[0].weight.zero_()   # the master changes: its copy is made again at the next call
+>>> torch.equal(inf(x), train(x))
+True
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import integrations, runtime
+from . import runtime
+from .errors import StaleModelError
 from .passes.classify import attr_of
 
 
 def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
-    """Names of parameters every graph use of which is a cast to ``low`` or an ALLOW leaf."""
+    """``get_attr`` targets of parameters every graph use of which is a cast to ``low``."""
     wanted: dict[str, bool] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
         obj = attr_of(gm, str(node.target))
-        if isinstance(obj, nn.Module):  # a leaf run by call_module_low: all its float parameters go low
-            runs_low = all(u.target in (runtime.call_module_low, *integrations.runners()) and u.args[1] == low
-                           for u in node.users)
-            for name, p in obj.named_parameters():
-                key = f"{node.target}.{name}"
-                wanted[key] = wanted.get(key, True) and runs_low and p.dtype in runtime.CASTABLE
-        elif isinstance(obj, nn.Parameter):
+        if isinstance(obj, nn.Parameter) and obj.dtype in runtime.CASTABLE:
             low_use = all(u.op == "call_function" and u.target in (runtime.cast, runtime.cast_pad)
                           and u.args[1] == low for u in node.users)
             key = str(node.target)
             wanted[key] = wanted.get(key, True) and low_use and bool(node.users)
-    # a parameter also reached some other way (a leaf module using it directly) is not low-only
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            for name, _ in gm.get_submodule(str(node.target)).named_parameters():
-                wanted[f"{node.target}.{name}"] = False
     return {k for k, ok in wanted.items() if ok}
 
 
-def store_low(gm: fx.GraphModule, low: torch.dtype) -> tuple[int, int, int]:
-    """Replace low-only parameters of ``gm`` by low-precision copies; returns
-    ``(count, bytes before, bytes after)`` over all parameters."""
-    before = sum(p.numel() * p.element_size() for p in gm.parameters())
+@dataclass(eq=False)
+class LowCopies:
+    """The low-precision copies a graph module reads in place of float32 parameters, each made again
+    before a call when its master changed: ``(owner's parameter dict, name, attribute the graph reads,
+    master when copied, its version then)``."""
+
+    dtype: torch.dtype
+    entries: list[list[Any]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # each copy's parameter, by its path in the graph module
+
+    def add(self, owner: dict, name: str, attr: str, path: str) -> None:
+        self.entries.append([owner, name, attr, None, -1])
+        self.paths.append(path)
+
+    def __repr__(self) -> str:
+        return f"LowCopies({str(self.dtype).replace('torch.', '')}: {', '.join(self.paths)})"
+
+    def refresh(self, gm: nn.Module) -> None:
+        """Copy again each weight whose master was replaced or written since its copy was made."""
+        for entry in self.entries:
+            owner, name, attr, seen, version = entry
+            master = owner.get(name)
+            if master is seen and master._version == version:
+                continue
+            if master is None:
+                raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
+                                      "model: convert the model again")
+            with torch.no_grad():
+                gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
+            entry[3], entry[4] = master, master._version
+
+    def nbytes(self) -> int:
+        return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)
+
+
+def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
+    """Make ``gm`` read a low-precision copy of each parameter all of whose uses are casts to ``low``
+    (tied parameters share one copy); the copies, made now."""
     names = _low_only_params(gm, low)
-    copies: dict[int, nn.Parameter] = {}  # tied parameters stay tied
-    for name in sorted(names):
-        owner_path, _, leaf = name.rpartition(".")
+    copies = LowCopies(low)
+    attrs: dict[tuple[int, str], str] = {}
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op != "get_attr" or target not in names:
+            continue
+        owner_path, _, leaf = target.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
-        p = owner._parameters[leaf]
-        if id(p) not in copies:
-            copies[id(p)] = nn.Parameter(p.detach().to(low), requires_grad=False)
-        owner._parameters[leaf] = copies[id(p)]
-        if hasattr(owner, "_flat_weights_names") and leaf in owner._flat_weights_names:  # RNNs cache weights
-            owner._init_flat_weights()
-    after = sum(p.numel() * p.element_size() for p in gm.parameters())
-    return len(copies), before, after
+        key = (id(owner._parameters[leaf]), leaf)
+        if key not in attrs:
+            attrs[key] = f"_ampfx_low{len(attrs)}"
+            copies.add(owner._parameters, leaf, attrs[key], target)
+        node.target = attrs[key]
+    gm.recompile()
+    copies.refresh(gm)
+    gm.__dict__["_ampfx_low"] = copies
+    return copies

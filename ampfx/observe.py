@@ -45,8 +45,8 @@ def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool | Callable[[
     seen: dict[str, list[Any]] = {path: [] for path in watch or {}}
     hooks = []
     for path, sub in model.named_modules():
-        if not path or not (record(path) or path in seen):
-            continue
+        if not path or not (record(path) or path in seen) or isinstance(sub, torch.jit.ScriptModule):
+            continue  # a TorchScript module takes no hooks (it is an opaque leaf: nothing inside it is converted)
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
             if path not in first and record(path):  # a snapshot: the forward may change what it passed (caches)

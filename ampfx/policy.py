@@ -232,6 +232,11 @@ EXPORT_TIMEOUT = 60.0
 0.2-10 s; a few spend minutes in export's symbolic size analysis, and a capture that slow takes the
 next rung instead (the report's capture steps say so)."""
 
+RECONVERT_LIMIT = 8
+"""How many conversions made again at call time one converted graph keeps (``Policy.reconvert_limit``):
+torch.compile's recompile limit is 8 too. A value that changes at every call (a counter a graph reads)
+reaches it fast, and the error names it."""
+
 _BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values")
 
 
@@ -256,6 +261,10 @@ def _check_fields(p: "Policy") -> None:
                                 or not 0 <= timeout < math.inf):
         raise PolicyError(f"export_timeout={timeout!r}: use seconds >= 0 (default {EXPORT_TIMEOUT:g}), or 0 / None "
                           "for no limit")
+    limit = p.reconvert_limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise PolicyError(f"reconvert_limit={limit!r}: use an integer >= 0 (default {RECONVERT_LIMIT}; 0 raises at "
+                          "the first change instead of converting again)")
     margin = p.calibration_margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
@@ -310,6 +319,10 @@ class Policy:
     #: the next rung (a torch.fx graph with leaves, or the module's own Python with its children converted);
     #: None or 0: no limit
     export_timeout: float | None = EXPORT_TIMEOUT
+    #: after conversion, how many times a converted graph is converted again at a call because a value it
+    #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.fixed): each time
+    #: costs a conversion; past it the call raises StaleModelError naming the value. 0: raise at once
+    reconvert_limit: int = RECONVERT_LIMIT
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = True
@@ -502,6 +515,8 @@ ENV_VARS: dict[str, str] = {
     "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
     "AMPFX_EXPORT_TIMEOUT": "seconds torch.export may take on one module before the capture takes the next rung "
                             f"(default {EXPORT_TIMEOUT:g}; off: no limit)",
+    "AMPFX_RECONVERT_LIMIT": "how many times a converted graph is converted again at a call when a value it fixed "
+                             "changed (default 8; 0: raise StaleModelError at the first change)",
     "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
     "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
     "AMPFX_FLOAT32_STREAM": "0 to let float32 activations (residual streams, carried state) be cast down "
@@ -601,6 +616,8 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
                                                           "0.05")
     if "AMPFX_EXPORT_TIMEOUT" in seen:
         changes["export_timeout"] = _number_or_off("AMPFX_EXPORT_TIMEOUT", seen["AMPFX_EXPORT_TIMEOUT"], "60")
+    if "AMPFX_RECONVERT_LIMIT" in seen:
+        changes["reconvert_limit"] = _int_env("AMPFX_RECONVERT_LIMIT", seen["AMPFX_RECONVERT_LIMIT"])
     if "AMPFX_PAD" in seen:
         changes["pad"] = seen["AMPFX_PAD"].strip().lower()
     for var, fname in _BOOL_VARS.items():

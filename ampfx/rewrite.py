@@ -23,9 +23,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import guards
+from . import fixed, guards
 from .capture.base import Capture
-from .graph_module import AmpGraphModule, graph_module
+from .capture.tracer import inlined
+from .graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from . import runtime
 from .meta import RECORD, leaf_param_casts, record
@@ -99,7 +100,22 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
     notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
                            exported, request.policy.pad)
+    remember(gm, work, capture, request.policy, prefix, arrive)
     return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
+
+
+def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, prefix: str,
+             arrive: torch.dtype | None) -> None:
+    """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.view`): what its
+    graph fixed of ``work``'s Python (:func:`ampfx.fixed.record`), where it sits, its boundary dtype, and
+    whether it keeps its own copies of ``work``'s hooks (torch.export traced a pruning pre-hook in)."""
+    targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
+                                  if n.op == "get_attr" and not str(n.target).startswith(MADE)))
+    d = gm.__dict__
+    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy), targets)
+    d["_ampfx_where"], d["_ampfx_arrive"], d["_ampfx_low_dtype"] = prefix.rstrip("."), arrive, policy.dtype
+    d["_ampfx_own_hooks"] = capture.method == "export" and any(
+        isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())
 
 
 def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool) -> Analysis:

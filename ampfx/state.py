@@ -17,6 +17,7 @@ import collections
 import contextlib
 import random
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -38,6 +39,26 @@ def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
     finally:
         for p, g in before.items():
             p.grad = g
+
+
+@contextlib.contextmanager
+def kept_requires_grad(module: nn.Module) -> Iterator[None]:
+    """Every parameter's ``requires_grad`` put back on exit (a model's ``train()`` override that freezes
+    a backbone, run on a copy that shares the parameters, must not freeze the model's).
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> with kept_requires_grad(lin):
+    ...     _ = lin.requires_grad_(False)
+    >>> lin.weight.requires_grad
+    True
+    """
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
 
 
 def kept_parameters(module: nn.Module) -> contextlib.AbstractContextManager:
@@ -137,13 +158,35 @@ def modes(module: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
+ORIGINS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+"""Each module :func:`copy_tree` made, to the module it copied (:func:`origin_of`)."""
+
+
+def origin_of(m: nn.Module) -> nn.Module | None:
+    """The module ``m`` is a copy of, through copies of copies (``None``: not a copy)."""
+    found = None
+    while True:
+        try:
+            up = ORIGINS.get(m)
+        except TypeError:  # an unhashable module is never a copy
+            return found
+        if up is None:
+            return found
+        found = m = up
+
+
 def copy_tree(m: nn.Module) -> nn.Module:
     """A copy of every module object in the tree that shares parameters and buffers.
 
     Training flags, hooks and submodule slots of the copy are its own, so the
-    original model is never changed by what is done to the copy.
+    original model is never changed by what is done to the copy. Each copy remembers
+    its original (:func:`origin_of`).
     """
     new = m.__class__.__new__(m.__class__)
+    try:
+        ORIGINS[new] = m
+    except TypeError:
+        pass
     new.__dict__.update(m.__dict__)
     for k, v in list(new.__dict__.items()):
         # torch's own containers (parameters, buffers, hooks); a subclass such as diffusers' FrozenDict config
@@ -246,8 +289,9 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     """Whatever runs inside leaves ``model`` and the caller's random state as they were: the
     values of every tensor its modules hold (copied on first write, put back in place), tensors
     re-pointed with ``.data =``, each module's attributes (rebound, added, or top-level containers
-    changed in place), and the CPU and CUDA random state. Python objects changed in place below
-    the first level of an attribute (a cache object's own fields) are not put back.
+    changed in place), the CPU and CUDA random state, Python's and numpy's, and the state of every
+    ``torch.Generator`` a module holds. Python objects changed in place below the first level of an
+    attribute (a cache object's own fields) are not put back.
 
     >>> net = torch.nn.Linear(2, 2)
     >>> w = net.weight.clone()
@@ -269,10 +313,37 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     guard = _SaveBeforeWrite([] if cloned else [t for t in held if id(t) in params])
     with _kept_values(small):
         try:
-            with kept_attributes(model), kept_rng(*held, *tensors), (contextlib.nullcontext() if cloned else guard):
+            with kept_attributes(model), kept_rng(*held, *tensors), kept_random(torch_too=False), \
+                    kept_generators(model), (contextlib.nullcontext() if cloned else guard):
                 yield
         finally:
             _put_back(data, guard.saved, cloned)
+
+
+@contextlib.contextmanager
+def kept_generators(model: nn.Module) -> Iterator[None]:
+    """The state of every ``torch.Generator`` the model's modules hold (attributes, and inside their
+    top-level containers) put back on exit: a forward drawing ``torch.rand(..., generator=self.g)`` during
+    conversion must not move the model's own stream.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> net.g = torch.Generator().manual_seed(0)
+    >>> with kept_generators(net):
+    ...     _ = torch.rand(3, generator=net.g)
+    >>> torch.rand(1, generator=net.g).item() == torch.rand(1, generator=torch.Generator().manual_seed(0)).item()
+    True
+    """
+    found: dict[int, torch.Generator] = {}
+    for m in model.modules():
+        for v in tree_leaves([v for k, v in m.__dict__.items() if k not in TORCH_KEYS]):
+            if isinstance(v, torch.Generator):
+                found[id(v)] = v
+    states = [(g, g.get_state()) for g in found.values()]
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
 
 
 @contextlib.contextmanager

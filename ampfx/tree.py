@@ -42,7 +42,7 @@ from .rewrite import NotReproduced, Request, convert_graph, device_of
 from .meta import record
 from .observe import Observation, observe
 from .policy import Policy
-from .state import HOOK_DICTS, copy_tree
+from .state import HOOK_DICTS, copy_tree, kept_requires_grad
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,14 @@ class _Job:
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
     """Convert ``root`` (a private copy of the model) and every module below it that needs it."""
     return _tree(root, request, request.inputs, "", other_mode=True)
+
+
+def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | None, where: str,
+                   arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
+    """Convert ``work`` (a private copy of the model's module at ``where``) on its own, in its current
+    training mode only: what a converted graph module makes again at a call when a value its graph fixed
+    changed (:class:`ampfx.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`."""
+    return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive)
 
 
 def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
@@ -109,7 +117,7 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)
     twin = copy_tree(work) if job.other_mode and reads_mode(work, capture, request.policy) else None
     if capture.constants:
-        export.install_constants(work, capture.constants)
+        export.install_constants(work, capture.constants, capture.graph)
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
     calls.expect([prefix + path for path in (*inner, *capture.kept)])
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
@@ -171,8 +179,8 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
     ``ampfx.convert(model.train() / .eval())`` would, and make ``gm`` run it in that mode; the notes."""
     training = not job.module.training
     name, path = ("train" if training else "eval"), job.prefix.rstrip(".") or "<root>"
-    for m in twin.modules():
-        m.training = training
+    with kept_requires_grad(twin):  # the model's own train() (a norm_eval override keeps batch norm frozen)
+        twin.train(training)
     if any(getattr(gm, hooks) for hooks in HOOK_DICTS):  # gm runs the module's own hooks in both modes
         for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
             getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)

@@ -17,17 +17,17 @@ def test_inference_mode_matches_train_mode_and_stores_weights_low(name):
         torch.testing.assert_close(infer(*ex), train(*ex), rtol=0, atol=0)
         per_call = ampfx.count_casts(lambda: infer(*ex))
         assert per_call < ampfx.count_casts(lambda: train(*ex))
-    bytes_of = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
-    assert bytes_of(infer) < bytes_of(m)
+    assert [id(p) for p in infer.parameters()] == [id(p) for p in m.parameters()], "the model's own parameters"
     assert all(p.dtype == torch.float32 for p in m.parameters()), "the model itself is unchanged"
-    assert any("inference mode" in n and "saved" in n for n in infer.ampfx_report.notes)
+    assert any("inference mode" in n and "bytes beside" in n for n in infer.ampfx_report.notes)
 
 
 def test_norm_and_embedding_parameters_stay_fp32():
+    """Only weights every use of which is a low op get low copies: norms and embeddings are read float32."""
     m, ex, _ = build("transformer")
     infer = ampfx.convert(m, "bf16", example_inputs=ex, mode="inference")
-    assert infer.norm.weight.dtype == torch.float32 and infer.emb.weight.dtype == torch.float32
-    assert infer.head.weight.dtype == torch.bfloat16
+    copied = infer.__dict__["_ampfx_low"].paths
+    assert "head.weight" in copied and not any(p.startswith(("norm.", "emb.")) for p in copied)
 
 
 def test_bad_mode_is_an_error():

@@ -216,9 +216,10 @@ def test_checkpoint_wrappers_before_convert_are_kept_and_their_module_converted(
 
 def test_parameters_that_arrive_low_are_used_as_they_come():
     """FSDP2's MixedPrecisionPolicy(param_dtype=bf16) hands the blocks bfloat16 parameters: low ops do
-    not cast them again, float32 leaves (the norms) get float32 copies, gradients reach the low ones."""
-    net, idx = _gpt()
+    not cast them again, float32 leaves (the norms) get float32 copies, gradients reach the low ones. (The
+    parameters set on the converted module are the model's: each dtype converts a model of its own.)"""
     for dtype in (torch.bfloat16, torch.float16):
+        net, idx = _gpt()
         amp = ampfx.convert(net, dtype, example_inputs=(idx,))
         ref = amp(idx)
         for block in amp.blocks:
@@ -310,7 +311,8 @@ class Untraceable(nn.Module):
 
 def test_a_kept_block_that_cannot_be_captured_takes_float32_and_returns_the_boundary_dtype():
     """The block keeps its Python, written for float32: the caller's bfloat16 values are cast to float32 on
-    entry and its float32 result back to bfloat16 on exit (the region's steps say so); values right."""
+    entry and its float32 result back to bfloat16 on exit (the region's steps say so); values right. Its hooks
+    see what the model's block sees (float32 in and out)."""
     torch.manual_seed(0)
     net, x = Stack(Untraceable), torch.randn(8, 16)
     amp = ampfx.convert(net, "bf16", example_inputs=(x,), float32_stream=False)  # the stream crosses low
@@ -319,7 +321,7 @@ def test_a_kept_block_that_cannot_be_captured_takes_float32_and_returns_the_boun
     seen = []
     amp.blocks[1].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
     out = amp(x)
-    assert seen == [(torch.float32, torch.bfloat16)]
+    assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.float32
     assert (out - net(x)).abs().max() < 0.05 * net(x).abs().max()
     out.float().sum().backward()
     assert net.blocks[1].fc.weight.grad is not None

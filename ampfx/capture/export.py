@@ -389,22 +389,17 @@ def _normal_path(path: str) -> str:
     return p.strip(".")
 
 
-def install_constants(root: nn.Module, constants: dict[str, Any]) -> None:
-    """Make each ``get_attr`` target in ``constants`` resolvable under ``root``
-    (a private copy of the model's tree): tensors as non-persistent buffers
-    (they follow ``.to(device)``, stay out of ``state_dict()``), other
-    objects (export's submodules) as attributes."""
+def install_constants(root: nn.Module, constants: dict[str, Any], graph: fx.Graph) -> None:
+    """Make each ``get_attr`` target in ``constants`` resolvable under ``root`` (a private copy of the
+    model's module): each becomes a plain attribute ``_ampfx_const<i>`` of ``root``, and the graph's
+    ``get_attr`` nodes read it by that name. Neither the model's tree nor its ``state_dict()``,
+    ``buffers()`` or ``modules()`` gain anything (a change of device converts again: :mod:`ampfx.fixed`)."""
+    names = {target: f"_ampfx_const{i}" for i, target in enumerate(constants)}
+    for node in graph.nodes:
+        if node.op == "get_attr" and str(node.target) in names:
+            node.target = names[str(node.target)]
     for target, value in constants.items():
-        *owner_path, name = target.split(".")
-        owner = root
-        for part in owner_path:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            owner.register_buffer(name, value, persistent=False)
-        else:
-            setattr(owner, name, value)
+        root.__dict__[names[target]] = value
 
 
 def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | None = None,

@@ -256,23 +256,39 @@ def reads_mode(model: nn.Module, capture: Capture, policy: Policy) -> bool:
     torch.export bakes every module's mode into its ops (``aten.dropout(x, 0.1, True)``): any
     module of the tree that reads ``training``. A torch.fx graph calls its leaves (``nn.Dropout``,
     ``nn.BatchNorm2d``, modules that keep their Python), which follow their own flag: only the
-    modules it traced through count.
+    modules it traced through count (:func:`inlined`).
 
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
     >>> reads_mode(net, trace(net, Policy()), Policy())
     False
     """
+    return any(reads_training(type(model.get_submodule(p) if p else model)) for p in inlined(model, capture, policy))
+
+
+def inlined(model: nn.Module, capture: Capture, policy: Policy) -> tuple[str, ...]:
+    """The paths in ``model`` ('' for itself) of the modules whose ``forward`` ``capture``'s graph traced
+    through: every module for torch.export; for torch.fx, those that are neither leaves nor inside one.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    >>> inlined(net, trace(net, Policy()), Policy())
+    ('', '0')
+    """
     if capture.method == "export":
-        return any(reads_training(type(m)) for m in model.modules())
+        return tuple(p for p, _ in model.named_modules())
     tracer = AmpTracer(policy, set(capture.leaves) | set(capture.kept))
-    stack = [("", model)]
-    while stack:  # the modules traced through: not leaves, nor inside one
+    found, stack = [], [("", model)]
+    while stack:  # the modules traced through: not leaves, nor inside one (containers are looked into)
         name, m = stack.pop()
-        if reads_training(type(m)):
-            return True
-        stack.extend((f"{name}.{n}" if name else n, c) for n, c in m.named_children()
-                     if not _is_leaf(tracer, c, f"{name}.{n}" if name else n))
-    return False
+        found.append(name)
+        stack.extend((f"{name}.{n}" if name else n, c) for n, c in reversed(list(m.named_children()))
+                     if _container(c) or not _is_leaf(tracer, c, f"{name}.{n}" if name else n))
+    return tuple(found)
+
+
+def _container(m: nn.Module) -> bool:
+    """A module without a ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``): never called, its
+    modules are called by the code around it."""
+    return getattr(type(m).forward, "__name__", "") == "_forward_unimplemented"
 
 
 def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:

@@ -111,13 +111,14 @@ def test_convert_leaves_model_and_rng_untouched(cls, training, tracer, clone_byt
 
 
 def test_converted_module_starts_from_the_models_state():
-    """Attributes a conversion run set on the converted module's own Python (an eager root's counter,
-    cache and list) are reset to the model's: its first call sees what the model's first call sees."""
+    """Attributes conversion's runs set (an eager root's counter, cache and list) are put back: the first
+    call sees what the model's first call sees, and what that call sets lands on the model's own module
+    (the converted module is a view of the model)."""
     m = Untraceable()
     amp = ampfx.convert(m, example_inputs=(torch.randn(3, 4),))
     assert (amp.n, amp.seen, int(amp.steps), hasattr(amp, "last")) == (0, [], 0, False)
     amp(torch.randn(2, 4))
-    assert (amp.n, amp.seen, m.n, m.seen) == (1, [2], 0, [])  # its own list: the model's is not changed
+    assert (amp.n, amp.seen, m.n, m.seen) == (1, [2], 1, [2]) and amp.seen is m.seen
 
 
 def test_calibration_leaves_model_untouched():
@@ -232,28 +233,19 @@ def test_mode_follows_model(tracer):
     assert amp.training and not torch.equal(m[2].running_mean, stats)
 
 
-def test_explicit_mode_of_converted_module_wins_until_model_changes():
-    """``amp.eval()`` alone holds while the model stays in train mode; the later switch wins."""
+def test_the_mode_of_the_converted_module_is_the_models():
+    """``amp.eval()`` runs the model's own ``eval()`` (the converted module is a view of the model); a
+    later ``model.train()`` is what both are in."""
     m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
     amp = ampfx.convert(m, example_inputs=(X,))
     amp.eval()
-    amp(X)
-    assert not amp.training and m.training
-    m.eval()
-    m.train()  # back to the flag last seen: no change to follow
-    amp(X)
-    assert not amp.training
-    m.eval()
-    amp.train()
-    amp(X)
-    assert amp.training  # both changed since the last call: amp's switch came later and wins
-    amp.eval()
+    assert not m.training and not m[1].training and not amp.training
+    assert torch.equal(amp(X), amp(X))  # dropout off
     m.train()
-    amp(X)
-    assert amp.training  # the model's switch came later and wins
+    assert amp.training and not torch.equal(amp(X), amp(X))
     amp.train()
-    amp(X)
-    assert amp.training  # the model did not change since the last call
+    m[1].eval()  # one submodule of the model: honoured
+    assert torch.equal(amp(X), amp(X))
 
 
 def test_eager_root_follows_too():
@@ -295,18 +287,25 @@ def test_convert_twice_both_follow():
     assert rel(a(X), m(X)) < 0.02 and rel(b(X), m(X)) < 0.02
 
 
-def test_inference_mode_copy_raises_on_replaced_parameter():
-    """mode='inference' stores its own low-precision weights: a replaced parameter cannot be followed."""
+def test_inference_mode_follows_replaced_and_reloaded_parameters():
+    """mode='inference' reads low copies of the weights, made again when a master changes: a replaced
+    parameter, an in-place load and an optimizer step all show through."""
     m = mlp()
     amp = ampfx.convert(m, example_inputs=(X,), mode="inference")
     m[0].weight = nn.Parameter(torch.randn(8, 4))
-    with pytest.raises(StaleModelError, match="own copy"):
-        amp(X)
+    assert rel(amp(X), m(X)) < 0.02
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+    assert rel(amp(X), m(X)) < 0.02
+    torch.optim.SGD(m.parameters(), lr=0.5).zero_grad()
+    m(X).sum().backward()
+    torch.optim.SGD(m.parameters(), lr=0.5).step()
+    assert rel(amp(X), m(X)) < 0.02
 
 
 def test_hooks_released_when_converted_modules_die():
-    """The global registration hooks live only while a converted module does; nothing keeps the
-    model or the converted module alive."""
+    """The global registration hooks live only while a converted module does. The converted module is a
+    view of the model and keeps it alive (as torch.compile's OptimizedModule does); nothing keeps the
+    converted module alive, and once it is gone the model is released too."""
     gc.collect()
     base = len(torch_module._global_parameter_registration_hooks)
     m = mlp()
@@ -315,11 +314,11 @@ def test_hooks_released_when_converted_modules_die():
     model_ref, amp_ref = __import__("weakref").ref(m), __import__("weakref").ref(amp)
     del m
     gc.collect()
-    assert model_ref() is None and amp_ref() is not None
-    amp(X)  # the model is gone: nothing to follow, still runs
+    assert model_ref() is not None and amp_ref() is not None
+    amp(X)
     del amp
     gc.collect()
-    assert amp_ref() is None
+    assert amp_ref() is None and model_ref() is None
     if follow._LIVE[0] == 0:  # no other converted module alive in this process
         assert not follow._HANDLES and len(torch_module._global_parameter_registration_hooks) == base - bool(base)
 

@@ -1,0 +1,391 @@
+"""What a converted graph fixed about the model's Python, checked at every call.
+
+A graph is the model's Python run once: every module whose ``forward`` it traced
+through (*inlined* modules) had its training flag, its plain attributes
+(``self.eps``, ``self.scale``, a flag in an ``if``), the module-level globals its
+code reads, and its hooks read then, and the graph holds those values for ever.
+torch.compile guards each such value and recompiles when one changes; ampfx does
+the same with a :class:`Fixed` per graph:
+
+1. :func:`record` (at conversion, on the module the graph was captured from) notes,
+   for every inlined module, its flag (where its class reads ``training``), the
+   attributes its class's code names (read from the bytecode), the globals that
+   code reads (plain values only: numbers, strings, tuples, plain containers), whether
+   it has hooks, and the dtype and device of each parameter and buffer the graph reads;
+2. :meth:`Recorded.bind` (when the converted module becomes a view of the model,
+   :mod:`ampfx.view`) points each entry at the model's own module;
+3. :meth:`Fixed.holds` runs before every call of the graph: list compares over
+   those slots (flags, attributes, globals), identity for tensors and objects, one
+   global counter for hooks (``RemovableHandle.next_id``: a hook registered anywhere
+   moves it), dtype and device of the tensors. When it fails, the converted module
+   runs another conversion that holds (the other training mode, an earlier
+   re-conversion) or converts again (:mod:`ampfx.graph_module`); :meth:`Fixed.changes`
+   says what changed.
+
+Leaves (``nn.Dropout``, ``nn.BatchNorm2d``, modules that keep their Python) are the
+model's own modules, called at run time: their flags and attributes are read
+live and need no entry here.
+
+>>> import torch, torch.nn as nn
+>>> class Scaled(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.lin, self.t = nn.Linear(2, 2), 2.0
+...     def forward(self, x):
+...         return self.lin(x) / self.t
+>>> net = Scaled()
+>>> fixed = record(net, inlined=("", "lin"), tensors=("lin.weight", "lin.bias")).bind(net, "")
+>>> fixed.holds()
+True
+>>> net.t = 4.0
+>>> fixed.holds(), fixed.changes()
+(False, ['model.t is 4.0, the graph was converted with 2.0'])
+"""
+from __future__ import annotations
+
+import builtins
+import copy
+import enum
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from .state import TORCH_KEYS
+
+_MISSING = object()
+
+HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""The hook dicts a traced forward reads (the ``*_with_kwargs`` / ``always_called`` dicts are keyed like these)."""
+
+_ATOMS = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size, enum.Enum,
+          slice, range, type(Ellipsis), torch.memory_format, torch.layout)
+_SKIP_GLOBALS = ("torch", "builtins", "typing", "math", "numpy", "functools", "collections", "abc", "enum",
+                 "warnings", "logging", "inspect", "dataclasses", "einops", "operator", "itertools")
+"""Packages whose functions are not scanned for globals: torch's own code, the standard library's, numpy's."""
+
+MAX_DEPTH = 2
+"""How many calls deep :func:`global_reads` follows functions named in a forward's code."""
+
+
+def plain(value: Any, depth: int = 0) -> bool:
+    """Is ``value`` compared by ``==`` (numbers, strings, dtypes, and tuples, lists, sets and dicts of
+    those)? Tensors, modules, functions and other objects are compared by identity.
+
+    >>> plain((1, 2.0, "a")), plain({"k": [1, 2]}), plain(torch.ones(1)), plain([torch.ones(1)])
+    (True, True, False, False)
+    """
+    if isinstance(value, _ATOMS) and not isinstance(value, torch.Tensor):
+        return True
+    if depth > 3:
+        return False
+    if type(value) in (tuple, list, set, frozenset):
+        return all(plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _code_names(c)
+
+
+def _functions(cls: type) -> Iterator[types.FunctionType]:
+    """The functions of ``cls`` and its bases below ``nn.Module`` (methods, properties, static and class methods)."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch.fx"):
+            continue
+        for fn in vars(klass).values():
+            if isinstance(fn, property):
+                fn = fn.fget
+            elif isinstance(fn, (staticmethod, classmethod)):
+                fn = fn.__func__
+            try:
+                fn = inspect.unwrap(fn)
+            except ValueError:
+                continue
+            if isinstance(fn, types.FunctionType):
+                yield fn
+
+
+_NAMES: dict[type, frozenset[str]] = {}
+
+
+def read_names(cls: type) -> frozenset[str]:
+    """Every name the code of ``cls`` mentions (attributes it may read), from the bytecode; cached per class.
+
+    >>> "eps" in read_names(nn.LayerNorm), "in_features" in read_names(nn.Linear)
+    (True, True)
+    """
+    if cls not in _NAMES:
+        _NAMES[cls] = frozenset(n for fn in _functions(cls) for n in _code_names(fn.__code__))
+    return _NAMES[cls]
+
+
+_GLOBALS: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _own(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module.split(".")[0] not in _SKIP_GLOBALS
+
+
+def global_reads(cls: type) -> tuple[tuple[str, str], ...]:
+    """``(module name, global name)`` of every plain-valued global the code of ``cls`` reads, and the
+    code of the functions it calls by global name (:data:`MAX_DEPTH` calls deep), outside torch and the
+    standard library; cached per class. A global that is a module, a class or a function of torch or
+    the standard library is not followed: changing those after conversion is not seen."""
+    if cls not in _GLOBALS:
+        found: dict[tuple[str, str], None] = {}
+        todo = [(fn, 0) for fn in _functions(cls) if _own(fn)]
+        seen: set[int] = set()
+        while todo:
+            fn, depth = todo.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            space, home = fn.__globals__, fn.__globals__.get("__name__", "")
+            for name in set(_code_names(fn.__code__)):
+                value = space.get(name, _MISSING)
+                if value is _MISSING:
+                    continue
+                if isinstance(value, types.FunctionType) and depth < MAX_DEPTH and _own(value):
+                    todo.append((value, depth + 1))
+                elif plain(value) and not name.startswith("__"):
+                    found[(home, name)] = None
+        _GLOBALS[cls] = tuple(found)
+    return _GLOBALS[cls]
+
+
+def _snapshot(value: Any) -> tuple[bool, Any]:
+    """``(by_value, what to compare with)``: a copy of a plain value, else the object (compared by identity)."""
+    if plain(value):
+        return True, copy.deepcopy(value)
+    return False, value
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What :func:`record` saw, by path relative to the converted module (bound by :meth:`bind`)."""
+
+    flags: tuple[tuple[str, bool], ...] = ()
+    attributes: tuple[tuple[str, str, bool, Any], ...] = ()  # (path, name, by value, snapshot)
+    configs: tuple[tuple[str, str, dict], ...] = ()  # (path, name, plain vars of an object attribute)
+    hooked: tuple[str, ...] = ()  # inlined modules that had hooks (traced in)
+    inlined: tuple[str, ...] = ()
+    globals: tuple[tuple[str, str, bool, Any], ...] = ()  # (module name, global name, by value, snapshot)
+    tensors: tuple[tuple[str, str, torch.dtype, int], ...] = ()  # (owner path, name, dtype, device index)
+
+    def bind(self, module: nn.Module, where: str, root_hooks: bool = False, low: torch.dtype = torch.bfloat16) -> Fixed:
+        """The check of these values against ``module`` (the model's module the graph stands for, at
+        ``where`` in the model) and its submodules, from now on. ``root_hooks``: ``module``'s own hooks
+        are checked too (the graph module keeps copies of them instead of sharing its dicts)."""
+        def at(path: str) -> nn.Module | None:
+            try:
+                return module.get_submodule(path) if path else module
+            except AttributeError:
+                return None
+        name = (lambda p: f"model.{where}.{p}".rstrip(".") if where else f"model.{p}".rstrip("."))
+        eq: list[tuple[dict, str, Any, str]] = []
+        same: list[tuple[dict, str, Any, str]] = []
+        for path, flag in self.flags:
+            m = at(path)
+            if m is not None:
+                eq.append((m.__dict__, "training", flag, f"{name(path)} mode"))
+        for path, attr, by_value, value in self.attributes:
+            m = at(path)
+            if m is not None:
+                (eq if by_value else same).append((m.__dict__, attr, value, name(path) + f".{attr}"))
+        for path, attr, fields in self.configs:
+            m = at(path)
+            obj = m.__dict__.get(attr) if m is not None else None
+            if obj is not None and hasattr(obj, "__dict__"):
+                eq.append((obj.__dict__, _ALL, fields, f"{name(path)}.{attr}"))
+        for home, glob, by_value, value in self.globals:
+            space = getattr(sys.modules.get(home), "__dict__", None)
+            if space is not None:
+                (eq if by_value else same).append((space, glob, value, f"global {glob} of {home}"))
+        paths = [p for p in self.inlined if p or root_hooks]
+        hooks = [(getattr(m, h), f"{name(p)}") for p in paths if (m := at(p)) is not None for h in HOOKS
+                 if isinstance(getattr(m, h, None), dict)]
+        tensors = []
+        for path, attr, dtype, device in self.tensors:
+            m = at(path)
+            if m is None:
+                continue
+            d = m._parameters if attr in m._parameters else m._buffers if attr in m._buffers else m.__dict__
+            tensors.append((d, attr, dtype, device, name(path) + f".{attr}"))
+        fixed = Fixed(eq, same, hooks, any(p or root_hooks for p in self.hooked), tensors, low)
+        fixed.source = (self, module, where, root_hooks)
+        return fixed
+
+
+_ALL = object()
+"""The key of an ``eq`` slot that compares a whole ``__dict__`` (an object's plain fields)."""
+
+
+def _fields(obj: Any) -> dict | None:
+    """The plain fields of a configuration object (``vars(obj)`` when every value is plain), else ``None``."""
+    fields = getattr(obj, "__dict__", None)
+    if not isinstance(fields, dict) or isinstance(obj, (nn.Module, type, types.ModuleType, types.FunctionType)):
+        return None
+    return copy.deepcopy(fields) if fields and plain(fields) else None
+
+
+def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...]) -> Recorded:
+    """What a graph of ``root`` fixed: for the modules at ``inlined`` (paths in ``root``, '' for itself,
+    whose forwards the graph traced through), their flags, the attributes and globals their code reads and
+    whether they have hooks; for the parameters and buffers at ``tensors`` (``get_attr`` targets), dtype
+    and device."""
+    flags, attributes, configs, hooked, globs = [], [], [], [], {}
+    read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
+    from .capture.tracer import reads_training  # a late import: capture imports this module's users
+
+    for path in inlined:
+        m = root.get_submodule(path) if path else root
+        cls = type(m)
+        if reads_training(cls):
+            flags.append((path, m.training))
+        names = read_names(cls)
+        for attr, value in m.__dict__.items():
+            if attr in TORCH_KEYS or attr == "training" or attr not in names or attr.startswith("_ampfx"):
+                continue
+            if isinstance(value, nn.Module) or (f"{path}.{attr}" if path else attr) in read:
+                continue  # a submodule held as an attribute (its own entry, if inlined), a tensor read live
+            by_value, snap = _snapshot(value)
+            attributes.append((path, attr, by_value, snap))
+            fields = None if by_value else _fields(value)
+            if fields is not None:
+                configs.append((path, attr, fields))
+        if any(getattr(m, h, None) for h in HOOKS):
+            hooked.append(path)
+        for home, glob in global_reads(cls):
+            value = getattr(sys.modules.get(home), glob, _MISSING)
+            if value is not _MISSING and home != builtins.__name__:
+                globs[(home, glob)] = _snapshot(value)
+    metas = []
+    for target in tensors:
+        owner, _, attr = target.rpartition(".")
+        try:
+            m = root.get_submodule(owner) if owner else root
+        except AttributeError:
+            continue
+        t = m._parameters[attr] if attr in m._parameters else m._buffers.get(attr, m.__dict__.get(attr))
+        if isinstance(t, torch.Tensor):
+            metas.append((owner, attr, t.dtype, t.get_device()))
+    return Recorded(tuple(flags), tuple(attributes), tuple(configs), tuple(hooked), tuple(inlined),
+                    tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas))
+
+
+@dataclass(eq=False)
+class Fixed:
+    """The per-call check of what one graph fixed (see the module docstring)."""
+
+    eq: list[tuple[dict, Any, Any, str]]  # (dict, key, value, what it is): compared with ==
+    same: list[tuple[dict, str, Any, str]]  # compared by identity
+    hooks: list[tuple[dict, str]]  # the inlined modules' hook dicts
+    hooked: bool  # an inlined module had hooks: they are checked at every call
+    tensors: list[tuple[dict, str, torch.dtype, int, str]]
+    #: the conversion's low dtype: a float32 weight in it counts as float32 (the graph casts each weight to what
+    #: its op needs; FSDP2's MixedPrecisionPolicy gathers weights low for the forward)
+    low: torch.dtype = torch.bfloat16
+    _values: list[Any] = field(default_factory=list)
+    _objects: list[Any] = field(default_factory=list)
+    _hook_ids: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    _metas: list[Any] = field(default_factory=list)
+    seen: int = -1  # RemovableHandle.next_id when the hooks last held
+    source: tuple = ()  # (Recorded, module, where, root_hooks): what it was bound from
+
+    def __repr__(self) -> str:
+        return (f"Fixed({len(self.eq) + len(self.same)} values, {len(self.tensors)} tensors, {len(self.hooks)} hook "
+                f"dicts)")
+
+    def __deepcopy__(self, memo: dict) -> Fixed:
+        """The same check bound to the copy of its module (a copied converted module checks its own copy
+        of the model; module dicts are not shared with the copy's modules otherwise)."""
+        recorded, module, where, root_hooks = self.source
+        return recorded.bind(copy.deepcopy(module, memo), where, root_hooks, self.low)
+
+    def __post_init__(self) -> None:
+        self._values = [v for _, _, v, _ in self.eq]
+        self._objects = [v for _, _, v, _ in self.same]
+        self._hook_ids = ([len(d) for d, _ in self.hooks], [sum(d) for d, _ in self.hooks])
+        self._kinds = {self.low: torch.float32}
+        self._metas = [(self._kinds.get(dtype, dtype), device) for _, _, dtype, device, _ in self.tensors]
+        self.seen = RemovableHandle.next_id
+
+    def holds(self) -> bool:
+        """Does every value the graph fixed still hold?"""
+        if self.eq and [d if k is _ALL else d.get(k, _MISSING) for d, k, _, _ in self.eq] != self._values:
+            return False
+        if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
+            return False
+        if self.tensors and [(self._kinds.get(t.dtype, t.dtype), t.get_device()) if (t := d.get(k)) is not None
+                             else None for d, k, _, _, _ in self.tensors] != self._metas:
+            return False
+        if self.hooked or RemovableHandle.next_id != self.seen:
+            if [len(d) for d, _ in self.hooks] != self._hook_ids[0] or \
+                    [sum(d) for d, _ in self.hooks] != self._hook_ids[1]:
+                return False
+            self.seen = RemovableHandle.next_id
+        return True
+
+    def lowered(self) -> list[str]:
+        """The float32 tensors the graph reads that are now in a low dtype other than the conversion's
+        (``model.half()`` under a bfloat16 conversion): the ops ampfx keeps float32 cannot take them."""
+        low = (torch.float16, torch.bfloat16)
+        return [f"{what} ({str(t.dtype).replace('torch.', '')})" for d, k, dtype, _, what in self.tensors
+                if dtype == torch.float32 and (t := d.get(k)) is not None and t.dtype in low and t.dtype != self.low]
+
+    def changes(self) -> list[str]:
+        """What no longer holds, one line each (the slow path, after :meth:`holds` failed)."""
+        out = []
+        for d, k, value, what in self.eq:
+            now = d if k is _ALL else d.get(k, _MISSING)
+            if now != value:
+                if k is _ALL:
+                    keys = sorted({*now, *value}, key=str)
+                    diff = [f"{f}={now.get(f, '<unset>')!r} (was {value.get(f, '<unset>')!r})" for f in keys
+                            if now.get(f, _MISSING) != value.get(f, _MISSING)]
+                    out.append(f"{what} changed: {', '.join(diff[:4])}")
+                elif k == "training":
+                    out.append(f"{what.removesuffix(' mode')} is in {'train' if now else 'eval'} mode, the graph was "
+                               f"converted with it in {'train' if value else 'eval'} mode")
+                elif now is _MISSING:
+                    out.append(f"{what} was deleted, the graph was converted with {_short(value)}")
+                else:
+                    out.append(f"{what} is {_short(now)}, the graph was converted with {_short(value)}")
+        for (d, k, _, what), value in zip(self.same, self._objects):
+            if d.get(k, _MISSING) is not value:
+                out.append(f"{what} was replaced by another object ({_short(d.get(k))})")
+        for (d, k, dtype, device, what), meta in zip(self.tensors, self._metas):
+            t = d.get(k)
+            if t is None:
+                out.append(f"{what} is None, the graph was converted with a tensor")
+            elif (self._kinds.get(t.dtype, t.dtype), t.get_device()) != meta:
+                out.append(f"{what} is {str(t.dtype).replace('torch.', '')} on {t.device}, the graph was converted "
+                           f"with {str(dtype).replace('torch.', '')} on {_device(device)}")
+        for (d, what), n, total in zip(self.hooks, *self._hook_ids):
+            if len(d) != n or sum(d) != total:
+                out.append(f"hooks of {what} changed since conversion (the graph traced its forward, so hooks "
+                           "registered or removed since are not in it)")
+        return list(dict.fromkeys(out))
+
+
+def _device(index: int) -> str:
+    return "cpu" if index < 0 else f"cuda:{index}"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
