@@ -108,7 +108,7 @@ def convert(
     check_tuned(request.policy, report.records)
     result, views = view.rebase(result, model)
     follower = follow(model, result, views)
-    _arm(views, request, follower)
+    _arm(views, request, follower, model)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
                           notes=notes)
@@ -117,27 +117,29 @@ def convert(
     return result
 
 
-def _arm(views: view.Views, request: Request, follower: Any) -> None:
+def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -> None:
     """Give every graph module of the converted tree the means to convert its model module again when
     what its graph fixed changes (:class:`ampfx.view.Reconvert`); what those conversions depend on is
-    added to what ``follower`` watches."""
+    added to what ``follower`` watches. The modules the policy names are found again in ``model`` as it
+    is then (a module that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it)."""
     def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
         args, kwargs = call
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
-        req = dataclasses.replace(request, inputs=inputs, dynamic_dims=request.dynamic_dims if not where else None,
+        req = dataclasses.replace(request, policy=_check_module_names(model, request.policy), inputs=inputs,
+                                  dynamic_dims=request.dynamic_dims if not where else None,
                                   export_sizes={}, export_drops={})
         tensors = inputs.tensors()
         with untouched(module, *tensors), one_thread(module, *tensors):
             return convert_module(copy_tree(module), req, inputs, where, arrive)
 
     def arm(made: view.Views) -> None:
-        follower.watch(made)
+        if made is not views:
+            follower.watch(made)
         for gm, _ in made.graphs:
             gm.set_reconvert(view.Reconvert(again, gm.__dict__.get("_ampfx_arrive"), request.policy.reconvert_limit,
                                             arm))
 
-    for gm, _ in views.graphs:
-        gm.set_reconvert(view.Reconvert(again, gm.__dict__.get("_ampfx_arrive"), request.policy.reconvert_limit, arm))
+    arm(views)
 
 
 def _save(report: Report, policy: Policy) -> None:

@@ -183,6 +183,7 @@ class Recorded:
     inlined: tuple[str, ...] = ()
     globals: tuple[tuple[str, str, bool, Any], ...] = ()  # (module name, global name, by value, snapshot)
     tensors: tuple[tuple[str, str, torch.dtype, int], ...] = ()  # (owner path, name, dtype, device index)
+    children: tuple[str, ...] = ()  # the converted module's own submodules' names (``del model.x`` is not heard)
 
     def bind(self, module: nn.Module, where: str, root_hooks: bool = False, low: torch.dtype = torch.bfloat16) -> Fixed:
         """The check of these values against ``module`` (the model's module the graph stands for, at
@@ -204,6 +205,11 @@ class Recorded:
             m = at(path)
             if m is not None:
                 (eq if by_value else same).append((m.__dict__, attr, value, name(path) + f".{attr}"))
+        for path in self.inlined:  # an instance attribute `forward` replaces the forward the graph traced
+            m = at(path)
+            if m is not None:
+                same.append((m.__dict__, "forward", m.__dict__.get("forward", _MISSING), f"{name(path)}.forward"))
+        eq.append((module._modules, _KEYS, list(self.children), f"{name('')} submodules"))
         for path, attr, fields in self.configs:
             m = at(path)
             obj = m.__dict__.get(attr) if m is not None else None
@@ -230,6 +236,8 @@ class Recorded:
 
 _ALL = object()
 """The key of an ``eq`` slot that compares a whole ``__dict__`` (an object's plain fields)."""
+_KEYS = object()
+"""The key of an ``eq`` slot that compares a dict's keys (a module's submodule names)."""
 
 
 def _fields(obj: Any) -> dict | None:
@@ -282,7 +290,7 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...]) 
         if isinstance(t, torch.Tensor):
             metas.append((owner, attr, t.dtype, t.get_device()))
     return Recorded(tuple(flags), tuple(attributes), tuple(configs), tuple(hooked), tuple(inlined),
-                    tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas))
+                    tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas), tuple(root._modules))
 
 
 @dataclass(eq=False)
@@ -324,7 +332,8 @@ class Fixed:
 
     def holds(self) -> bool:
         """Does every value the graph fixed still hold?"""
-        if self.eq and [d if k is _ALL else d.get(k, _MISSING) for d, k, _, _ in self.eq] != self._values:
+        if self.eq and [d if k is _ALL else list(d) if k is _KEYS else d.get(k, _MISSING)
+                        for d, k, _, _ in self.eq] != self._values:
             return False
         if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
             return False
@@ -349,9 +358,12 @@ class Fixed:
         """What no longer holds, one line each (the slow path, after :meth:`holds` failed)."""
         out = []
         for d, k, value, what in self.eq:
-            now = d if k is _ALL else d.get(k, _MISSING)
+            now = d if k is _ALL else list(d) if k is _KEYS else d.get(k, _MISSING)
             if now != value:
-                if k is _ALL:
+                if k is _KEYS:
+                    gone, new = sorted(set(value) - set(now)), sorted(set(now) - set(value))
+                    out.append(f"{what} changed: {', '.join([*(f'{g} deleted' for g in gone), *(f'{n} added' for n in new)])}")
+                elif k is _ALL:
                     keys = sorted({*now, *value}, key=str)
                     diff = [f"{f}={now.get(f, '<unset>')!r} (was {value.get(f, '<unset>')!r})" for f in keys
                             if now.get(f, _MISSING) != value.get(f, _MISSING)]
@@ -365,7 +377,8 @@ class Fixed:
                     out.append(f"{what} is {_short(now)}, the graph was converted with {_short(value)}")
         for (d, k, _, what), value in zip(self.same, self._objects):
             if d.get(k, _MISSING) is not value:
-                out.append(f"{what} was replaced by another object ({_short(d.get(k))})")
+                out.append(f"{what} was set on the module" if k == "forward" and value is _MISSING else
+                           f"{what} was replaced by another object ({_short(d.get(k))})")
         for (d, k, dtype, device, what), meta in zip(self.tensors, self._metas):
             t = d.get(k)
             if t is None:

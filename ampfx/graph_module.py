@@ -109,10 +109,13 @@ class AmpGraphModule(fx.GraphModule):
         d["_ampfx_model"] = model
 
     def share_hooks(self, model: nn.Module) -> None:
-        """Use ``model``'s hook dicts as this module's own: a hook registered on either fires here."""
+        """Use ``model``'s hook dicts as this module's own: a hook registered on either fires here (whether
+        backward hooks are full ones is read from ``model`` too)."""
         for name in HOOKS:
-            if name in model.__dict__:
+            if name in model.__dict__ and isinstance(model.__dict__[name], dict):
                 self.__dict__[name] = model.__dict__[name]
+        self.__dict__.pop("_is_full_backward_hook", None)
+        self.__dict__["_ampfx_shared_hooks"] = True
 
     def __getattr__(self, name: str) -> Any:
         """``nn.Module``'s lookup, then the model module's attributes, then its class's methods and
@@ -135,6 +138,8 @@ class AmpGraphModule(fx.GraphModule):
 
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_ampfx_model")
+        if name == "_is_full_backward_hook" and self.__dict__.get("_ampfx_shared_hooks"):
+            return setattr(model, name, value)
         if model is None or name in _LOCAL or name.startswith(("_ampfx", "ampfx_")) or name == "training":
             return super().__setattr__(name, value)
         if isinstance(value, nn.Module) or (value is None and name in self.__dict__["_modules"]):
