@@ -239,7 +239,9 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     fx's ``_assert_is_none`` guards, which do not survive pickling, become
     ampfx's importable equivalent. A function kept whole that its library also
     ``torch.fx.wrap``-s (torchvision's ``stochastic_depth``) is recorded as
-    itself, not as ampfx's wrapper."""
+    itself, not as ampfx's wrapper. Containers fixed while tracing become one
+    argument again (:func:`_unflatten_fixed`)."""
+    _unflatten_fixed(graph, fixed)
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
                 and node.target[:-2] in fixed:
@@ -248,6 +250,69 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
             node.target = runtime.assert_is_none
         if node.op == "call_function" and hasattr(node.target, "_ampfx_one_node"):
             node.target = node.target._ampfx_one_node
+
+
+def _unflatten_fixed(graph: fx.Graph, fixed: dict[str, Any]) -> None:
+    """One placeholder per argument fixed at a container (``mix=(0.5, 0.5)``), with the
+    container as its default, and fx's own signature again.
+
+    torch.fx gives each leaf of a fixed container its own placeholder (``mix_1``, ``mix_2``),
+    each defaulting to the whole container, and then generates a forward that flattens its
+    arguments with a pytree spec. That code does not compile when a fixed argument has a
+    default (``x, flag_1 = False, ... = tree_flatten_spec(...)``) and takes an extra argument
+    when ``forward``'s first parameter is not called ``self``. The traced code reads the fixed
+    values themselves, so the leaf placeholders feed only fx's per-leaf asserts; ampfx's guard
+    checks the whole value at call time (:mod:`ampfx.guards`), so they go::
+
+        before: mix_1 = placeholder(); eq_1 = mix_1 == 0.5; _assert(eq_1, ...); mix_2 = ...
+        after:  mix = placeholder(default=(0.5, 0.5))
+    """
+    from torch.fx.graph import CodeGen, _PyTreeCodeGen
+
+    info = getattr(graph._codegen, "pytree_info", None)
+    containers = {name for name, value in fixed.items() if not torch.utils._pytree.tree_flatten(value)[1].is_leaf()}
+    if not isinstance(graph._codegen, _PyTreeCodeGen) or info is None or not containers:
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    leaf_nodes = {n for n in placeholders if isinstance(n.target, str) and n.target.rpartition("_")[0] in containers
+                  and n.target.rpartition("_")[2].isdigit()}
+    for ph in leaf_nodes:  # each feeds its assert (and an eq / _assert_is_none before it) only
+        for user in reversed(_users_closure(ph)):
+            graph.erase_node(user)
+        graph.erase_node(ph)
+    by_name = {_argument(n.target, fixed): n for n in graph.nodes if n.op == "placeholder"}
+    cursor = None
+    for name in info.orig_args:  # forward's parameters (then its locals) in order; placeholders follow them
+        if name in containers:
+            where = graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(
+                next(iter(graph.nodes), None))
+            with where:
+                cursor = graph.placeholder(name, default_value=fixed[name])
+        elif name in by_name:
+            cursor = by_name[name]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if info.out_spec is not None:
+        output.args = (torch.utils._pytree.tree_unflatten(list(output.args[0]), info.out_spec),)
+    graph._codegen = CodeGen()
+
+
+def _argument(target: str, fixed: dict[str, Any]) -> str:
+    """The forward parameter a placeholder stands for: ``*args`` for ``args``, a fixed ``flag_1`` for ``flag``."""
+    target = target.lstrip("*")
+    return target[:-2] if target.endswith("_1") and target[:-2] in fixed else target
+
+
+def _users_closure(node: fx.Node) -> list[fx.Node]:
+    """``node``'s users, their users, and so on, in graph order."""
+    seen: dict[fx.Node, None] = {}
+    todo = list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen[n] = None
+            todo.extend(n.users)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
 
 
 def reads_mode(model: nn.Module, capture: Capture, policy: Policy) -> bool:
