@@ -394,6 +394,13 @@ for _name in ("log", "log1p", "log2", "log10"):
 _PERIODIC = "periodic function of a possibly large argument: low precision loses the argument"
 for _name in ("sin", "cos", "tan"):
     _op(_name, D, _PERIODIC, fns=_torch_fns(_name), methods=[_name], aten=[_name])
+_FFT = ("Fourier transform: complex results have no bfloat16 dtype and the CPU kernels take float32/float64 only "
+        "(CUDA's float16 FFT takes power-of-two sizes only); each output sums the whole signal: float32")
+for _name in ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn",
+              "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn"):
+    _op(_name, D, _FFT, fns=[getattr(torch.fft, _name)], aten=[f"fft_{_name}"])
+_op("stft", D, _FFT + " (short-time: one per window)", fns=[torch.stft], methods=["stft"], aten=["stft"])
+_op("istft", D, _FFT + " (inverse short-time, overlap-added)", fns=[torch.istft], methods=["istft"], aten=["istft"])
 _REDUCE = "reduction: loses precision summing many low-precision values; kept float32"
 _op("var", D, _REDUCE, fns=_torch_fns("var", "var_mean"), methods=["var"], aten=["var", "var_mean"], reduction=True)
 _op("std", D, _REDUCE, fns=_torch_fns("std", "std_mean"), methods=["std"], aten=["std", "std_mean"], reduction=True)
@@ -517,6 +524,10 @@ _ATEN_ONLY: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("cross_entropy_loss",),
     "nll_loss": ("nll_loss_nd", "nll_loss2d", "nll_loss_forward"),
     "embedding": ("embedding_bag", "_embedding_bag"),
+    # the FFT primitives the torch.fft functions decompose to (core ATen): real -> complex, complex -> real, complex
+    "rfft": ("_fft_r2c",),
+    "irfft": ("_fft_c2r",),
+    "fft": ("_fft_c2c",),
 }
 for _name, _packets in _ATEN_ONLY.items():
     for _p in _packets:
@@ -615,6 +626,8 @@ def qualified_name(obj: Any) -> str:
     qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     if qual.startswith("_VariableFunctionsClass."):  # torch.add and friends are C builtins
         return f"torch.{qual.split('.', 1)[1]}"
+    if module == "torch._C._fft" and qual.startswith("fft_"):  # torch.fft.rfft is torch._C._fft.fft_rfft
+        return f"torch.fft.{qual[4:]}"
     public = {"torch._C._nn": "torch.nn.functional", "torch._C._special": "torch.special",
               "torch._C._linalg": "torch.linalg", "_operator": "operator"}
     return f"{public.get(module, module)}.{qual}"

@@ -107,6 +107,9 @@ class Rule(str, enum.Enum):
                                           "torch.autocast(..., enabled=False)", word="user float32")
     PROBE = "probe", _about("the low-precision kernel failed a tiny test run on this device",
                             word="no low kernel here")
+    COMPLEX = "complex", _about("makes complex numbers from real data (torch.complex, view_as_complex, x * 1j): "
+                                "bfloat16 has no complex dtype and float16's has few kernels, so it reads float32",
+                                word="makes complex")
     PAINT_DENY = "paint:deny", _about("follows a deny op through infer/clear ops (TF-AMP deny propagation)",
                                       word="follows deny")
     PAINT_BETWEEN_ALLOW = "paint:between-allow", _about("on a path between low-precision ops (TF-AMP)")

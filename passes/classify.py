@@ -170,6 +170,8 @@ def _other_float(node: fx.Node, gm: fx.GraphModule,
     infos = out_infos(node)
     if infos is not None:
         floats = [i.dtype for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
+        if makes_complex(node) is not None:  # from data ampfx converts: the lists decide what it reads
+            return None
         if floats and all(other_float(f) for f in floats):
             return _widest(floats), f"produces {', '.join(dict.fromkeys(dtype_name(f) for f in floats))}"
         if not floats or any(i.dtype in CASTABLE for p in node.all_input_nodes for i in out_infos(p) or ()):
@@ -187,6 +189,30 @@ def _other_float(node: fx.Node, gm: fx.GraphModule,
     dtype = _widest([d for _, d in wide_in])
     return dtype, (f"reads {dtype_name(dtype)} {names} (without example_inputs ampfx assumes this from the "
                    "parameters and explicit dtypes it sees)")
+
+
+def makes_complex(node: fx.Node) -> torch.dtype | None:
+    """The complex dtype ``node`` makes from real float32/16/bf16 data (``torch.fft.rfft(x)``,
+    ``torch.complex(a, b)``, ``x * 1j``), else ``None``; known only with shapes. Such an op
+    reads data ampfx converts, so the lists decide it, but never in a low dtype: bfloat16 has
+    no complex dtype and float16's (``complex32``) has few kernels.
+
+    >>> from ampfx.meta import OUT_INFOS
+    >>> from ampfx.passes.shapes import TensorInfo
+    >>> g = fx.Graph(); x = g.placeholder("x"); z = g.call_function(torch.fft.rfft, (x,))
+    >>> x.meta[OUT_INFOS], z.meta[OUT_INFOS] = (TensorInfo((8,), torch.float32),), (TensorInfo((5,), torch.complex64),)
+    >>> makes_complex(z), makes_complex(x)
+    (torch.complex64, None)
+    """
+    infos = out_infos(node)
+    if infos is None:
+        return None
+    made = [i.dtype for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
+    read = [i.dtype for p in node.all_input_nodes for i in out_infos(p) or ()
+            if i.dtype.is_floating_point or i.dtype.is_complex]
+    if made and all(d.is_complex for d in made) and read and all(d in CASTABLE for d in read):
+        return _widest(made)
+    return None
 
 
 def selects_float(node: fx.Node, entry: ops.OpEntry) -> bool:
@@ -371,6 +397,11 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
             verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
                                      f"{name}{probes.describe(variant)} has no working {dtype_name(low)} kernel on "
                                      f"{ctx.device} ({err}): float32")
+    if (made := makes_complex(node)) is not None:
+        verdict = decide.Verdict(Category.FP32, torch.float32, Rule.COMPLEX,
+                                 f"{name} makes {dtype_name(made)} from real data: {dtype_name(low)} has "
+                                 f"{'no complex dtype' if low is torch.bfloat16 else 'few complex kernels'}, so "
+                                 "it reads float32")
     if (big := _out_of_range(node, low, gm)) is not None:
         verdict = decide.Verdict(Category.FP32, torch.float32, Rule.RANGE_CONSTANT,
                                  f"{name} uses the constant {big:.4g}, outside {dtype_name(low)}'s range: float32")
