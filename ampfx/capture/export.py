@@ -60,9 +60,9 @@ import torch.nn as nn
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
 from ..module_match import TRACED_PRE_HOOKS
-from ..state import kept_attributes, kept_random, without_hooks
+from ..state import kept_attributes, kept_random, untouched, without_hooks
 from .base import Capture, short
-from .semantics import Dropped, Watch
+from .semantics import Dropped, Watch, python_changes
 from .tracer import dropped_by
 
 MIN_TORCH = (2, 5)
@@ -475,6 +475,75 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     if unbounded is not None and timeout:
         notes.append(unbounded)
     return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
+
+
+def changes_past_sizes(model: nn.Module, inputs: ExampleInputs,
+                       capture: Capture) -> tuple[dict[str, tuple[str, ...]], str] | None:
+    """What the model's own Python changes in a run just past the largest size the exported graph holds
+    for: ``({module path: what it changed}, the sizes in words)``, or ``None`` (no size is bounded
+    above, or that run changes nothing, or the model does not run there).
+
+    A forward that grows a cache for longer inputs (``if T > self.cache_len: self.cache = ...;
+    self.cache_len = T``) takes the branch that keeps the cache on the example when the cache is
+    long enough already (filled by an earlier call, or precomputed to a length), so the export
+    holds only up to that length: longer calls would raise ``GuardError``, and converting again
+    cannot help, since the model sets that length itself. The run, on the example inputs repeated
+    along each bounded dimension to one past its bound, shows the forward setting Python state
+    there (or re-assigning a buffer), which no graph repeats: the module then keeps its Python.
+    The model is left as found."""
+    placeholders = [n for n in capture.graph.nodes if n.op == "placeholder"]
+    args, kwargs = inputs.ordered(model.forward)
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    if len(leaves) != len(placeholders):
+        return None
+    bounded = [(sym, high, f"{n.target} dim {d}") for n in placeholders for d, sym, high in _bounded(n.meta.get("val"))]
+    past = {sym: high + 1 for sym, high, _ in bounded}
+    if not past:
+        return None
+    words = ", ".join(dict.fromkeys(f"{where} <= {high}" for _, high, where in bounded))
+    grown = [_grown(leaf, n.meta.get("val"), past) for leaf, n in zip(leaves, placeholders)]
+    args, kwargs = torch.utils._pytree.tree_unflatten(grown, spec)
+    buffers = {path: dict(m._buffers) for path, m in model.named_modules()}
+    try:
+        with untouched(model), torch.no_grad(), python_changes(model) as seen:
+            model(*args, **kwargs)
+            for path, m in model.named_modules():  # a buffer re-assigned (self.cache = longer) is state too
+                swapped = tuple(f"buffer {k!r} re-assigned" for k, b in m._buffers.items()
+                                if b is not buffers.get(path, {}).get(k))
+                seen[path] = (*seen.get(path, ()), *swapped) if swapped else seen.get(path, ())
+    except Exception:  # noqa: BLE001 - the model does not run past its sizes (a position table): nothing seen
+        return None
+    seen = {path: what for path, what in seen.items() if what}
+    return (seen, words) if seen else None
+
+
+def _bounded(val: Any) -> list[tuple[int, Any, int]]:
+    """The dimensions of an exported placeholder's value whose size is a symbol with a finite upper bound:
+    ``(dim, symbol, bound)``."""
+    if not isinstance(val, torch.Tensor):
+        return []
+    out = []
+    for d, size in enumerate(val.shape):
+        if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            vr = size.node.shape_env.var_to_range.get(size.node.expr)
+            try:
+                if vr is not None and vr.upper.is_integer and vr.upper < 2 ** 62:
+                    out.append((d, size.node.expr, int(vr.upper)))
+            except (TypeError, AttributeError):  # an unbounded range
+                continue
+    return out
+
+
+def _grown(leaf: Any, val: Any, past: dict[Any, int]) -> Any:
+    """``leaf`` repeated along each dimension whose exported size is a symbol of ``past`` to that size
+    (token ids stay valid ids, masks stay masks)."""
+    if not isinstance(leaf, torch.Tensor) or not isinstance(val, torch.Tensor) or leaf.dim() != val.dim():
+        return leaf
+    for d, size in enumerate(val.shape):
+        if isinstance(size, torch.SymInt) and size.node.expr in past and leaf.shape[d] > 0:
+            index = torch.arange(past[size.node.expr], device=leaf.device) % leaf.shape[d]
+            leaf = leaf.index_select(d, index)
+    return leaf
 
 
 DYNAMIC_SHARE = 0.25

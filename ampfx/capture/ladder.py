@@ -80,6 +80,15 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
         exported = export.capture(module, inputs, policy.export_timeout, sizes, drops)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, run, [*steps, *e.steps])
+    past = export.changes_past_sizes(module, inputs, exported)
+    if past is not None:  # a cache the forward grows for longer inputs: the graph would keep the short one
+        seen, where = past
+        if drops is not None:
+            drops.update(seen)
+        what = "; ".join(f"{p or 'the root module'!r}: {', '.join(w)}" for p, w in sorted(seen.items())[:3])
+        return _with_leaves(fx_capture, run, [*steps, *exported.steps, f"torch.export's graph holds for {where} "
+                                              f"only, and past that the model's own run sets Python state a graph "
+                                              f"would not repeat ({what}): the graph is not used"])
     notes = (f"keep_modules: torch.export captured this module and inlines modules, so {_few(kept)} are not "
              "module boundaries (hooks registered on them do not fire; FSDP2 cannot shard them one by one); name them "
              "in keep_modules (the module then keeps its Python around them), or use tracer='fx' where it "

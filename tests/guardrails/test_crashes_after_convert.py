@@ -1,5 +1,6 @@
 """Models that converted into a crash, or into an error that named the wrong cause: each now gives the
 model's result, or an ampfx error naming the real cause and a fix that works."""
+import copy
 import inspect
 
 import pytest
@@ -115,3 +116,81 @@ def test_an_op_making_complex_from_real_data_reads_float32(how, tracer):
     made = next(r for r in amp.ampfx_report.records if r.node.startswith(("complex", "view_as_complex")))
     rule = "complex" if (how, tracer) == ("view_as_complex", "export") else "unlisted"
     assert (made.dtype, made.rule) == (torch.float32, rule)
+
+
+# -- a cache the forward grows for longer inputs ---------------------------------------------------------------------
+
+class Rope(nn.Module):
+    """A position table grown by the forward when a longer sequence comes (a rotary-embedding cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.cache_len = 0
+        self.cache = None
+
+    def forward(self, x):
+        T = x.shape[1]
+        if T > self.cache_len:
+            self.cache = torch.arange(T, dtype=torch.float32)[:, None].expand(T, 8).clone()
+            self.cache_len = T
+        return self.l(x) + self.cache[:T]
+
+
+class PrecomputedRope(nn.Module):
+    """As HF's rotary embeddings: a buffer precomputed to a length in __init__, re-registered longer when needed."""
+
+    def __init__(self, length=4):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self._set_cache(length)
+
+    def _set_cache(self, length):
+        self.max_seq_len_cached = length
+        t = torch.arange(length, dtype=torch.float32)[:, None].expand(length, 8)
+        self.register_buffer("cos_cached", t.cos(), persistent=False)
+
+    def forward(self, x):
+        T = x.shape[1]
+        if T > self.max_seq_len_cached:
+            self._set_cache(T)
+        return self.l(x) * self.cos_cached[:T]
+
+
+class Head(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _warm_rope():
+    rope = Rope()
+    rope(torch.randn(2, 4, 8))  # the cache already holds 4 positions, as after any earlier call
+    return rope
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+@pytest.mark.parametrize("build", [Rope, _warm_rope, PrecomputedRope, lambda: Head(_warm_rope()),
+                                   lambda: Head(PrecomputedRope())],
+                         ids=["cold-rope", "rope", "precomputed", "head-rope", "head-precomputed"])
+def test_a_cache_the_forward_grows_keeps_its_python(build, tracer):
+    """A module whose forward grows a cache for longer inputs keeps its Python, so calls longer and shorter
+    than the example give the model's result. torch.export's graph of it holds only up to the cache's
+    length at conversion (the branch that grows it is not taken on the example), and converting again
+    cannot help since the model sets that length itself: where a run one past that length shows the
+    forward setting Python state, the graph is not used (it used to raise GuardError for longer calls)."""
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    rope = model.block if isinstance(model, Head) else model
+    lengths = {k: v for k, v in vars(rope).items() if k in ("cache_len", "max_seq_len_cached")}
+    amp = ampfx.convert(model, example_inputs=(torch.randn(2, 4, 8),), tracer=tracer)
+    assert {k: vars(rope)[k] for k in lengths} == lengths  # the model is left as it was
+    assert not any(r.method == "export" and r.path in ("", "block") for r in amp.ampfx_report.regions)
+    for T in (16, 2, 4, 20):
+        x = torch.randn(2, T, 8)
+        assert rel(amp(x), reference(x)) < 0.03, T
