@@ -51,7 +51,7 @@ from ..ops import Category
 from ..report import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .classify import attr_of, original_dtype, view_group
+from .classify import attr_of, original_dtype, view_group, written
 
 
 class _Casts:
@@ -387,9 +387,14 @@ def _map_slot(arg: Any, slot: int | str, node: fx.Node, entry: ops.OpEntry | Non
     return fx.map_arg(arg, lambda n: casts.get(n, dtype, node, why))
 
 
-def _written(node: fx.Node) -> Any:
-    """What an in-place ``node`` writes: its ``out=`` tensor, else its first argument."""
-    return node.kwargs.get("out", node.args[0] if node.args else None)
+def _cast_into_out(node: fx.Node, dtype: torch.dtype, casts: "_Casts") -> None:
+    """An op writing into its ``out=`` tensor computes in that tensor's dtype (``torch.mm`` refuses any
+    other; elementwise ops would round to it anyway): its other float inputs are cast to it, the
+    tensor it writes never (a cast copy would take the write)."""
+    why = f"{node.name} writes a {dtype_name(dtype)} tensor (out=)"
+    node.args = fx.map_arg(node.args, lambda n: casts.get(n, dtype, node, why))
+    node.kwargs = {k: v if k == "out" else fx.map_arg(v, lambda n: casts.get(n, dtype, node, why))
+                   for k, v in node.kwargs.items()}
 
 
 def _cast_outputs(node: fx.Node, ctx: PassContext, casts: "_Casts") -> None:
@@ -419,7 +424,9 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if d.kind not in COMPUTE:
             continue
         if d.inplace:
-            if isinstance(target := _written(node), fx.Node):
+            if "out" in node.kwargs and d.dtype in CASTABLE:  # torch.mm(a, b, out=t) computes in t's dtype
+                _cast_into_out(node, d.dtype, casts)
+            if isinstance(target := written(node), fx.Node):
                 casts.mutated(target)  # casts made before this mutation are not reused after it
             continue
         if d.category is Category.PASS and _float32_copy_read_low(node, d, ctx):

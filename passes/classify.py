@@ -69,6 +69,16 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
+def written(node: fx.Node) -> Any:
+    """What an in-place ``node`` writes: its ``out=`` tensor, else its first argument.
+
+    >>> g = fx.Graph(); a, t = g.placeholder("a"), g.placeholder("t")
+    >>> written(g.call_function(torch.add, (a, 1.0), {"out": t})).name, written(g.call_method("add_", (a, 1.0))).name
+    ('t', 'a')
+    """
+    return node.kwargs.get("out", node.args[0] if node.args else None)
+
+
 def op_key(node: fx.Node, gm: fx.GraphModule) -> Any:
     """What the tables are keyed by: the callable, the method name or the module type."""
     if node.op == "call_module":

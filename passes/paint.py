@@ -49,7 +49,7 @@ from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
 from .casts import fp32_slot_inputs, needed_casts
-from .classify import DYNAMIC, carries_float, original_dtype, other_float, pass_result, selects_float
+from .classify import DYNAMIC, carries_float, original_dtype, other_float, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
@@ -405,13 +405,13 @@ def _values(gm: fx.GraphModule, low: torch.dtype) -> None:
             out[n] = d.out
         elif d.kind == "output":
             out[n] = None
-        elif d.inplace and n.args and isinstance(n.args[0], fx.Node):
-            target = out.get(n.args[0])
+        elif d.inplace and isinstance(written(n), fx.Node):  # x.add_(y), torch.mm(a, b, out=t)
+            target = out.get(written(n))
             dtype = target if isinstance(target, torch.dtype) else None
             if d.category is not Category.PASS:
                 held = "run-time" if target == DYNAMIC else dtype_name(target, none="")
                 d = dataclasses.replace(d, dtype=dtype, rule=Rule.INPLACE,
-                                        reason=f"in-place op keeps the dtype of {n.args[0].name} ({held})")
+                                        reason=f"in-place op keeps the dtype of {written(n).name} ({held})")
             out[n] = target
         elif _selects(n, d) and n.args and isinstance(n.args[0], fx.Node):
             out[n] = out.get(n.args[0])

@@ -177,6 +177,12 @@ class Watch:
             self.own.add(str(node.target))
         if node.op not in ("call_function", "call_method", "call_module"):
             return
+        out = node.kwargs.get("out")
+        if isinstance(out, fx.Node) and out.op == "get_attr":  # torch.add(y, 1, out=self.buf)
+            what = ("a tensor the forward made while tracing" if str(out.target).startswith("_tensor_constant")
+                    else f"{str(out.target)!r}")
+            self.drop(self.where(), f"writes into {what} with out=: torch.fx computes the reads of it that use "
+                                    "no traced value once, while tracing")
         for _, scope in self.scopes:
             if scope.kind is Kind.FLOAT32:
                 node.meta[USER_FLOAT32] = f"inside {scope.text} in {scope.path or 'the root module'!r}"

@@ -45,8 +45,11 @@ def reference(model: nn.Module, inputs: ExampleInputs, seen: dict[str, tuple[str
     :class:`~ampfx.errors.ExampleInputsError` when the model does not run on ``inputs`` at all."""
     try:
         return _run(model, model, inputs, seen)
-    except ExampleInputsError:
-        raise
+    except ExampleInputsError as e:
+        try:  # a forward that runs only without autograd (torch.add(y, 1, out=self.buf)): the inputs are fine
+            return _run(model, model, inputs, seen, grad=False)
+        except Exception:  # noqa: BLE001 - it does not run without autograd either: the inputs are wrong
+            raise e from e.__cause__
     except Exception:  # noqa: BLE001 - nothing to compare
         return None
 
@@ -55,7 +58,7 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs: ExampleInputs, want: _
     """:func:`reproduces`'s second half: run ``gm`` (over ``model``) and compare with ``want``."""
     keep_hooks(gm, model)  # the converted module calls the model's own hooks around its graph (rewrite)
     try:
-        got = _run(gm, model, inputs)
+        got = _run(gm, model, inputs, grad=want.grad)
     except Exception as e:  # noqa: BLE001
         return f"the torch.fx graph does not run on the example inputs ({short(e)})"
     return _compare_outputs(want.outputs, got.outputs, rtol) or _compare_named(want, got, rtol)
@@ -64,18 +67,22 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs: ExampleInputs, want: _
 @dataclass(frozen=True)
 class _Run:
     """What one run shows: output tensors, each parameter's gradient (``None``: it gets none;
-    all ``None`` when no gradient could be taken), each buffer after the call."""
+    all ``None`` when no gradient could be taken), each buffer after the call; ``grad``: whether
+    it ran with autograd (a forward that fails with it, as ``out=`` into a tensor that needs no
+    gradient does, is compared without)."""
 
     outputs: list[torch.Tensor]
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
     backward: bool
+    grad: bool = True
 
 
-def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs, seen: dict | None = None) -> _Run:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs, seen: dict | None = None,
+         grad: bool = True) -> _Run:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if grad else []
     with kept_rng(*model.parameters()), kept_buffers(model), kept_attributes(model, bookkeeping=False), \
-            torch.enable_grad():
+            torch.set_grad_enabled(grad):
         torch.manual_seed(0)
         try:  # a copy of the inputs each time: the forward may change what it is given (caches)
             with python_changes(model) if seen is not None else contextlib.nullcontext({}) as changed:
@@ -89,7 +96,7 @@ def _run(m: nn.Module, model: nn.Module, inputs: ExampleInputs, seen: dict | Non
         out = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         grads, backward = _grads(out, params)
-    return _Run([t.detach() for t in out], grads, buffers, backward)
+    return _Run([t.detach() for t in out], grads, buffers, backward, grad)
 
 
 def _grads(out: list[torch.Tensor], params: list[tuple[str, nn.Parameter]]) -> tuple[dict, bool]:

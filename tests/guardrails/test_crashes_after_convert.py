@@ -194,3 +194,61 @@ def test_a_cache_the_forward_grows_keeps_its_python(build, tracer):
     for T in (16, 2, 4, 20):
         x = torch.randn(2, T, 8)
         assert rel(amp(x), reference(x)) < 0.03, T
+
+
+# -- out= writes ------------------------------------------------------------------------------------------------------
+
+class OutInto(nn.Module):
+    """Writes a linear's result with out= into a buffer, into a tensor the forward makes, or into one made like a
+    traced value, then reads that tensor."""
+
+    def __init__(self, into, op):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.register_buffer("buf", torch.zeros(3, 4))
+        self.into, self.op = into, op
+
+    def forward(self, x):
+        y = self.l(x)
+        o = self.buf if self.into == "buffer" else torch.empty(3, 4) if self.into == "fresh" else torch.empty_like(y)
+        if self.op == "add":
+            torch.add(y, 1.0, out=o)
+        else:
+            torch.mm(y, self.l.weight, out=o)
+        return o * 2
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+@pytest.mark.parametrize("op", ["add", "mm"])
+@pytest.mark.parametrize("into", ["buffer", "fresh", "like"])
+def test_out_writes_convert_under_no_grad_and_give_the_model_result(into, op, tracer):
+    """A forward that writes with out= (which autograd refuses, so the model runs only under no_grad) converts
+    under torch.no_grad() and gives the model's result and buffer: the check of the torch.fx graph runs the
+    model without autograd when it fails only with it (it used to blame the example inputs); torch.fx's graph
+    of an out= write into a buffer or a tensor made while tracing is not used (its later reads were computed
+    while tracing); an out= op computes in the dtype of the tensor it writes (torch.mm refuses any other)."""
+    model = OutInto(into, op)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,), tracer=tracer)
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert rel(amp(x), reference(x)) < 0.03
+            assert rel(model.buf + 1, reference.buf + 1) < 0.03  # the write reached the model's own buffer
+    if into != "like":
+        assert all(r.method != "fx" for r in amp.ampfx_report.regions if r.path == "")
+    elif tracer != "export":
+        rec = next(r for r in amp.ampfx_report.records if r.op in ("add", "mm"))
+        assert (rec.dtype, rec.rule) == (amp.ampfx_report.by_node("empty_like").out, "inplace")
+
+
+def test_out_write_with_autograd_fails_as_the_model_does():
+    """Converted with autograd on, an out= forward converts (its example inputs are not what is wrong), and a call
+    with autograd raises torch's own error naming out=, as the model's call does."""
+    model = OutInto("buffer", "add")
+    x = torch.randn(3, 4)
+    amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,))
+    for module in (model, amp):
+        with pytest.raises(RuntimeError, match=r"out=\.\.\. arguments don't support automatic differentiation"):
+            module(x)
