@@ -29,16 +29,22 @@ from torch.utils._pytree import tree_leaves
 
 @contextlib.contextmanager
 def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
-    """Restore every buffer (batch-norm statistics and counters) on exit, and
-    with ``grads`` every parameter's ``.grad``."""
+    """Restore every buffer (batch-norm statistics and counters) on exit, its value and its place (a
+    forward that re-assigns one, ``self.n = self.n + 1``, leaves another tensor there), and with
+    ``grads`` every parameter's ``.grad``."""
     # clones: backward accumulates into an existing .grad in place
     before = {p: (p.grad.clone() if p.grad is not None else None) for p in module.parameters()} if grads else {}
+    slots = [(m._buffers, dict(m._buffers)) for m in module.modules()]
     try:
         with _kept_values(list(module.buffers())):
             yield
     finally:
         for p, g in before.items():
             p.grad = g
+        for buffers, held in slots:
+            if buffers.keys() != held.keys() or any(buffers[k] is not v for k, v in held.items()):
+                buffers.clear()
+                buffers.update(held)
 
 
 @contextlib.contextmanager

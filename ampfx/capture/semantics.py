@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.autograd import grad_mode
-from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..meta import USER_FLOAT32
 from ..module_match import TRACED_PRE_HOOKS
@@ -128,6 +128,7 @@ class Watch:
         self.own: set[str] = set()  # get_attr targets of the graph: fx stores its constants on the root
         self._state: dict[str, _ModuleState] = {}
         self._paths: dict[int, str] = {}  # id of each watched module -> its path (under export)
+        self._slots: dict[int, list[dict[str, Any]]] = {}  # its buffers as each of its running forwards began
 
     def __enter__(self) -> Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -139,6 +140,7 @@ class Watch:
             stack.enter_context(_wrapped_apply())
             if self.export and self._state:
                 self._paths = {id(s.module): p for p, s in self._state.items()}
+                stack.callback(register_module_forward_pre_hook(self._note_buffers).remove)
                 stack.callback(register_module_forward_hook(self._stop_at_attribute).remove)
             self._stack = stack.pop_all()
         _ACTIVE.append(self)
@@ -153,14 +155,24 @@ class Watch:
                     self.drop(path, change)
                     self.python_state = self.python_state or not of_tensor
 
+    def _note_buffers(self, module: nn.Module, args: Any) -> None:
+        if self._paths.get(id(module)):  # a submodule (the root's re-assigned buffers export keeps)
+            self._slots.setdefault(id(module), []).append(dict(module._buffers))
+
     def _stop_at_attribute(self, module: nn.Module, args: Any, output: Any) -> None:
         """torch.export runs the Python once: a module whose forward set a Python attribute that feeds the
-        computation (a cache of attention biases) makes the capture unfaithful. Say so when that forward
-        ends, instead of after tracing the rest of the model."""
+        computation (a cache of attention biases) makes the capture unfaithful, and so does a submodule
+        whose forward re-assigns a buffer (``self.n = self.n + 1``): non-strict export records that as a
+        ``copy_`` for the root module only, and drops it for a submodule. Say so when that forward ends,
+        instead of after tracing the rest of the model."""
         path = self._paths.get(id(module))
         if path is None:
             return
         changed = self._state[path].unfaithful()
+        held = self._slots.get(id(module))
+        if held:
+            before = held.pop()
+            changed += [f"buffer {k!r} re-assigned" for k, b in module._buffers.items() if before.get(k) is not b]
         if changed:
             for words in changed:
                 self.drop(path, words)

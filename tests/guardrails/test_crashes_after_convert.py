@@ -252,3 +252,35 @@ def test_out_write_with_autograd_fails_as_the_model_does():
     for module in (model, amp):
         with pytest.raises(RuntimeError, match=r"out=\.\.\. arguments don't support automatic differentiation"):
             module(x)
+
+
+# -- a buffer the forward re-assigns ----------------------------------------------------------------------------------
+
+class Counted(nn.Module):
+    """A submodule whose forward re-assigns a buffer (``self.n = self.n + 1``) and uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n = self.n + 1
+        return self.l(x) * self.n
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+def test_a_buffer_a_submodule_re_assigns_counts_from_the_models_value(tracer):
+    """A buffer a submodule's forward re-assigns counts from the model's value on every tracer path: the
+    conversion's own runs of the model put the buffer back in its place (they put back values only, and left
+    the conversion one step ahead), and torch.export's graph, which drops a submodule's re-assignment
+    (non-strict export keeps the root's only), is not used for it. It used to be silently wrong from the
+    first call (fx, auto) or the second (export)."""
+    model = nn.Sequential(Counted(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,), tracer=tracer)
+    assert float(amp.get_submodule("0").n) == 0.0
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        assert rel(amp(x), reference(x)) < 0.03
