@@ -97,6 +97,8 @@ def convert(
     >>> print(amp.ampfx_report.summary())
     ampfx: converted 3/3 nodes to bfloat16 using 5 casts (3 of weights)
     """
+    given = model
+    model = _model_of(model)
     request = _request(model, dtype, example_inputs, policy, dynamic_dims, tracer, mode, calibrate, calibrate_loss,
                        os.environ if environ is None else environ, policy_options)
     if request.policy.disable:
@@ -110,6 +112,8 @@ def convert(
     follower = follow(model, result, views)
     _arm(views, request, follower, model)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
+    if given is not model:
+        notes += ("the module given is a converted module, a view of its model: that model was converted",)
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
@@ -125,8 +129,11 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
     def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
         args, kwargs = call
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
+        # tracer='export' inlines every module: a module hooked since conversion would run its hooks once, while
+        # tracing; 'auto' keeps it a boundary where torch.fx captures the rest
         req = dataclasses.replace(request, policy=_check_module_names(model, request.policy), inputs=inputs,
                                   dynamic_dims=request.dynamic_dims if not where else None,
+                                  tracer="auto" if request.tracer == "export" else request.tracer,
                                   export_sizes={}, export_drops={})
         tensors = inputs.tensors()
         with untouched(module, *tensors), one_thread(module, *tensors):
@@ -140,6 +147,20 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
                                             arm))
 
     arm(views)
+
+
+def _model_of(module: nn.Module) -> nn.Module:
+    """The model ``module`` stands for when it is a converted module (it is a view of it: converting it
+    converts the model), else ``module``. A converted module loaded from a pickle stands for no model."""
+    if not isinstance(module, nn.Module):
+        return module
+    model = module.__dict__.get("_ampfx_model") if isinstance(module, AmpGraphModule) else None
+    if model is None and isinstance(module, view.Mirror):
+        model = module._ampfx_model
+    if model is None and isinstance(module, AmpGraphModule):
+        raise ArgumentError("this converted module was loaded from a copy (pickle, torch.save) and stands for no "
+                            "model: convert the model itself (ampfx.convert(model, ...))")
+    return model if model is not None else module
 
 
 def _save(report: Report, policy: Policy) -> None:

@@ -207,6 +207,10 @@ def class_names(module: nn.Module) -> set[str]:
     return {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
 
 
+HOOKED = "it carries hooks, which fire only when its forward is called"
+"""Why ``keep_modules="auto"`` keeps a hooked module (the capture ladder reads it: such a module stays a boundary)."""
+
+
 def auto_kept(model: nn.Module) -> list[tuple[str, str]]:
     """What ``keep_modules="auto"`` keeps in ``model``: every module carrying forward (not pre-) or
     backward hooks, every wrapper of :data:`WRAPPERS`, and **repeated blocks**: the children of an
@@ -229,7 +233,7 @@ def auto_kept(model: nn.Module) -> list[tuple[str, str]]:
         if wrapper is not None:
             found.setdefault(name, f"keep_modules='auto': an {wrapper} ({type(m).__name__}) runs its own Python")
         elif _hooked(m):
-            found.setdefault(name, "keep_modules='auto': it carries hooks, which fire only when its forward is called")
+            found.setdefault(name, f"keep_modules='auto': {HOOKED}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             kids = [(n, c) for n, c in m.named_children()
                     if any(True for _ in c.children()) and any(True for _ in c.parameters())]

@@ -34,7 +34,7 @@ def kept_buffers(module: nn.Module, grads: bool = False) -> Iterator[None]:
     ``grads`` every parameter's ``.grad``."""
     # clones: backward accumulates into an existing .grad in place
     before = {p: (p.grad.clone() if p.grad is not None else None) for p in module.parameters()} if grads else {}
-    slots = [(m._buffers, dict(m._buffers)) for m in module.modules()]
+    slots = [(m._buffers, dict(m._buffers)) for m in module.modules() if not isinstance(m, torch.jit.ScriptModule)]
     try:
         with _kept_values(list(module.buffers())):
             yield

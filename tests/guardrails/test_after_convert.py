@@ -1,0 +1,375 @@
+"""After convert, the converted module is the model: every change a training loop makes to the model or to the
+converted module shows through, or the next call raises an ampfx error naming the change and the fix.
+
+One test per kind of change (the crashes and misleading errors are in test_crashes_after_convert.py; the
+everyday patterns of the after-convert hunt are replayed by test_after_convert_patterns.py).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+import ampfx
+from ampfx.errors import ArgumentError, StaleModelError
+from conftest import rel
+
+TRACERS = ["auto", "fx", "export"]
+X = torch.randn(6, 8)
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+# --- 1. parameter order and names -------------------------------------------------------------------------------
+
+class ConvBN(nn.Module):
+    """A CNN whose forward uses its modules in another order than it registers them."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(x)).mean((2, 3)))
+
+
+MODELS = {"encoder_layer": (lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                            lambda: torch.randn(2, 5, 16)),
+          "conv_bn": (ConvBN, lambda: torch.randn(2, 3, 8, 8))}
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_parameters_buffers_and_state_dict_are_the_models_in_its_order(name, tracer):
+    """named_parameters(), named_buffers() and state_dict() list the model's own tensors by the model's names
+    in the model's order on every capture path (torch.fx registered them in first-use order: an encoder
+    layer listed norm1 before linear1)."""
+    build, data = MODELS[name]
+    model = build()
+    amp = ampfx.convert(model, example_inputs=(data(),), tracer=tracer)
+    for kind in ("named_parameters", "named_buffers"):
+        mine, theirs = list(getattr(amp, kind)()), list(getattr(model, kind)())
+        assert [n for n, _ in mine] == [n for n, _ in theirs]
+        assert all(a is b for (_, a), (_, b) in zip(mine, theirs))
+    assert list(amp.state_dict()) == list(model.state_dict())
+
+
+def test_code_that_pairs_parameters_by_position_works():
+    """parameters_to_vector(amp.parameters()) written back into the model, EMA's update_parameters(amp), and
+    an optimizer's state saved from amp's parameters and loaded over the model's all pair by position."""
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    amp = ampfx.convert(model, example_inputs=(x,))
+    vector = parameters_to_vector(amp.parameters())
+    copy_ = copy.deepcopy(model)
+    vector_to_parameters(vector, copy_.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(copy_.state_dict().values(), model.state_dict().values()))
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ema.update_parameters(amp)
+    assert all(torch.equal(a, b) for a, b in zip(ema.module.parameters(), model.parameters()))
+    opt = torch.optim.Adam(amp.parameters(), lr=1e-3)
+    amp(x).float().pow(2).mean().backward()
+    opt.step()
+    other = torch.optim.Adam(model.parameters(), lr=1e-3)
+    other.load_state_dict(opt.state_dict())
+    for p in model.parameters():
+        assert torch.equal(other.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+# --- 2. modes --------------------------------------------------------------------------------------------------
+
+class NormEval(nn.Module):
+    """The norm_eval pattern: the model's own train() keeps its batch norm frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_train_and_eval_run_the_models_own_train(first, tracer):
+    """amp.train() / amp.eval() run the model's own train(): after a validation round trip the frozen batch
+    norm stays frozen (its statistics do not move in train mode), whichever mode the model was converted in."""
+    model = getattr(NormEval(), first)()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    amp.eval()
+    amp(X)
+    amp.train()
+    stats = model.bn.running_mean.clone()
+    out = amp(X)
+    assert model.training and not model.bn.training and torch.equal(model.bn.running_mean, stats)
+    assert rel(out, model(X)) < 0.03
+
+
+class Noisy(nn.Module):
+    """A module whose own Python reads self.training (a graph traced through it holds one mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y + 1.0 if self.training else y
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_mode_set_on_one_of_the_models_submodules_is_honoured(tracer):
+    """model.bn.eval() (a leaf: the model's own module runs) and model.noisy.eval() (traced through: the graph
+    fixed its mode, so the module is converted again) after convert, the rest in train mode."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), Noisy(), nn.Linear(8, 2)).train()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    model[1].eval()
+    model[2].eval()
+    stats = model[1].running_mean.clone()
+    out = amp(X)
+    assert torch.equal(model[1].running_mean, stats)
+    assert rel(out, model(X)) < 0.03
+
+
+# --- 3. Python values a graph fixed ----------------------------------------------------------------------------
+
+SCALE = 1.0
+
+
+class Valued(nn.Module):
+    """Plain attributes and a global read by a forward that torch.fx and torch.export trace through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.temperature, self.flag, self.steps = 1.0, True, 2
+
+    def forward(self, x):
+        y = self.norm(self.lin(x)) / self.temperature
+        if self.flag:
+            y = y * 2
+        for _ in range(self.steps):
+            y = y + 1
+        return y * SCALE
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_attributes_and_globals_a_graph_fixed_show_through(tracer, monkeypatch):
+    """A temperature, a flag in an `if`, a loop count, a norm's eps and a module-level global changed after
+    convert: each call computes what the model now computes (the module is converted again where its graph
+    held the old value), and changing them back runs the first graph again."""
+    model = Valued()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    changes = [("temperature", 4.0), ("flag", False), ("steps", 0), ("eps", 0.5), ("SCALE", 3.0)]
+    for name, value in changes:
+        if name == "SCALE":
+            monkeypatch.setitem(globals(), "SCALE", value)
+        else:
+            setattr(model.norm if name == "eps" else model, name, value)
+        assert rel(amp(X), model(X)) < 0.03, name
+    monkeypatch.setitem(globals(), "SCALE", 1.0)
+    model.temperature, model.flag, model.steps, model.norm.eps = 1.0, True, 2, 1e-5
+    before = len(amp.variants())
+    assert rel(amp(X), model(X)) < 0.03 and len(amp.variants()) == before
+
+
+def test_a_value_that_keeps_changing_raises_at_the_limit_naming_it():
+    """A value changed at every call converts again each time, up to reconvert_limit; then the call raises
+    StaleModelError naming the value, what the graph held and the fixes (reconvert_limit=0: at once)."""
+    model = Valued()
+    amp = ampfx.convert(model, example_inputs=(X,), reconvert_limit=2)
+    for steps in (3, 4):
+        model.steps = steps
+        assert rel(amp(X), model(X)) < 0.03
+    model.steps = 5
+    with pytest.raises(StaleModelError, match=r"model\.steps is 5, the graph was converted with 2.*reconvert_limit"):
+        amp(X)
+    other = Valued()
+    strict = ampfx.convert(other, example_inputs=(X,), reconvert_limit=0)
+    other.flag = False
+    with pytest.raises(StaleModelError, match=r"model\.flag is False.*leaf_modules"):
+        strict(X)
+
+
+def test_a_conversion_made_again_is_logged_with_the_change(caplog):
+    """Converting again costs a conversion: it is logged (logger ampfx.graph_module, INFO) with what changed."""
+    model = Valued()
+    amp = ampfx.convert(model, example_inputs=(X,))
+    model.flag = False
+    with caplog.at_level(logging.INFO, logger="ampfx.graph_module"):
+        amp(X)
+    assert "model.flag is False, the graph was converted with True" in caplog.text
+    assert "converting it again (1 of at most 8)" in caplog.text
+    assert "model.flag is False" in amp.variants()[0].ampfx_report.notes[-1]
+
+
+# --- 4. hooks added after convert ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("where", ["model_sub", "amp_sub", "model_root", "amp_root"])
+def test_hooks_added_after_convert_fire(where, tracer):
+    """A forward hook registered after convert on one of the model's modules, on the converted module's,
+    on the model itself or on the converted module fires once per call and its result is used."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    target = {"model_sub": lambda: model[0], "amp_sub": lambda: amp.get_submodule("0"),
+              "model_root": lambda: model, "amp_root": lambda: amp}[where]()
+    ref = copy.deepcopy(model)
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(1)
+        return out * 2 + 1
+    target.register_forward_hook(hook)
+    (ref[0] if where.endswith("sub") else ref).register_forward_hook(lambda m, a, o: o * 2 + 1)
+    amp(X)  # the call that converts again (where a graph traced the module) also runs it while converting
+    calls.clear()
+    out = amp(X)
+    assert len(calls) == 1 and rel(out, ref(X)) < 0.03
+
+
+def test_full_backward_hook_on_the_model_fires():
+    """A full backward hook registered on the model (which the converted graph module stands for) fires."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,))
+    seen = []
+    model.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].shape))
+    amp(X).sum().backward()
+    assert seen == [torch.Size([6, 4])]
+
+
+# --- 5. structure edits ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_bias_set_to_none_shows_through(tracer):
+    """model.fc.bias = None (torch fires no registration hook for it): the graph read the bias, so the module
+    is converted again without it."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    model[0].bias = None
+    assert rel(amp(X), model(X)) < 0.03
+
+
+def test_load_state_dict_with_assign_on_the_converted_module_is_the_models():
+    """amp.load_state_dict(sd, assign=True) puts the new tensors into the model too (an optimizer over
+    model.parameters() trains what amp computes with)."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,))
+    sd = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    amp.load_state_dict(sd, assign=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    assert [id(p) for p in amp.parameters()] == [id(p) for p in model.parameters()]
+    assert rel(amp(X), model(X)) < 0.03
+
+
+def test_moves_and_dtype_changes_of_the_converted_module_are_the_models():
+    """amp.double() converts the model's own buffers and parameters (they are one set): the next call
+    computes in float64 as the model does; amp.half() under a bfloat16 conversion raises naming the weights."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    amp = ampfx.convert(model, example_inputs=(X,))
+    amp.double()
+    assert model[1].running_mean.dtype == torch.float64 and model[0].weight.dtype == torch.float64
+    assert rel(amp(X.double()), model(X.double())) < 1e-6
+    amp.float().half()
+    with pytest.raises(StaleModelError, match=r"model\.0\.weight \(float16\).*converted to bfloat16.*\.float\(\)"):
+        amp(X.half())
+
+
+def test_converting_a_converted_module_converts_its_model():
+    """ampfx.convert(amp) converts the model amp is a view of (with the new options), and says so."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,))
+    again = ampfx.convert(amp, torch.float16, example_inputs=(X,))
+    assert again.__dict__["_ampfx_model"] is model
+    assert any("converted module" in n for n in again.ampfx_report.notes)
+    model[0].weight = nn.Parameter(torch.randn(16, 8))
+    assert rel(again(X), model(X)) < 0.03
+
+
+def test_inference_mode_follows_an_in_place_load():
+    """mode='inference' then model.load_state_dict(ckpt): the low copies are made again from the new weights."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,), mode="inference")
+    model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    assert rel(amp(X), model(X)) < 0.03
+
+
+# --- 6. Python state set in forward -----------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Keeps its attention map for visualisation and counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        a = self.qk(x).softmax(-1)
+        self.attn = a.detach()
+        return a
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_python_state_set_in_forward_lands_on_the_models_modules(tracer):
+    """What a forward sets (an attention map, a call counter) is on the model's own module after amp's calls."""
+    model = nn.Sequential(nn.Linear(8, 8), Attention(), nn.Linear(8, 2))
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    amp(X), amp(X)
+    assert model[1].calls == 2 and model[1].attn.shape == (6, 8)
+
+
+# --- 7. convert() leaves model-owned state alone -----------------------------------------------------------------
+
+class Sampler(nn.Module):
+    """Draws from a generator it owns."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.g = nn.Linear(8, 8), torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.rand(x.shape, generator=self.g)
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_convert_leaves_a_generator_the_model_owns_alone(tracer):
+    """The model's own torch.Generator is where it was after convert() (its runs drew from it)."""
+    model = Sampler()
+    state = model.g.get_state().clone()
+    ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    assert torch.equal(model.g.get_state(), state)
+
+
+# --- 8. crashes that became working or clear --------------------------------------------------------------------
+
+class Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = torch.jit.script(nn.Linear(8, 8)), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_a_scripted_submodule_is_a_leaf_and_a_scripted_root_is_a_clear_error():
+    """A torch.jit.script'ed submodule stays as it is (it takes no hooks: converting raised); a scripted root
+    cannot be rewritten: ArgumentError saying to convert the Python model."""
+    model = Scripted()
+    amp = ampfx.convert(model, example_inputs=(X,))
+    assert amp.get_submodule("inner") is model.inner and rel(amp(X), model(X)) < 0.03
+    with pytest.raises(ArgumentError, match="TorchScript module.*Convert the Python model"):
+        ampfx.convert(torch.jit.script(mlp()), example_inputs=(X,))
