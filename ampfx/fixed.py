@@ -248,11 +248,13 @@ def _fields(obj: Any) -> dict | None:
     return copy.deepcopy(fields) if fields and plain(fields) else None
 
 
-def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...]) -> Recorded:
+def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
+           lifted: frozenset[tuple[str, str]] = frozenset()) -> Recorded:
     """What a graph of ``root`` fixed: for the modules at ``inlined`` (paths in ``root``, '' for itself,
     whose forwards the graph traced through), their flags, the attributes and globals their code reads and
     whether they have hooks; for the parameters and buffers at ``tensors`` (``get_attr`` targets), dtype
-    and device."""
+    and device. ``lifted`` attributes are read by the graph at every call (:mod:`ampfx.capture.lift`): not
+    fixed."""
     flags, attributes, configs, hooked, globs = [], [], [], [], {}
     read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
     from .capture.tracer import reads_training  # a late import: capture imports this module's users
@@ -266,7 +268,7 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...]) 
         for attr, value in m.__dict__.items():
             if attr in TORCH_KEYS or attr == "training" or attr not in names or attr.startswith("_ampfx"):
                 continue
-            if isinstance(value, nn.Module) or (f"{path}.{attr}" if path else attr) in read:
+            if isinstance(value, nn.Module) or (f"{path}.{attr}" if path else attr) in read or (path, attr) in lifted:
                 continue  # a submodule held as an attribute (its own entry, if inlined), a tensor read live
             by_value, snap = _snapshot(value)
             attributes.append((path, attr, by_value, snap))

@@ -37,6 +37,7 @@ a pickled and loaded module is standalone (the model module's attributes kept as
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from typing import Any, Callable
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.graph_module import _CodeOnlyModule
 
 from .errors import StaleModelError, TrainingModeError
 from .state import TORCH_KEYS
@@ -323,14 +325,27 @@ class AmpGraphModule(fx.GraphModule):
     # --- copies ---------------------------------------------------------------------------------------
 
     def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
-        res = super().__deepcopy__(memo)
-        copied = memo[id(self.__dict__)]  # GraphModule deep-copied the whole __dict__ through memo
-        for name in (*TREE, *HOOKS, *(k for k in copied if k.startswith(("_ampfx", "ampfx_")))):
+        """A copy over the copy of the model module (``GraphModule.__deepcopy__``'s steps, with the attributes
+        the graph reads through the model module found there), a view of that copy."""
+        res = type(self).__new__(type(self))
+        memo[id(self)] = res
+        copied = copy.deepcopy(self.__dict__, memo)
+        fake = _Copied(dict(copied))
+        fx.GraphModule.__init__(res, fake, copied["_graph"])
+        for name in ("_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+                     "_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks"):
             if name in copied:
                 res.__dict__[name] = copied[name]
+        res.meta = copy.deepcopy(getattr(self, "meta", {}), memo)
+        for name in (*TREE, *HOOKS, *(k for k in copied if k.startswith(("_ampfx", "ampfx_", *MADE)))):
+            if name in copied:
+                res.__dict__[name] = copied[name]
+        model = copied.get("_ampfx_model")
+        if model is not None:
+            res.view_of(model)
         if "ampfx_report" in self.__dict__:
             res.__dict__["ampfx_report"] = self.ampfx_report  # frozen: safe to share
-        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed"} & res.__dict__.keys():
+        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low"} & res.__dict__.keys():
             res._install_dispatch()
         return res
 
@@ -353,6 +368,20 @@ class AmpGraphModule(fx.GraphModule):
             body.pop("_ampfx_source")
         tree = {k: body[k] for k in (*TREE, *HOOKS) if k in body}
         return (_rebuild, (fn, (body, *rest), tree, getattr(self.graph._codegen, "pytree_info", None)))
+
+
+class _Copied(_CodeOnlyModule):
+    """The copied ``__dict__`` a copy is built from; what the graph reads through the model module (a float
+    attribute read at every call) is found in the copied model module."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_ampfx_model")
+            if model is None or name not in model.__dict__:
+                raise
+            return model.__dict__[name]
 
 
 def _copy_flags(source: nn.Module, target: nn.Module) -> None:

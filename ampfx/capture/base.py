@@ -40,6 +40,8 @@ class Capture:
     python_state: bool = False  # a module's forward sets Python attributes: torch.export would not repeat it either
     kept: tuple[str, ...] = ()  # leaves that keep_modules keeps as boundaries (each converted on its own)
     module: fx.GraphModule | None = None  # the graph module verification ran (over the captured module), reused
+    #: (module path, attribute) of float attributes the graph reads at every call (ampfx.capture.lift)
+    lifted: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)

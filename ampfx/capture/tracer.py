@@ -37,6 +37,7 @@ import torch.nn as nn
 from .. import integrations, ops, runtime
 from ..policy import Policy
 from .base import Capture, short
+from .lift import Lifting, Tagged
 from .semantics import Watch
 
 MAX_LEAF_RETRIES = 64
@@ -67,6 +68,7 @@ class AmpTracer(fx.Tracer):
         self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept)
         self.failed_path: str | None = None
         self.watch: Watch | None = None
+        self.lifting: Lifting | None = None
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace``; user functions on a list are also kept whole when
@@ -81,7 +83,16 @@ class AmpTracer(fx.Tracer):
                     stack.callback(setattr, home, fn.__name__, fn)
             self.watch = stack.enter_context(Watch(root))
             self.watch.where = self._current_path
+            if isinstance(root, nn.Module):
+                self.lifting = stack.enter_context(Lifting(root))
             return super().trace(root, concrete_args)
+
+    def create_arg(self, a: Any) -> Any:
+        """``fx.Tracer.create_arg``; a float attribute passed straight to an op is read at every call
+        (:mod:`ampfx.capture.lift`)."""
+        if type(a) is Tagged and self.lifting is not None:
+            return self.lifting.arg(self, a)
+        return super().create_arg(a)
 
     def _current_path(self) -> str:
         """The path of the module whose forward is being traced now ('' for the root)."""
@@ -223,7 +234,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
             boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
                                              if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
             return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
-                           python_state=python_state, kept=boundaries)
+                           python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted())
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 

@@ -1,0 +1,128 @@
+"""Float attributes a traced forward passes straight to ops are read at every call, not fixed.
+
+``x / self.temperature``, ``drop_path(x, self.drop_prob, ...)``, ``F.layer_norm(..., eps=self.eps)``:
+torch.fx records the float's value in the graph, and a schedule that changes it after conversion
+would need a new conversion each time (:mod:`ampfx.fixed` notices the change). While
+:class:`Lifting` is active (around one ``torch.fx`` trace), every read of a float attribute of a
+module of the traced tree returns a :class:`Tagged` float (a ``float`` that remembers where it was
+read and notices any Python use of it: arithmetic, comparisons, ``bool``, formatting).
+:meth:`Lifting.arg` turns a tagged float that reaches the graph as an argument into a ``get_attr``
+node reading the attribute at call time. An attribute is *lifted* when every read of it reached
+the graph that way and none was used in Python (where its value would have decided a branch or
+been folded into another constant); lifted attributes need no guard. Every other read stays a
+constant in the graph, and :mod:`ampfx.fixed` guards it.
+
+>>> import torch, torch.nn as nn, torch.fx as fx
+>>> class Scaled(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.t, self.p = 2.0, 0.5
+...     def forward(self, x):
+...         keep = 1 - self.p          # used in Python: fixed (and guarded)
+...         return x / self.t * keep  # passed to the op: read at every call
+>>> net = Scaled()
+>>> with Lifting(net) as lifting:
+...     graph = LiftingTracer(lifting).trace(net)
+>>> sorted(lifting.lifted()), [n.target for n in graph.nodes if n.op == "get_attr"]
+([('', 't')], ['t'])
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+_ORIGINAL = nn.Module.__getattribute__
+
+
+class Tagged(float):
+    """A float read from a module attribute while tracing; ``_ampfx_lifting`` is told of any Python use."""
+
+    _ampfx_where: tuple[str, str]
+    _ampfx_lifting: Lifting
+
+    def _used(self) -> None:
+        self._ampfx_lifting.used.add(self._ampfx_where)
+
+
+def _noting(name: str) -> Any:
+    method = getattr(float, name)
+
+    def use(self: Tagged, *args: Any) -> Any:
+        self._used()
+        return method(self, *args)
+    use.__name__ = name
+    return use
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__", "__divmod__",
+              "__rdivmod__", "__neg__", "__pos__", "__abs__", "__bool__", "__int__", "__trunc__", "__floor__",
+              "__ceil__", "__round__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+              "__format__", "__str__", "__repr__", "__float__", "__index__", "as_integer_ratio", "is_integer",
+              "hex", "conjugate", "__getnewargs__", "__reduce__", "__reduce_ex__"):
+    if hasattr(float, _name):
+        setattr(Tagged, _name, _noting(_name))
+
+
+class Lifting:
+    """Tags the float attributes of ``root``'s modules while active (see the module docstring)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        # torch's own modules keep their constants in the graph (their eps, momentum, dropout rate), guarded
+        self.paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)
+                      if not type(m).__module__.startswith("torch.")}
+        self.reads: dict[tuple[str, str], list[Tagged]] = {}
+        self.passed: set[int] = set()  # ids of tagged reads that reached the graph
+        self.used: set[tuple[str, str]] = set()
+
+    def __enter__(self) -> Lifting:
+        paths, reads, lifting = self.paths, self.reads, self
+
+        def getattribute(module: nn.Module, name: str) -> Any:
+            value = _ORIGINAL(module, name)
+            if type(value) is float and name[0] != "_":
+                path = paths.get(id(module))
+                if path is not None and name in _ORIGINAL(module, "__dict__"):
+                    tagged = Tagged(value)
+                    tagged._ampfx_where, tagged._ampfx_lifting = (path, name), lifting
+                    reads.setdefault((path, name), []).append(tagged)
+                    return tagged
+            return value
+
+        nn.Module.__getattribute__ = getattribute
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        nn.Module.__getattribute__ = _ORIGINAL
+
+    def arg(self, tracer: fx.Tracer, value: Tagged) -> fx.Node:
+        """The ``get_attr`` node reading ``value``'s attribute at call time (one per attribute)."""
+        self.passed.add(id(value))
+        path, name = value._ampfx_where
+        target = f"{path}.{name}" if path else name
+        nodes = tracer.__dict__.setdefault("_ampfx_lifted", {})
+        if target not in nodes:
+            nodes[target] = tracer.create_node("get_attr", target, (), {})
+        return nodes[target]
+
+    def lifted(self) -> frozenset[tuple[str, str]]:
+        """``(module path, attribute)`` of the attributes read at call time only (no guard needed)."""
+        return frozenset(where for where, tags in self.reads.items()
+                         if where not in self.used and all(id(t) in self.passed for t in tags))
+
+
+class LiftingTracer(fx.Tracer):
+    """A plain ``fx.Tracer`` that lifts tagged floats (for the module docstring's example; ampfx's own
+    :class:`~ampfx.capture.tracer.AmpTracer` does the same in its ``create_arg``)."""
+
+    def __init__(self, lifting: Lifting) -> None:
+        super().__init__()
+        self.lifting = lifting
+
+    def create_arg(self, a: Any) -> Any:
+        if type(a) is Tagged:
+            return self.lifting.arg(self, a)
+        return super().create_arg(a)
+
