@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -317,6 +318,11 @@ class AmpGraphModule(fx.GraphModule):
                 low.refresh(self)
             return graph_forward(self, *args, **kwargs)
 
+        # a code object of its own for each graph module's class: torch.compile caches compiled frames by code
+        # object, and one shared by every kept block would count each block as a recompile of the same frame
+        # (a 12-block model hit dynamo's recompile limit and ran the blocks past the 8th uncompiled)
+        forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward", None,
+                                     forward.__closure__)
         forward.__signature__ = inspect.signature(graph_forward)
         forward._ampfx_dispatch = True
         cls._ampfx_graph_forward = graph_forward
