@@ -356,3 +356,19 @@ def test_auto_kept_blocks_give_way_to_one_exported_graph_where_fx_needs_leaves()
     named = ampfx.convert(net, "bf16", example_inputs=(x,), keep_modules=("blocks.*",))
     root = next(r for r in named.ampfx_report.regions if r.path == "")
     assert root.method == "fx" and isinstance(named.blocks[0], AmpGraphModule)
+
+
+
+
+
+
+def test_each_kept_block_runs_a_forward_of_its_own_code_for_torch_compile():
+    """Every converted graph module's forward is a code object of its own: torch.compile caches compiled frames
+    by code object, and when each kept block was one more entry of one shared code object, a 12-layer GPT-2-like
+    model reached as block frames (after a graph break) hit dynamo's recompile limit at the 9th block and ran
+    the rest uncompiled."""
+    net, idx = _gpt()
+    amp = ampfx.convert(net, "bf16", example_inputs=(idx,))
+    graphs = [m for m in amp.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(graphs) > 1
+    assert len({id(type(g).forward.__code__) for g in graphs}) == len(graphs)  # by identity, as dynamo caches
