@@ -125,7 +125,10 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
     """Give every graph module of the converted tree the means to convert its model module again when
     what its graph fixed changes (:class:`ampfx.view.Reconvert`); what those conversions depend on is
     added to what ``follower`` watches. The modules the policy names are found again in ``model`` as it
-    is then (a module that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it)."""
+    is then (a module that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it).
+    The example inputs are not held: a conversion made again uses the inputs of the call that needs it."""
+    request = dataclasses.replace(request, inputs=None)
+
     def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
         args, kwargs = call
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import dis
 import enum
 import inspect
 import sys
@@ -92,38 +93,75 @@ def plain(value: Any, depth: int = 0) -> bool:
 
 
 def _code_names(code: types.CodeType) -> Iterator[str]:
+    """Every name ``code`` (and the code nested in it) mentions: attributes and globals alike."""
     yield from code.co_names
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             yield from _code_names(c)
 
 
-def _functions(cls: type) -> Iterator[types.FunctionType]:
-    """The functions of ``cls`` and its bases below ``nn.Module`` (methods, properties, static and class methods)."""
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` (and the code nested in it) loads as globals (``self.conv`` is an attribute, not
+    the module-level function ``conv``)."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield ins.argval
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _global_names(c)
+
+
+def _function(obj: Any) -> types.FunctionType | None:
+    """The plain function behind a method, property, static or class method (decorators unwrapped)."""
+    if isinstance(obj, property):
+        obj = obj.fget
+    elif isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    try:
+        obj = inspect.unwrap(obj)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, types.FunctionType) else None
+
+
+def _class_attr(cls: type, name: str) -> tuple[type, Any] | None:
+    """``(defining class, value)`` of ``name`` in ``cls``'s classes below ``nn.Module``, else ``None``."""
     for klass in cls.__mro__:
-        if klass in (nn.Module, object) or klass.__module__.startswith("torch.fx"):
+        if klass in (nn.Module, object):
+            return None
+        if name in vars(klass):
+            return klass, vars(klass)[name]
+    return None
+
+
+def _functions(cls: type) -> Iterator[types.FunctionType]:
+    """The functions of ``cls`` its ``forward`` reaches: ``forward`` (and ``__call__`` if the class has its
+    own), then every method or property of the class that code names, and so on (bookkeeping a training loop
+    calls, such as ``on_optimizer_step``, is not the forward's)."""
+    todo = ["forward", "__call__", "_call_impl"]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
             continue
-        for fn in vars(klass).values():
-            if isinstance(fn, property):
-                fn = fn.fget
-            elif isinstance(fn, (staticmethod, classmethod)):
-                fn = fn.__func__
-            try:
-                fn = inspect.unwrap(fn)
-            except ValueError:
-                continue
-            if isinstance(fn, types.FunctionType):
-                yield fn
+        seen.add(name)
+        found = _class_attr(cls, name)
+        fn = _function(found[1]) if found is not None else None
+        if fn is None or found[0].__module__.startswith("torch.fx"):
+            continue
+        yield fn
+        todo.extend(_code_names(fn.__code__))
 
 
 _NAMES: dict[type, frozenset[str]] = {}
 
 
 def read_names(cls: type) -> frozenset[str]:
-    """Every name the code of ``cls`` mentions (attributes it may read), from the bytecode; cached per class.
+    """Every name the code ``cls``'s ``forward`` reaches mentions (attributes it may read), from the bytecode;
+    cached per class.
 
     >>> "eps" in read_names(nn.LayerNorm), "in_features" in read_names(nn.Linear)
-    (True, True)
+    (True, False)
     """
     if cls not in _NAMES:
         _NAMES[cls] = frozenset(n for fn in _functions(cls) for n in _code_names(fn.__code__))
@@ -138,28 +176,44 @@ def _own(fn: Any) -> bool:
     return module.split(".")[0] not in _SKIP_GLOBALS
 
 
+def reached(cls: type) -> list[types.FunctionType]:
+    """The code ``cls``'s forward runs: its own functions (:func:`_functions`) and the functions outside torch
+    and the standard library they call by global name, :data:`MAX_DEPTH` calls deep."""
+    todo = [(fn, 0) for fn in _functions(cls)]
+    seen: dict[int, types.FunctionType] = {}
+    while todo:
+        fn, depth = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        if depth >= MAX_DEPTH or not _own(fn):
+            continue
+        space = fn.__globals__
+        for name in set(_global_names(fn.__code__)):
+            value = space.get(name)
+            if isinstance(value, types.FunctionType) and _own(value):
+                todo.append((value, depth + 1))
+    return list(seen.values())
+
+
 def global_reads(cls: type) -> tuple[tuple[str, str], ...]:
-    """``(module name, global name)`` of every plain-valued global the code of ``cls`` reads, and the
-    code of the functions it calls by global name (:data:`MAX_DEPTH` calls deep), outside torch and the
-    standard library; cached per class. A global that is a module, a class or a function of torch or
-    the standard library is not followed: changing those after conversion is not seen."""
+    """``(module name, global name)`` of every global the code ``cls``'s forward reaches (:func:`reached`,
+    outside torch and the standard library) reads that a change could make it compute something else: plain
+    values (compared by value), the module's own functions and objects (by identity; an object's plain fields
+    by value too). Modules, classes, and torch's or the standard library's functions are not checked.
+    Cached per class."""
     if cls not in _GLOBALS:
         found: dict[tuple[str, str], None] = {}
-        todo = [(fn, 0) for fn in _functions(cls) if _own(fn)]
-        seen: set[int] = set()
-        while todo:
-            fn, depth = todo.pop()
-            if id(fn) in seen:
+        for fn in reached(cls):
+            if not _own(fn):
                 continue
-            seen.add(id(fn))
             space, home = fn.__globals__, fn.__globals__.get("__name__", "")
-            for name in set(_code_names(fn.__code__)):
+            for name in set(_global_names(fn.__code__)):
                 value = space.get(name, _MISSING)
-                if value is _MISSING:
+                if value is _MISSING or name.startswith("__") or isinstance(value, (type, types.ModuleType)):
                     continue
-                if isinstance(value, types.FunctionType) and depth < MAX_DEPTH and _own(value):
-                    todo.append((value, depth + 1))
-                elif plain(value) and not name.startswith("__"):
+                if plain(value) or (_own(value) and (isinstance(value, types.FunctionType)
+                                                     or not callable(value))):
                     found[(home, name)] = None
         _GLOBALS[cls] = tuple(found)
     return _GLOBALS[cls]
@@ -184,6 +238,9 @@ class Recorded:
     globals: tuple[tuple[str, str, bool, Any], ...] = ()  # (module name, global name, by value, snapshot)
     tensors: tuple[tuple[str, str, torch.dtype, int], ...] = ()  # (owner path, name, dtype, device index)
     children: tuple[str, ...] = ()  # the converted module's own submodules' names (``del model.x`` is not heard)
+    lifted: tuple[tuple[str, str, float], ...] = ()  # float attributes read at every call: (path, name, largest)
+    classes: tuple[tuple[type, str, Any], ...] = ()  # class-level defaults the forward reads (class, name, value)
+    objects: tuple[tuple[str, str, dict], ...] = ()  # plain fields of module-level objects (module, global, fields)
 
     def bind(self, module: nn.Module, where: str, root_hooks: bool = False, low: torch.dtype = torch.bfloat16) -> Fixed:
         """The check of these values against ``module`` (the model's module the graph stands for, at
@@ -199,12 +256,14 @@ class Recorded:
         same: list[tuple[dict, str, Any, str]] = []
         for path, flag in self.flags:
             m = at(path)
-            if m is not None:
-                eq.append((m.__dict__, "training", flag, f"{name(path)} mode"))
+            if m is not None:  # a graph module loaded from a pickle keeps its own flag under another name
+                key = "_ampfx_training" if "_ampfx_training" in m.__dict__ else "training"
+                eq.append((m.__dict__, key, flag, f"{name(path)} mode"))
         for path, attr, by_value, value in self.attributes:
             m = at(path)
-            if m is not None:
-                (eq if by_value else same).append((m.__dict__, attr, value, name(path) + f".{attr}"))
+            if m is None or (not by_value and value is not _MISSING and attr not in m.__dict__):
+                continue  # a loaded copy keeps no function attributes of its model: nothing to compare
+            (eq if by_value else same).append((m.__dict__, attr, value, name(path) + f".{attr}"))
         for path in self.inlined:  # an instance attribute `forward` replaces the forward the graph traced
             m = at(path)
             if m is not None:
@@ -213,8 +272,14 @@ class Recorded:
         for path, attr, fields in self.configs:
             m = at(path)
             obj = m.__dict__.get(attr) if m is not None else None
-            if obj is not None and hasattr(obj, "__dict__"):
-                eq.append((obj.__dict__, _ALL, fields, f"{name(path)}.{attr}"))
+            if obj is not None and isinstance(getattr(obj, "__dict__", None), dict):
+                eq.extend((obj.__dict__, key, value, f"{name(path)}.{attr}.{key}") for key, value in fields.items())
+        for klass, attr, value in self.classes:
+            eq.append((klass.__dict__, attr, value, f"{klass.__qualname__}.{attr}"))
+        for home, glob, fields in self.objects:
+            obj = getattr(sys.modules.get(home), glob, None)
+            if isinstance(getattr(obj, "__dict__", None), dict):
+                eq.extend((obj.__dict__, key, value, f"global {glob}.{key} of {home}") for key, value in fields.items())
         for home, glob, by_value, value in self.globals:
             space = getattr(sys.modules.get(home), "__dict__", None)
             if space is not None:
@@ -229,33 +294,36 @@ class Recorded:
                 continue
             d = m._parameters if attr in m._parameters else m._buffers if attr in m._buffers else m.__dict__
             tensors.append((d, attr, dtype, device, name(path) + f".{attr}"))
-        fixed = Fixed(eq, same, hooks, any(p or root_hooks for p in self.hooked), tensors, low)
+        ranges = [(m.__dict__, attr, largest, f"{name(path)}.{attr}") for path, attr, largest in self.lifted
+                  if (m := at(path)) is not None]
+        fixed = Fixed(eq, same, hooks, any(p or root_hooks for p in self.hooked), tensors, low, ranges=ranges)
         fixed.source = (self, module, where, root_hooks)
         return fixed
 
 
-_ALL = object()
-"""The key of an ``eq`` slot that compares a whole ``__dict__`` (an object's plain fields)."""
 _KEYS = object()
 """The key of an ``eq`` slot that compares a dict's keys (a module's submodule names)."""
 
 
 def _fields(obj: Any) -> dict | None:
-    """The plain fields of a configuration object (``vars(obj)`` when every value is plain), else ``None``."""
+    """The plain fields of a configuration object (its ``__dict__``'s plain values), else ``None``."""
     fields = getattr(obj, "__dict__", None)
     if not isinstance(fields, dict) or isinstance(obj, (nn.Module, type, types.ModuleType, types.FunctionType)):
         return None
-    return copy.deepcopy(fields) if fields and plain(fields) else None
+    found = {k: copy.deepcopy(v) for k, v in fields.items() if plain(v)}
+    return found or None
 
 
 def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
-           lifted: frozenset[tuple[str, str]] = frozenset()) -> Recorded:
+           lifted: frozenset[tuple[str, str]] = frozenset(), largest: float = float("inf"),
+           seen: frozenset[tuple[str, str]] = frozenset()) -> Recorded:
     """What a graph of ``root`` fixed: for the modules at ``inlined`` (paths in ``root``, '' for itself,
     whose forwards the graph traced through), their flags, the attributes and globals their code reads and
     whether they have hooks; for the parameters and buffers at ``tensors`` (``get_attr`` targets), dtype
     and device. ``lifted`` attributes are read by the graph at every call (:mod:`ampfx.capture.lift`): not
-    fixed."""
-    flags, attributes, configs, hooked, globs = [], [], [], [], {}
+    fixed. ``seen``: attributes the traced code was seen reading (torch.fx), leaves' too (a parent's
+    ``if self.drop.p > 0``)."""
+    flags, attributes, configs, hooked, globs, classes, objects = [], [], [], [], {}, [], []
     read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
     from .capture.tracer import reads_training  # a late import: capture imports this module's users
 
@@ -265,6 +333,11 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
         if reads_training(cls):
             flags.append((path, m.training))
         names = read_names(cls)
+        for attr in names - m.__dict__.keys():  # a class-level default an instance attribute may shadow later
+            found = _class_attr(cls, attr)
+            if found is not None and plain(found[1]) and not attr.startswith("__"):
+                attributes.append((path, attr, False, _MISSING))
+                classes.append((found[0], attr, copy.deepcopy(found[1])))
         for attr, value in m.__dict__.items():
             if attr in TORCH_KEYS or attr == "training" or attr not in names or attr.startswith("_ampfx"):
                 continue
@@ -281,6 +354,19 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
             value = getattr(sys.modules.get(home), glob, _MISSING)
             if value is not _MISSING and home != builtins.__name__:
                 globs[(home, glob)] = _snapshot(value)
+                fields = None if plain(value) or callable(value) else _fields(value)
+                if fields is not None:
+                    objects.append((home, glob, fields))
+    done = set(inlined)
+    for path, attr in sorted(seen):
+        if path in done or (path, attr) in lifted:
+            continue  # an inlined module's attributes are recorded above
+        try:
+            m = root.get_submodule(path) if path else root
+        except AttributeError:
+            continue
+        if attr in m.__dict__ and plain(m.__dict__[attr]):
+            attributes.append((path, attr, True, copy.deepcopy(m.__dict__[attr])))
     metas = []
     for target in tensors:
         owner, _, attr = target.rpartition(".")
@@ -292,7 +378,8 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
         if isinstance(t, torch.Tensor):
             metas.append((owner, attr, t.dtype, t.get_device()))
     return Recorded(tuple(flags), tuple(attributes), tuple(configs), tuple(hooked), tuple(inlined),
-                    tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas), tuple(root._modules))
+                    tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas), tuple(root._modules),
+                    tuple((path, attr, largest) for path, attr in sorted(lifted)), tuple(classes), tuple(objects))
 
 
 @dataclass(eq=False)
@@ -313,6 +400,9 @@ class Fixed:
     _metas: list[Any] = field(default_factory=list)
     seen: int = -1  # RemovableHandle.next_id when the hooks last held
     source: tuple = ()  # (Recorded, module, where, root_hooks): what it was bound from
+    #: float attributes the graph reads at every call, each a number the low dtype holds at most ``largest``:
+    #: a value out of that range was not lifted, and one that leaves it converts again (ops kept float32 for it)
+    ranges: list[tuple[dict, str, float, str]] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return (f"Fixed({len(self.eq) + len(self.same)} values, {len(self.tensors)} tensors, {len(self.hooks)} hook "
@@ -334,13 +424,16 @@ class Fixed:
 
     def holds(self) -> bool:
         """Does every value the graph fixed still hold?"""
-        if self.eq and [d if k is _ALL else list(d) if k is _KEYS else d.get(k, _MISSING)
+        if self.eq and [list(d) if k is _KEYS else d.get(k, _MISSING)
                         for d, k, _, _ in self.eq] != self._values:
             return False
         if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
             return False
         if self.tensors and [(self._kinds.get(t.dtype, t.dtype), t.get_device()) if (t := d.get(k)) is not None
                              else None for d, k, _, _, _ in self.tensors] != self._metas:
+            return False
+        if self.ranges and not all(type(v := d.get(k)) in (float, int) and -top <= v <= top
+                                   for d, k, top, _ in self.ranges):
             return False
         if self.hooked or RemovableHandle.next_id != self.seen:
             if [len(d) for d, _ in self.hooks] != self._hook_ids[0] or \
@@ -360,17 +453,12 @@ class Fixed:
         """What no longer holds, one line each (the slow path, after :meth:`holds` failed)."""
         out = []
         for d, k, value, what in self.eq:
-            now = d if k is _ALL else list(d) if k is _KEYS else d.get(k, _MISSING)
+            now = list(d) if k is _KEYS else d.get(k, _MISSING)
             if now != value:
                 if k is _KEYS:
                     gone, new = sorted(set(value) - set(now)), sorted(set(now) - set(value))
                     out.append(f"{what} changed: {', '.join([*(f'{g} deleted' for g in gone), *(f'{n} added' for n in new)])}")
-                elif k is _ALL:
-                    keys = sorted({*now, *value}, key=str)
-                    diff = [f"{f}={now.get(f, '<unset>')!r} (was {value.get(f, '<unset>')!r})" for f in keys
-                            if now.get(f, _MISSING) != value.get(f, _MISSING)]
-                    out.append(f"{what} changed: {', '.join(diff[:4])}")
-                elif k == "training":
+                elif k in ("training", "_ampfx_training"):
                     out.append(f"{what.removesuffix(' mode')} is in {'train' if now else 'eval'} mode, the graph was "
                                f"converted with it in {'train' if value else 'eval'} mode")
                 elif now is _MISSING:
@@ -388,6 +476,11 @@ class Fixed:
             elif (self._kinds.get(t.dtype, t.dtype), t.get_device()) != meta:
                 out.append(f"{what} is {str(t.dtype).replace('torch.', '')} on {t.device}, the graph was converted "
                            f"with {str(dtype).replace('torch.', '')} on {_device(device)}")
+        for d, k, top, what in self.ranges:
+            v = d.get(k)
+            if not (type(v) in (float, int) and -top <= v <= top):
+                out.append(f"{what} is {_short(v)}: the graph reads it at every call as a number the low dtype holds "
+                           f"(at most {top:g})")
         for (d, what), n, total in zip(self.hooks, *self._hook_ids):
             if len(d) != n or sum(d) != total:
                 out.append(f"hooks of {what} changed since conversion (the graph traced its forward, so hooks "

@@ -111,6 +111,15 @@ class AmpGraphModule(fx.GraphModule):
         d.pop("_ampfx_training", None)
         d["_ampfx_model"] = model
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> "AmpGraphModule":
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.double()``), and the tensor constants a capture made,
+        which this module keeps as plain attributes (the model module's buffers are not theirs)."""
+        super()._apply(fn, recurse)
+        for key, value in list(self.__dict__.items()):
+            if key.startswith(MADE) and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                self.__dict__[key] = fn(value)
+        return self
+
     def share_hooks(self, model: nn.Module) -> None:
         """Use ``model``'s hook dicts as this module's own: a hook registered on either fires here (whether
         backward hooks are full ones is read from ``model`` too)."""
@@ -137,7 +146,12 @@ class AmpGraphModule(fx.GraphModule):
             attr = inspect.getattr_static(source, name, _MISSING) if source is not None else _MISSING
             if attr is _MISSING:
                 raise
-            return attr.__get__(self, type(self)) if hasattr(type(attr), "__get__") else attr
+            if not hasattr(type(attr), "__get__"):
+                return attr
+            code = getattr(getattr(attr, "__func__", attr), "__code__", None)
+            if model is not None and code is not None and "__class__" in code.co_freevars:
+                return attr.__get__(model, type(model))  # zero-argument super() needs an instance of its class
+            return attr.__get__(self, type(self))
 
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_ampfx_model")
@@ -179,6 +193,9 @@ class AmpGraphModule(fx.GraphModule):
         if model is None:
             return super().train(mode)
         model.train(mode)
+        for name, child in self._modules.items():  # a module set on this one (not the model's): its own flag
+            if child is not None and child is not model._modules.get(name) and not _stands_for(child):
+                child.train(mode)
         return self
 
     # --- conversions for other training modes and other values -------------------------------------------
@@ -239,6 +256,8 @@ class AmpGraphModule(fx.GraphModule):
             return alt[1]
         if fixed.holds():
             return None
+        if alt is not None and "_ampfx_model" not in d:  # a loaded copy: the other mode follows its flags
+            _copy_flags(self, alt[1])
         if alt is not None and _holds(alt[1], alt[0], self):
             return alt[1]
         for variant in d.get("_ampfx_variants", ()):
@@ -246,6 +265,7 @@ class AmpGraphModule(fx.GraphModule):
                 return variant
         return self._reconvert(fixed, args, kwargs)
 
+    @torch.compiler.disable
     def _reconvert(self, fixed: Any, args: tuple, kwargs: dict) -> nn.Module:
         changes = fixed.changes() or ["a value the graph fixed changed"]
         make = self.__dict__.get("_ampfx_reconvert")
@@ -360,8 +380,11 @@ class AmpGraphModule(fx.GraphModule):
         checked against a model (a loaded module shares no tensors with one)."""
         fn, (body, *rest) = super().__reduce__()
         model = body.pop("_ampfx_model", None)
-        for key in ("_ampfx_fixed", "_ampfx_reconvert", "_ampfx_check", "_ampfx_variants"):
+        fixed = body.pop("_ampfx_fixed", None)
+        for key in ("_ampfx_reconvert", "_ampfx_check", "_ampfx_variants"):
             body.pop(key, None)
+        if fixed is not None:  # the loaded copy checks what its graph fixed against its own tree
+            body["_ampfx_rebind"] = fixed.source[2:]
         if model is not None:
             body["_ampfx_training"] = model.training
             source = type(model)
@@ -388,6 +411,11 @@ class _Copied(_CodeOnlyModule):
             if model is None or name not in model.__dict__:
                 raise
             return model.__dict__[name]
+
+
+def _stands_for(module: nn.Module) -> bool:
+    """Does ``module`` stand for a model module (a graph module or mirror, whose flag is that module's)?"""
+    return "_ampfx_model" in module.__dict__ or hasattr(type(module), "_ampfx_base")
 
 
 def _copy_flags(source: nn.Module, target: nn.Module) -> None:
@@ -445,7 +473,10 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
     for key, value in body.items():
         if key not in gm.__dict__ and key not in ("_graph", "_code"):
             gm.__dict__[key] = value
-    if {"_ampfx_alt", "_ampfx_guard"} & gm.__dict__.keys():
+    rebind, recorded = gm.__dict__.pop("_ampfx_rebind", None), gm.__dict__.get("_ampfx_recorded")
+    if rebind is not None and recorded is not None:
+        gm.__dict__["_ampfx_fixed"] = recorded.bind(gm, *rebind, low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16))
+    if {"_ampfx_alt", "_ampfx_guard", "_ampfx_low", "_ampfx_fixed"} & gm.__dict__.keys():
         gm._install_dispatch()
     return gm
 

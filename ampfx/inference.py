@@ -27,6 +27,7 @@ True
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,17 @@ class LowCopies:
 
     def __repr__(self) -> str:
         return f"LowCopies({str(self.dtype).replace('torch.', '')}: {', '.join(self.paths)})"
+
+    def __deepcopy__(self, memo: dict) -> "LowCopies":
+        """A copy for a copied converted module: each copy is made again at its first call (the copied masters'
+        version counters start anew)."""
+        made = LowCopies(self.dtype, paths=list(self.paths))
+        made.entries = [[copy.deepcopy(owner, memo), name, attr, None, -1] for owner, name, attr, _, _ in self.entries]
+        return made
+
+    def __getstate__(self) -> dict:
+        return {"dtype": self.dtype, "paths": self.paths,
+                "entries": [[owner, name, attr, None, -1] for owner, name, attr, _, _ in self.entries]}
 
     def refresh(self, gm: nn.Module) -> None:
         """Copy again each weight whose master was replaced or written since its copy was made."""

@@ -112,7 +112,8 @@ def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Poli
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))
     d = gm.__dict__
-    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy), targets, capture.lifted)
+    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy), targets, capture.lifted,
+                                        torch.finfo(policy.dtype).max, capture.read)
     d["_ampfx_where"], d["_ampfx_arrive"], d["_ampfx_low_dtype"] = prefix.rstrip("."), arrive, policy.dtype
     d["_ampfx_own_hooks"] = capture.method == "export" and any(
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())

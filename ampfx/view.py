@@ -233,7 +233,11 @@ def _view_graph(gm: AmpGraphModule, m: nn.Module | None, views: Views, where: st
     children = {name: _view(c, m._modules.get(name), views, _join(where, name)) for name, c in gm._modules.items()}
     gm.__dict__["_modules"] = children
     gm.view_of(m)
-    if not alternative and not gm.__dict__.get("_ampfx_own_hooks"):
+    if alternative:  # runs inside the call of the graph module it stands in for, whose hooks fired: none of its own
+        for name in HOOKS:
+            if isinstance(gm.__dict__.get(name), dict):
+                gm.__dict__[name] = type(gm.__dict__[name])()
+    elif not gm.__dict__.get("_ampfx_own_hooks"):
         gm.share_hooks(m)
     views.graphs.append((gm, m))
     views.hold(m, gm)

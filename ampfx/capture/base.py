@@ -42,6 +42,8 @@ class Capture:
     module: fx.GraphModule | None = None  # the graph module verification ran (over the captured module), reused
     #: (module path, attribute) of float attributes the graph reads at every call (ampfx.capture.lift)
     lifted: frozenset[tuple[str, str]] = frozenset()
+    #: (module path, attribute) of the plain attributes the traced code read (torch.fx: ampfx.capture.lift)
+    read: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 torch.fx records the float's value in the graph, and a schedule that changes it after conversion
 would need a new conversion each time (:mod:`ampfx.fixed` notices the change). While
 :class:`Lifting` is active (around one ``torch.fx`` trace), every read of a float attribute of a
-module of the traced tree returns a :class:`Tagged` float (a ``float`` that remembers where it was
+module of the traced tree (outside torch) that the low dtype can hold returns a :class:`Tagged` float (a ``float`` that remembers where it was
 read and notices any Python use of it: arithmetic, comparisons, ``bool``, formatting).
 :meth:`Lifting.arg` turns a tagged float that reaches the graph as an argument into a ``get_attr``
 node reading the attribute at call time. An attribute is *lifted* when every read of it reached
@@ -69,26 +69,33 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 class Lifting:
     """Tags the float attributes of ``root``'s modules while active (see the module docstring)."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, largest: float = float("inf")) -> None:
         # torch's own modules keep their constants in the graph (their eps, momentum, dropout rate), guarded
-        self.paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)
-                      if not type(m).__module__.startswith("torch.")}
+        modules = list(root.named_modules(remove_duplicate=False))
+        self.every = {id(m): path for path, m in modules}
+        self.paths = {id(m): path for path, m in modules if not type(m).__module__.startswith("torch.")}
+        self.seen: set[tuple[str, str]] = set()  # every plain attribute the traced code read, by module path
+        self.largest = largest  # a float the low dtype cannot hold stays a constant (ops are kept float32 for it)
         self.reads: dict[tuple[str, str], list[Tagged]] = {}
         self.passed: set[int] = set()  # ids of tagged reads that reached the graph
         self.used: set[tuple[str, str]] = set()
 
     def __enter__(self) -> Lifting:
-        paths, reads, lifting = self.paths, self.reads, self
+        paths, every, reads, seen, lifting = self.paths, self.every, self.reads, self.seen, self
 
         def getattribute(module: nn.Module, name: str) -> Any:
             value = _ORIGINAL(module, name)
-            if type(value) is float and name[0] != "_":
-                path = paths.get(id(module))
-                if path is not None and name in _ORIGINAL(module, "__dict__"):
-                    tagged = Tagged(value)
-                    tagged._ampfx_where, tagged._ampfx_lifting = (path, name), lifting
-                    reads.setdefault((path, name), []).append(tagged)
-                    return tagged
+            if name[0] == "_" or name == "training" or type(value) not in _PLAIN:
+                return value
+            where = every.get(id(module))
+            if where is None or name not in _ORIGINAL(module, "__dict__"):
+                return value
+            if type(value) is float and -lifting.largest <= value <= lifting.largest and id(module) in paths:
+                tagged = Tagged(value)
+                tagged._ampfx_where, tagged._ampfx_lifting = (where, name), lifting
+                reads.setdefault((where, name), []).append(tagged)
+                return tagged
+            seen.add((where, name))
             return value
 
         nn.Module.__getattribute__ = getattribute
@@ -111,6 +118,10 @@ class Lifting:
         """``(module path, attribute)`` of the attributes read at call time only (no guard needed)."""
         return frozenset(where for where, tags in self.reads.items()
                          if where not in self.used and all(id(t) in self.passed for t in tags))
+
+
+_PLAIN = (float, int, bool, str, type(None), tuple)
+"""The values whose reads :class:`Lifting` notes (a float may be lifted; the rest are constants of the graph)."""
 
 
 class LiftingTracer(fx.Tracer):

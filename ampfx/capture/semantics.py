@@ -67,6 +67,8 @@ class Kind(enum.Enum):
     AUTOCAST = "an autocast region: the graph records the ops without it"
     FLOAT32 = "the user's float32 request: kept (the nodes inside stay float32)"
     FUNCTION = "an autograd.Function: the graph records its forward's ops, its own backward is lost"
+    SAVED = ("a saved-tensor hooks region (torch.utils.checkpoint, save_on_cpu): the graph records its ops once, "
+             "without the hooks (no recompute in backward: the memory saving and the recompute's effects are lost)")
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,9 @@ GRAD_CONTEXTS: tuple[type, ...] = (grad_mode.no_grad, grad_mode.enable_grad, gra
                                    grad_mode.inference_mode)
 """The grad-mode context managers (also used as decorators) that a graph does not record."""
 
-EXPORT_DROPS: tuple[type, ...] = (grad_mode.inference_mode,)
+EXPORT_DROPS: tuple[type, ...] = (grad_mode.inference_mode, torch.autograd.graph.saved_tensors_hooks)
 """The context managers torch.export does not keep either (it keeps grad-mode and autocast regions as
-higher-order ops, but records the ops under ``inference_mode`` as plain ones)."""
+higher-order ops, but records the ops under ``inference_mode`` and saved-tensor hooks as plain ones)."""
 
 class Dropped(BaseException):
     """Raised (under torch.export) when a module's forward did what the graph would not repeat: the capture
@@ -98,6 +100,8 @@ _ACTIVE: list[Watch] = []
 
 def _describe(cm: Any) -> Scope:
     """The scope a context manager opens, as the user wrote it."""
+    if isinstance(cm, torch.autograd.graph.saved_tensors_hooks):
+        return Scope(Kind.SAVED, f"{type(cm).__module__}.{type(cm).__qualname__}")
     if isinstance(cm, torch.autocast):
         args = f"{cm.device!r}, dtype={str(cm.fast_dtype).replace('torch.', '')}"
         if not cm._enabled:
@@ -135,7 +139,7 @@ class Watch:
         if self.root is not None:
             self._state = {path: _ModuleState.of(m) for path, m in self.root.named_modules()}
         with contextlib.ExitStack() as stack:  # a wrapping that fails undoes those made before it
-            for cls in (*GRAD_CONTEXTS, torch.autocast):
+            for cls in (*GRAD_CONTEXTS, torch.autocast, torch.autograd.graph.saved_tensors_hooks):
                 stack.enter_context(_wrapped_context(cls))
             stack.enter_context(_wrapped_apply())
             if self.export and self._state:

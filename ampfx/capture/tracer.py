@@ -84,7 +84,7 @@ class AmpTracer(fx.Tracer):
             self.watch = stack.enter_context(Watch(root))
             self.watch.where = self._current_path
             if isinstance(root, nn.Module):
-                self.lifting = stack.enter_context(Lifting(root))
+                self.lifting = stack.enter_context(Lifting(root, torch.finfo(self.policy.dtype).max))
             return super().trace(root, concrete_args)
 
     def create_arg(self, a: Any) -> Any:
@@ -234,7 +234,8 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
             boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
                                              if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
             return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
-                           python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted())
+                           python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
+                           read=frozenset(tracer.lifting.seen))
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
@@ -382,12 +383,15 @@ def _reads(code: types.CodeType, name: str) -> bool:
 
 
 def reads_training(cls: type) -> bool:
-    """Does any method of ``cls`` (or of its bases below ``nn.Module``) read
-    ``training``? Read from the bytecode, so it also works for classes
-    defined in notebooks and ``exec``. Cached per class."""
+    """Does any method of ``cls`` (or of its bases below ``nn.Module``), or a function its forward calls by
+    global name, read ``training``? Read from the bytecode, so it also works for classes defined in
+    notebooks and ``exec``. Cached per class."""
     if cls not in _READS_TRAINING:
+        from ..fixed import reached  # the functions outside the class its forward calls (a helper reading mod.training)
+
         _READS_TRAINING[cls] = any(
             _reads(inspect.unwrap(fn).__code__, "training")  # unwrap: decorated forwards (HF's) hide their code
             for klass in cls.__mro__ if klass not in (nn.Module, object)
-            for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__"))
+            for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__")) or any(
+            _reads(fn.__code__, "training") for fn in reached(cls))
     return _READS_TRAINING[cls]

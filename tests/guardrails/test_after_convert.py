@@ -373,3 +373,235 @@ def test_a_scripted_submodule_is_a_leaf_and_a_scripted_root_is_a_clear_error():
     assert amp.get_submodule("inner") is model.inner and rel(amp(X), model(X)) < 0.03
     with pytest.raises(ArgumentError, match="TorchScript module.*Convert the Python model"):
         ampfx.convert(torch.jit.script(mlp()), example_inputs=(X,))
+
+
+# --- what an independent review of the view found, each a test --------------------------------------------------
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.flag = nn.Linear(8, 8), True
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if self.flag else y
+
+
+@pytest.mark.parametrize("where", ["root", "block"])
+def test_a_conversion_made_again_runs_the_hooks_once(where):
+    """A conversion made again at a call runs inside the call of the graph module it stands in for: the model
+    module's hooks fire once, not also from the new conversion's own copies of them (an output-changing hook
+    was applied twice)."""
+    model = nn.Sequential(nn.Linear(8, 8), Flagged(), nn.Linear(8, 4))
+    calls = []
+    (model if where == "root" else model[1]).register_forward_hook(lambda m, a, o: (calls.append(1), o * 2 + 1)[1])
+    ref = copy.deepcopy(model)
+    amp = ampfx.convert(model, example_inputs=(X,))
+    model[1].flag = ref[1].flag = False
+    amp(X)
+    calls.clear()
+    out = amp(X)
+    assert len(calls) == 1 and rel(out, ref(X)) < 0.03
+
+
+class Masked(nn.Module):
+    """Float attributes out of float16's range: an attention mask value and a scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.mask_value, self.big = nn.Linear(8, 8), -1e9, 1e5
+
+    def forward(self, x):
+        y = self.lin(x)
+        y = y.masked_fill(y < -0.5, self.mask_value).softmax(-1)
+        return (y * self.big) / self.big
+
+
+def test_a_float_the_low_dtype_cannot_hold_stays_a_constant_and_a_lifted_one_stays_in_range():
+    """A float attribute float16 cannot hold is not read at call time: it stays a constant the op classes see
+    (they keep the op float32), so masked_fill(-1e9) and x * 1e5 under float16 give the model's result; a
+    lifted float set out of range later converts again."""
+    model = Masked()
+    amp = ampfx.convert(model, torch.float16, example_inputs=(X,))
+    out = amp(X)
+    assert torch.isfinite(out).all() and rel(out, model(X)) < 0.03
+    scaled = Valued()
+    amp = ampfx.convert(scaled, torch.float16, example_inputs=(X,))
+    scaled.temperature = 0.5  # lifted at 1.0; still a float16 number: read at every call
+    assert rel(amp(X), scaled(X)) < 0.03 and not amp.variants()
+    scaled.temperature = 1e6  # no float16 number: converted again, the division kept float32
+    assert rel(amp(X), scaled(X)) < 0.03 and len(amp.variants()) == 1
+
+
+def test_a_converted_module_saved_after_a_change_raises_where_it_cannot_follow(tmp_path):
+    """torch.save of the converted module after a value its graph fixed changed: the loaded copy checks what its
+    graph fixed against its own modules and raises (it cannot convert again), never the old graph in silence."""
+    model = nn.Sequential(nn.Linear(8, 8), Flagged())
+    amp = ampfx.convert(model, example_inputs=(X,))
+    model[1].flag = False
+    torch.save(amp, tmp_path / "amp.pt")
+    loaded = torch.load(tmp_path / "amp.pt", weights_only=False)
+    with pytest.raises(StaleModelError, match=r"model\.1\.flag is False.*loaded from a pickle"):
+        loaded(X)
+
+
+def test_inference_copies_of_a_copied_or_loaded_module_follow_its_weights(tmp_path):
+    """mode='inference' low copies of copy.deepcopy(amp) and of a loaded amp are made again when their (copied)
+    weights change in place (version counters start anew in a copy)."""
+    for make in ("deepcopy", "pickle"):
+        amp = ampfx.convert(mlp(), mode="inference")
+        if make == "deepcopy":
+            other = copy.deepcopy(amp)
+        else:
+            torch.save(amp, tmp_path / "inf.pt")
+            other = torch.load(tmp_path / "inf.pt", weights_only=False)
+        other(X)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(-1)
+        plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        plain.load_state_dict(other.state_dict())
+        assert rel(other(X), plain(X)) < 0.03, make
+
+
+def test_eval_reaches_a_module_set_on_the_converted_module():
+    """amp.drop = nn.Dropout() set on the converted module (not the model): amp.eval() switches it too."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    amp = ampfx.convert(model, example_inputs=(X,))
+    amp.drop = nn.Dropout(0.5)
+    amp.eval()
+    assert not amp.drop.training and not model.training
+
+
+CONFIG = type("Config", (), {})()
+CONFIG.shift, CONFIG.act = False, torch.relu
+
+
+class Reads(nn.Module):
+    """Values a forward reads that are not its own plain attributes: a class-level default, a field of a config
+    object that also holds a function, a field of a module-level object, and an attribute of a leaf child."""
+
+    use_shift = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.cfg = nn.Linear(8, 8), nn.Dropout(0.0), type("Cfg", (), {})()
+        self.cfg.shift, self.cfg.act = False, torch.tanh
+
+    def forward(self, x):
+        y = self.drop(self.lin(x))
+        if self.use_shift:
+            y = y + 1
+        if self.cfg.shift:
+            y = y + 2
+        if CONFIG.shift:
+            y = y + 3
+        if self.drop.p > 0:
+            y = y * 0.5
+        return y
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("change", ["class default", "config field", "module-level object", "leaf attribute"])
+def test_values_read_elsewhere_than_the_modules_own_attributes_are_checked(change, tracer, monkeypatch):
+    """Each of these values decided a branch while tracing; a change after convert is seen."""
+    model = Reads().eval()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    if change == "class default":
+        model.use_shift = True
+    elif change == "config field":
+        model.cfg.shift = True
+    elif change == "module-level object":
+        monkeypatch.setattr(CONFIG, "shift", True)
+    else:
+        model.drop.p = 0.5
+    assert rel(amp(X), model(X)) < 0.03
+
+
+def helper_noise(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return y + 1 if module.training else y
+
+
+class Helped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return helper_noise(self, self.lin(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_training_read_by_a_function_the_forward_calls_is_a_mode_the_graph_fixed(tracer):
+    """A forward that calls a module-level function reading module.training: eval runs the eval branch."""
+    model = Helped()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer=tracer)
+    amp.eval()
+    assert rel(amp(X), model.eval()(X)) < 0.03
+
+
+def test_constants_a_capture_made_move_with_the_converted_module():
+    """torch.export's tensor constants, kept on the graph module (not the model's buffers), move with amp.to()."""
+    class Offsets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) + torch.tensor([1.0, 2.0] * 4, device=x.device)
+    model = Offsets()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer="export")
+    amp.to("meta")
+    assert amp(X.to("meta")).device.type == "meta"
+
+
+def test_a_model_method_using_super_runs_through_the_converted_module():
+    """A method of the model's class that calls super() (a reset_parameters override), reached through the graph
+    module that stands for it, runs on the model's module (bound to the graph module, super() raised)."""
+    class MyLinear(nn.Linear):
+        def reset_parameters(self):
+            super().reset_parameters()
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+    model = MyLinear(8, 8)
+    amp = ampfx.convert(model, example_inputs=(X,))
+    with torch.no_grad():
+        model.bias.fill_(1.0)
+    amp.reset_parameters()
+    assert torch.equal(model.bias, torch.zeros(8))
+
+
+class Counted(nn.Module):
+    """A counter the training loop bumps (not read by forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.updates = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def on_optimizer_step(self):
+        self.updates += 1
+
+
+def test_bookkeeping_the_forward_does_not_read_converts_nothing_again():
+    """An attribute only another method names (a step counter) is not one the graph fixed."""
+    model = Counted()
+    amp = ampfx.convert(model, example_inputs=(X,), reconvert_limit=0)
+    for _ in range(3):
+        model.on_optimizer_step()
+        amp(X)
+    assert not amp.variants()
+
+
+def test_the_example_inputs_are_not_kept_alive():
+    """The converted module holds no reference to convert()'s example inputs."""
+    import gc
+    import weakref
+    x = torch.randn(6, 8)
+    ref = weakref.ref(x)
+    amp = ampfx.convert(mlp(), example_inputs=(x,))
+    del x
+    gc.collect()
+    assert ref() is None and amp is not None
