@@ -421,19 +421,12 @@ class Fixed:
         self._kinds = {self.low: torch.float32}
         self._metas = [(self._kinds.get(dtype, dtype), device) for _, _, dtype, device, _ in self.tensors]
         self.seen = RemovableHandle.next_id
+        self._values_hold = _compile(self)
 
     def holds(self) -> bool:
-        """Does every value the graph fixed still hold?"""
-        if self.eq and [list(d) if k is _KEYS else d.get(k, _MISSING)
-                        for d, k, _, _ in self.eq] != self._values:
-            return False
-        if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
-            return False
-        if self.tensors and [(self._kinds.get(t.dtype, t.dtype), t.get_device()) if (t := d.get(k)) is not None
-                             else None for d, k, _, _, _ in self.tensors] != self._metas:
-            return False
-        if self.ranges and not all(type(v := d.get(k)) in (float, int) and -top <= v <= top
-                                   for d, k, top, _ in self.ranges):
+        """Does every value the graph fixed still hold? (One generated expression over the slots, then the
+        hooks when a hook was registered anywhere since they last held.)"""
+        if not self._values_hold():
             return False
         if self.hooked or RemovableHandle.next_id != self.seen:
             if [len(d) for d, _ in self.hooks] != self._hook_ids[0] or \
@@ -486,6 +479,33 @@ class Fixed:
                 out.append(f"hooks of {what} changed since conversion (the graph traced its forward, so hooks "
                            "registered or removed since are not in it)")
         return list(dict.fromkeys(out))
+
+
+def _compile(fixed: Fixed) -> Any:
+    """A function of no arguments that is ``True`` when every slot of ``fixed`` (values, identities, tensors'
+    dtype and device, lifted floats' range) holds: one ``and`` of straight comparisons, each slot's dict, key
+    and value bound by name (a loop over the slots costs several times more per call)."""
+    names: dict[str, Any] = {"M": _MISSING, "NUM": (float, int)}
+    terms = []
+    for i, (d, k, v, _) in enumerate(fixed.eq):
+        names[f"d{i}"], names[f"k{i}"], names[f"v{i}"] = d, k, v
+        terms.append(f"list(d{i}) == v{i}" if k is _KEYS else f"d{i}.get(k{i}, M) == v{i}")
+    for i, (d, k, v, _) in enumerate(fixed.same):
+        names[f"s{i}"], names[f"sk{i}"], names[f"o{i}"] = d, k, v
+        terms.append(f"s{i}.get(sk{i}, M) is o{i}")
+    for i, ((d, k, _, device, _), (kind, _)) in enumerate(zip(fixed.tensors, fixed._metas)):
+        allowed = {dtype for dtype in (torch.float32, fixed.low) if kind == torch.float32} or {kind}
+        names[f"t{i}"], names[f"tk{i}"], names[f"dt{i}"], names[f"dv{i}"] = d, k, frozenset(allowed), device
+        terms.append(f"(x := t{i}.get(tk{i})) is not None and x.dtype in dt{i} and x.get_device() == dv{i}")
+    for i, (d, k, top, _) in enumerate(fixed.ranges):
+        names[f"r{i}"], names[f"rk{i}"], names[f"top{i}"] = d, k, top
+        terms.append(f"type(y := r{i}.get(rk{i})) in NUM and -top{i} <= y <= top{i}")
+    source = (f"def make({', '.join(names)}):\n"
+              f"    def values_hold():\n        return {' and '.join(terms) or 'True'}\n"
+              f"    return values_hold\n")
+    space: dict[str, Any] = {}
+    exec(compile(source, "<ampfx.fixed>", "exec"), space)  # noqa: S102 - code made from slot indices only
+    return space["make"](**names)
 
 
 def _device(index: int) -> str:
