@@ -337,6 +337,14 @@ class EagerLeaf(torch.nn.Module):
         self.leaf.training = mode
         return super().train(mode)
 
+    def _ampfx_rebase(self, model: torch.nn.Module, view: Any) -> None:
+        """Stand for the model's own DGL module (:func:`ampfx.view.rebase`): run it, with its tensors and
+        children (``view(child, model_child, path)`` gives each child's place in the converted tree)."""
+        self.__dict__["leaf"] = model
+        self._parameters, self._buffers = model._parameters, model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self._modules = model._modules
+
     def extra_repr(self) -> str:
         return f"{type(self.leaf).__name__} run in {dtype_name(self.low_dtype)} by ampfx.integrations.dgl.call_dgl_low"
 
