@@ -421,7 +421,8 @@ class Fixed:
         self._kinds = {self.low: torch.float32}
         self._metas = [(self._kinds.get(dtype, dtype), device) for _, _, dtype, device, _ in self.tensors]
         self.seen = RemovableHandle.next_id
-        self._values_hold = _compile(self)
+        slots = len(self.eq) + len(self.same) + len(self.tensors) + len(self.ranges)
+        self._values_hold = _compile(self) if slots <= COMPILED_SLOTS else self._loop
 
     def holds(self) -> bool:
         """Does every value the graph fixed still hold? (One generated expression over the slots, then the
@@ -434,6 +435,19 @@ class Fixed:
                 return False
             self.seen = RemovableHandle.next_id
         return True
+
+    def _loop(self) -> bool:
+        """:func:`_compile`'s expression as loops over the slots (for a graph with many: one expression of
+        thousands of terms takes seconds to compile, the loops cost about 0.1 us a slot)."""
+        if self.eq and [list(d) if k is _KEYS else d.get(k, _MISSING) for d, k, _, _ in self.eq] != self._values:
+            return False
+        if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
+            return False
+        if self.tensors and [(self._kinds.get(t.dtype, t.dtype), t.get_device()) if (t := d.get(k)) is not None
+                             else None for d, k, _, _, _ in self.tensors] != self._metas:
+            return False
+        return not self.ranges or all(type(v := d.get(k)) in (float, int) and -top <= v <= top
+                                      for d, k, top, _ in self.ranges)
 
     def lowered(self) -> list[str]:
         """The float32 tensors the graph reads that are now in a low dtype other than the conversion's
@@ -479,6 +493,10 @@ class Fixed:
                 out.append(f"hooks of {what} changed since conversion (the graph traced its forward, so hooks "
                            "registered or removed since are not in it)")
         return list(dict.fromkeys(out))
+
+
+COMPILED_SLOTS = 512
+"""Up to this many slots a :class:`Fixed` checks them in one generated expression (:func:`_compile`)."""
 
 
 def _compile(fixed: Fixed) -> Any:

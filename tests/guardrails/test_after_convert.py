@@ -605,3 +605,19 @@ def test_the_example_inputs_are_not_kept_alive():
     del x
     gc.collect()
     assert ref() is None and amp is not None
+
+
+def test_fixed_values_are_checked_the_same_way_without_the_generated_expression(monkeypatch):
+    """A graph with more fixed values than ampfx.fixed.COMPILED_SLOTS checks them in loops (compiling one
+    expression of thousands of terms took seconds): the same changes are seen."""
+    from ampfx import fixed
+    monkeypatch.setattr(fixed, "COMPILED_SLOTS", 0)
+    model = Valued()
+    amp = ampfx.convert(model, example_inputs=(X,), tracer="export")
+    assert amp.__dict__["_ampfx_fixed"]._values_hold == amp.__dict__["_ampfx_fixed"]._loop
+    for name, value in [("flag", False), ("steps", 0), ("temperature", 2.0)]:
+        setattr(model, name, value)
+        assert rel(amp(X), model(X)) < 0.03, name
+    model.lin.half()
+    with pytest.raises(StaleModelError, match=r"model\.lin\.weight \(float16\)"):
+        amp(X)
