@@ -66,9 +66,9 @@ def convert(
     ``"auto"`` (default): fx, and export where fx fails, needs leaves, or
     its graph does not reproduce the model's outputs on ``example_inputs``.
     Whatever captures nothing falls back to converting the children.
-    ``mode="inference"`` stores the weights of low-precision ops in the low
-    dtype once, in the converted module only (see :mod:`ampfx.inference`);
-    ``mode="train"`` (default) keeps float32 masters shared with ``model``.
+    ``mode="inference"`` reads the weights of low-precision ops from low copies
+    made once, and again only when a weight changes (see :mod:`ampfx.inference`);
+    ``mode="train"`` (default) casts the float32 masters per op.
     ``calibrate`` (a few batches, each given like ``example_inputs``) runs the
     float32 model forward and backward first; nodes whose outputs or gradients
     would overflow the low dtype stay float32, and the report gives loss-scale
@@ -81,13 +81,16 @@ def convert(
 
     The model is not changed, nor is the global random state: every run made
     during conversion is undone (parameter and buffer values, attributes set
-    in ``forward``, the CPU and CUDA random state). The result shares its parameters and buffers
-    (float32 master weights: an optimizer on either trains both), has the
-    same ``state_dict()`` keys, shapes and dtypes, and carries the log as
-    ``result.ampfx_report``. It follows the model's ``.train()`` / ``.eval()``
-    and tensors replaced by ones of the same shape and dtype; other changes to
-    the model make its next call raise :class:`ampfx.errors.StaleModelError`
-    (see :mod:`ampfx.follow`).
+    in ``forward``, the CPU, CUDA, Python and numpy random state, generators the
+    model holds). The result is a view of the model (:mod:`ampfx.view`): its
+    parameters, buffers, ``state_dict()``, hooks, modes and attributes are the
+    model's (float32 master weights: an optimizer on either trains both), and it
+    carries the log as ``result.ampfx_report``. What a change to the model or to
+    the result does afterwards shows through: where a graph fixed a changed value
+    while tracing, that graph's module is converted again at the next call
+    (:mod:`ampfx.fixed`, bounded by ``reconvert_limit``); a change that cannot be
+    followed makes the next call raise :class:`ampfx.errors.StaleModelError`
+    naming it. Giving a converted module converts the model it is a view of.
 
     >>> import torch, ampfx
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -5,10 +5,11 @@ from .policy import PolicyError
 
 
 class StaleModelError(RuntimeError):
-    """The model was changed after :func:`ampfx.convert` in a way the converted module cannot
-    follow (a parameter, buffer or submodule replaced by another object of another shape, dtype
-    or device, a submodule swapped, a parametrization added): calling the converted module would
-    compute with the old tensors. The message names what changed; convert the model again."""
+    """The model (or the converted module) was changed after :func:`ampfx.convert` in a way the
+    converted module cannot follow (a submodule swapped where a graph traced through it, a
+    parameter of another shape, a parametrization added, weights made another low dtype), or a
+    value a graph fixed while tracing keeps changing past ``reconvert_limit``: calling it would
+    compute with what it was converted from. The message names what changed and the fix."""
 
 
 class UninitializedModelError(ValueError):
