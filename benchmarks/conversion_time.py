@@ -4,7 +4,7 @@ Synthetic models of about 1k, 5k, 20k and 50k graph nodes (stacks of a pre-norm 
 LayerNorm, Linear, GELU, scale, add), converted with example inputs. For each size the script prints
 the graph nodes, the seconds of ``ampfx.convert`` and the milliseconds per node, with the time spent in
 each stage (capture, shapes, passes) from a profile of the same call when ``--stages`` is given.
-The goal (issue #15): at most 10 s at 20k nodes, and linear growth.
+The goal: at most 10 s at 20k nodes, and linear growth.
 
     python benchmarks/conversion_time.py [--nodes 1000,5000,20000,50000] [--stages]
 """

@@ -6,7 +6,7 @@ features) and each dtype (bf16, fp16), on the same weights and batches as the fl
 training step (forward + backward, training mode) per batch for: ampfx by default, ampfx with each
 fidelity switch of ``ampfx.Policy`` off (those the policy has), and ``torch.autocast("cpu")`` with
 the loss inside the region. It prints a markdown table and a verdict per model and dtype: ampfx's
-output error <= 1.5 x autocast's and its worst gradient error <= 2 x (issue #16), and no more wrong
+output error <= 1.5 x autocast's and its worst gradient error <= 2 x, and no more wrong
 indices than autocast.
 
 - out err: ``||y - y32|| / ||y32||`` over the float outputs, the mean over the batches;
