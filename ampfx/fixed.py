@@ -246,11 +246,15 @@ class Recorded:
         """The check of these values against ``module`` (the model's module the graph stands for, at
         ``where`` in the model) and its submodules, from now on. ``root_hooks``: ``module``'s own hooks
         are checked too (the graph module keeps copies of them instead of sharing its dicts)."""
+        found: dict[str, nn.Module | None] = {}
+
         def at(path: str) -> nn.Module | None:
-            try:
-                return module.get_submodule(path) if path else module
-            except AttributeError:
-                return None
+            if path not in found:
+                try:
+                    found[path] = module.get_submodule(path) if path else module
+                except AttributeError:
+                    found[path] = None
+            return found[path]
         name = (lambda p: f"model.{where}.{p}".rstrip(".") if where else f"model.{p}".rstrip("."))
         eq: list[tuple[dict, str, Any, str]] = []
         same: list[tuple[dict, str, Any, str]] = []

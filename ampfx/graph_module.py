@@ -329,14 +329,7 @@ class AmpGraphModule(fx.GraphModule):
             if check is not None:
                 check(self)
             target = self._runner(args, kwargs)
-            if target is not None:
-                return run(target, args, kwargs)
-            guard, low = self.__dict__.get("_ampfx_guard"), self.__dict__.get("_ampfx_low")
-            if guard is not None:
-                guard(args, kwargs)
-            if low is not None:
-                low.refresh(self)
-            return graph_forward(self, *args, **kwargs)
+            return self._run_graph(args, kwargs) if target is None else run(target, args, kwargs)
 
         # a code object of its own for each graph module's class: torch.compile caches compiled frames by code
         # object, and one shared by every kept block would count each block as a recompile of the same frame
@@ -439,10 +432,12 @@ def _holds(module: nn.Module, mode: bool | None, owner: AmpGraphModule) -> bool:
 
 def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module`` (another conversion of a converted module's model module) inside that module's call,
-    without firing the model module's hooks again: a graph module through its own call (its own hooks: none
-    unless registered on it), Python through its ``forward``."""
+    without firing the model module's hooks again: a graph module's graph (through its own call where hooks
+    were registered on it; it was chosen because its fixed values hold), Python through its ``forward``."""
     if isinstance(module, AmpGraphModule):
-        return module(*args, **kwargs)
+        own = any(module.__dict__.get(name) for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                                                         "_backward_pre_hooks"))
+        return module(*args, **kwargs) if own else module._run_graph(args, kwargs)
     runner = getattr(type(module), "_ampfx_run", None)
     return runner(module, args, kwargs) if runner is not None else module.forward(*args, **kwargs)
 

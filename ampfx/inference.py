@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -72,16 +72,16 @@ class LowCopies:
     def __repr__(self) -> str:
         return f"LowCopies({str(self.dtype).replace('torch.', '')}: {', '.join(self.paths)})"
 
+    def _anew(self, owner: Callable[[dict], dict]) -> list[list[Any]]:
+        """The entries of a copy (``owner`` maps each parameter dict to the copy's): each low copy made again at
+        its first call, since the copied masters' version counters start anew."""
+        return [[owner(d), name, attr, None, -1] for d, name, attr, _, _ in self.entries]
+
     def __deepcopy__(self, memo: dict) -> "LowCopies":
-        """A copy for a copied converted module: each copy is made again at its first call (the copied masters'
-        version counters start anew)."""
-        made = LowCopies(self.dtype, paths=list(self.paths))
-        made.entries = [[copy.deepcopy(owner, memo), name, attr, None, -1] for owner, name, attr, _, _ in self.entries]
-        return made
+        return LowCopies(self.dtype, self._anew(lambda d: copy.deepcopy(d, memo)), list(self.paths))
 
     def __getstate__(self) -> dict:
-        return {"dtype": self.dtype, "paths": self.paths,
-                "entries": [[owner, name, attr, None, -1] for owner, name, attr, _, _ in self.entries]}
+        return {"dtype": self.dtype, "paths": self.paths, "entries": self._anew(lambda d: d)}
 
     def refresh(self, gm: nn.Module) -> None:
         """Copy again each weight whose master was replaced or written since its copy was made."""

@@ -203,7 +203,8 @@ def copy_tree(m: nn.Module) -> nn.Module:
     return new
 
 
-_CONTAINERS = (dict, list, set, collections.OrderedDict)
+CONTAINERS = (dict, list, set, collections.OrderedDict)
+"""Attribute containers a copy of a module gets its own shallow copy of (:func:`copy_tree`)."""
 CLONE_BYTES = 128 * 2**20
 """Parameters up to this many bytes in all are cloned before conversion's runs and put back after;
 larger ones are copied on first write (:class:`_SaveBeforeWrite`), which keeps memory flat but makes
@@ -368,7 +369,7 @@ def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None
     """
     skip = frozenset() if bookkeeping else TORCH_KEYS
     attrs = [(m, {k: v for k, v in m.__dict__.items() if k not in skip},
-              {k: v.copy() for k, v in m.__dict__.items() if type(v) in _CONTAINERS and k not in skip})
+              {k: v.copy() for k, v in m.__dict__.items() if type(v) in CONTAINERS and k not in skip})
              for m in model.modules()]
     try:
         yield
@@ -399,36 +400,31 @@ def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, c
                            "please report this with the model")
 
 
-def refill(container: Any, contents: Any) -> None:
-    """Put ``contents`` back into ``container`` in place (its identity is what others hold);
-    compared by identity only (``==`` on tensors is elementwise)."""
+def same_contents(container: Any, contents: Any) -> bool:
+    """Does ``container`` (a dict or list) hold ``contents``' items, compared by identity only (``==`` on
+    tensors is elementwise)?
+
+    >>> w = torch.ones(1)
+    >>> same_contents({"w": w}, {"w": w}), same_contents([w], [torch.ones(1)])
+    (True, False)
+    """
     if isinstance(container, dict):
-        same = len(container) == len(contents) and all(k in container and container[k] is v
+        return len(container) == len(contents) and all(k in container and container[k] is v
                                                        for k, v in contents.items())
-    else:
-        same = isinstance(container, list) and len(container) == len(contents) and all(
-            a is b for a, b in zip(container, contents))
-    if same:
+    return isinstance(container, list) and len(container) == len(contents) and all(
+        a is b for a, b in zip(container, contents))
+
+
+def refill(container: Any, contents: Any) -> None:
+    """Put ``contents`` back into ``container`` in place (its identity is what others hold), unless it
+    holds them already (:func:`same_contents`)."""
+    if same_contents(container, contents):
         return
     container.clear()
     if isinstance(container, list):
         container.extend(contents)
     else:
         container.update(contents)
-
-
-def reset_attributes(copies: list[tuple[nn.Module, nn.Module]]) -> None:
-    """Give each copy (:func:`copy_tree`) its original's plain attributes again, as
-    :func:`copy_tree` made them: what runs of the copy during conversion set (counters, caches)
-    must not greet the converted module's first call. nn.Module's own bookkeeping (parameters,
-    buffers, submodules, hooks, training flags) is left alone."""
-    for original, copy in copies:
-        for k in [k for k in copy.__dict__ if k not in original.__dict__ and k not in TORCH_KEYS]:
-            if not isinstance(copy.__dict__[k], nn.Module):
-                del copy.__dict__[k]
-        for k, v in original.__dict__.items():
-            if k not in TORCH_KEYS and k != "forward" and copy.__dict__.get(k, v) is not v:
-                copy.__dict__[k] = v.copy() if type(v) in _CONTAINERS else v
 
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

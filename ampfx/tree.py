@@ -107,11 +107,11 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     kept = kept_below(request.policy, prefix)
     # a kept module named by the user, or one carrying hooks (torch.export would run them once, while tracing),
     # must stay a boundary: torch.export, which inlines modules, is not tried around it
-    named = any(not why.startswith("keep_modules='auto'") or module_match.HOOKED in why
+    required = any(not why.startswith("keep_modules='auto'") or module_match.HOOKED in why
                 for p, why in request.policy.keep_matched or () if p[len(prefix):] in kept and p.startswith(prefix))
     known = request.export_drops.setdefault(work.training, set())  # classes, in this training mode
     drops = {path for path, m in work.named_modules() if type(m) in known}
-    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, named,
+    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, required,
                              sizes=request.export_sizes.setdefault(prefix, [0]), drops=drops)
     known.update(type(work.get_submodule(p)) for p in drops)
     if isinstance(capture, Uncaptured):

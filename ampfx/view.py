@@ -30,7 +30,6 @@ False
 """
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import functools
@@ -43,7 +42,7 @@ import torch.nn as nn
 from . import runtime
 from .errors import StaleModelError
 from .graph_module import HOOKS, AmpGraphModule
-from .state import origin_of
+from .state import CONTAINERS, origin_of, same_contents
 
 log = logging.getLogger(__name__)
 
@@ -94,20 +93,12 @@ class Mirror:
         check = self._ampfx_check
         if check is not None:
             check(self)
-        low = self._ampfx_cross
-        if low is None:
-            return super().__call__(*args, **kwargs)
-        args, kwargs = runtime._arguments_in(torch.float32, low, self, args, kwargs)
-        return runtime._outputs_in(low, self, args, super().__call__(*args, **kwargs))
+        return _crossed(self, super().__call__, args, kwargs)
 
     @staticmethod
     def _ampfx_run(module: Mirror, args: tuple, kwargs: dict) -> Any:
         """Its ``forward`` alone (another conversion of a module whose call already fired the hooks)."""
-        low = module._ampfx_cross
-        if low is not None:
-            args, kwargs = runtime._arguments_in(torch.float32, low, module, args, kwargs)
-            return runtime._outputs_in(low, module, args, module.forward(*args, **kwargs))
-        return module.forward(*args, **kwargs)
+        return _crossed(module, module.forward, args, kwargs)
 
     def _get_name(self) -> str:
         return type(self)._ampfx_base.__name__
@@ -129,6 +120,16 @@ class Mirror:
         state = {k: v for k, v in self.__dict__.items() if k != "_modules"}
         state["_modules"] = dict(self._ampfx_modules)
         return (_materialize, (type(self)._ampfx_base, state, self._ampfx_cross))
+
+
+def _crossed(module: Mirror, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``call(*args, **kwargs)``; for a mirror that crosses its boundary low (``_ampfx_cross``), with its low
+    inputs in float32 and its float32 outputs back in the low dtype."""
+    low = module._ampfx_cross
+    if low is None:
+        return call(*args, **kwargs)
+    args, kwargs = runtime._arguments_in(torch.float32, low, module, args, kwargs)
+    return runtime._outputs_in(low, module, args, call(*args, **kwargs))
 
 
 def _materialize(cls: type, state: dict, cross: torch.dtype | None) -> nn.Module:
@@ -279,9 +280,6 @@ def _cross(r: nn.Module) -> torch.dtype | None:
     return None
 
 
-_CONTAINERS = (dict, list, set, collections.OrderedDict)
-
-
 def _unchanged(r: nn.Module, m: nn.Module) -> bool:
     """Is ``r`` (a copy of ``m``) as ``m`` is, but for its training flag (flags are read from the model)
     and hooks conversion removed (the other mode's twin runs without its root's hooks)? Its children
@@ -299,12 +297,10 @@ def _unchanged(r: nn.Module, m: nn.Module) -> bool:
             if any(k not in other or other[k] is not h for k, h in value.items()):
                 return False  # a hook the conversion added
             continue
-        if type(value) is not type(other) or type(value) not in _CONTAINERS:
+        if type(value) is not type(other) or type(value) not in CONTAINERS:
             return False
-        if isinstance(value, dict):
-            if value.keys() != other.keys() or any(other[k] is not v for k, v in value.items()):
-                return False
-        elif len(value) != len(other) or (isinstance(value, list) and any(a is not b for a, b in zip(value, other))):
+        if isinstance(value, (set, frozenset)) and value != other or \
+                not isinstance(value, (set, frozenset)) and not same_contents(other, value):
             return False
     return True
 

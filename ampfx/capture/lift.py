@@ -20,10 +20,10 @@ constant in the graph, and :mod:`ampfx.fixed` guards it.
 ...     def forward(self, x):
 ...         keep = 1 - self.p          # used in Python: fixed (and guarded)
 ...         return x / self.t * keep  # passed to the op: read at every call
->>> net = Scaled()
->>> with Lifting(net) as lifting:
-...     graph = LiftingTracer(lifting).trace(net)
->>> sorted(lifting.lifted()), [n.target for n in graph.nodes if n.op == "get_attr"]
+>>> from ampfx.capture.tracer import AmpTracer
+>>> tracer = AmpTracer()
+>>> graph = tracer.trace(Scaled())
+>>> sorted(tracer.lifting.lifted()), [n.target for n in graph.nodes if n.op == "get_attr"]
 ([('', 't')], ['t'])
 """
 from __future__ import annotations
@@ -122,18 +122,3 @@ class Lifting:
 
 _PLAIN = (float, int, bool, str, type(None), tuple)
 """The values whose reads :class:`Lifting` notes (a float may be lifted; the rest are constants of the graph)."""
-
-
-class LiftingTracer(fx.Tracer):
-    """A plain ``fx.Tracer`` that lifts tagged floats (for the module docstring's example; ampfx's own
-    :class:`~ampfx.capture.tracer.AmpTracer` does the same in its ``create_arg``)."""
-
-    def __init__(self, lifting: Lifting) -> None:
-        super().__init__()
-        self.lifting = lifting
-
-    def create_arg(self, a: Any) -> Any:
-        if type(a) is Tagged:
-            return self.lifting.arg(self, a)
-        return super().create_arg(a)
-
