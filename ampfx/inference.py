@@ -5,10 +5,11 @@ after ``get_attr`` on every call. With ``convert(..., mode="inference")`` a
 parameter whose every graph use is a cast to the low dtype is read from a
 low-precision copy the converted graph module keeps (:class:`LowCopies`): the
 casts in the graph then find the dtype already right and copy nothing. The
-copy is made again before a call when its float32 master changed (an in-place
-load, ``.data`` writes, an optimizer step: its version counter; or a replaced
-tensor), so the converted module always computes with the model's current
-weights. Parameters any consumer reads in float32 (batch-norm and layer-norm
+copy is made again before a call when its float32 master changed: written in
+place (an in-place load, an optimizer step: its version counter), re-pointed
+(``p.data = t``, ``vector_to_parameters``: its storage) or replaced. An in-place
+write through ``.data`` (``p.data.mul_(2)``) moves neither and is not seen: write
+weights in place under ``torch.no_grad()`` instead. Parameters any consumer reads in float32 (batch-norm and layer-norm
 affine parameters, embedding tables, biases added in float32) and the
 parameters of leaves (which run as the model's own modules) are not copied.
 The model's parameters are not changed, and they are the converted module's
@@ -59,14 +60,14 @@ def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
 class LowCopies:
     """The low-precision copies a graph module reads in place of float32 parameters, each made again
     before a call when its master changed: ``(owner's parameter dict, name, attribute the graph reads,
-    master when copied, its version then)``."""
+    master when copied, its version and storage then)``."""
 
     dtype: torch.dtype
     entries: list[list[Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)  # each copy's parameter, by its path in the graph module
 
     def add(self, owner: dict, name: str, attr: str, path: str) -> None:
-        self.entries.append([owner, name, attr, None, -1])
+        self.entries.append([owner, name, attr, None, None])
         self.paths.append(path)
 
     def __repr__(self) -> str:
@@ -75,7 +76,7 @@ class LowCopies:
     def _anew(self, owner: Callable[[dict], dict]) -> list[list[Any]]:
         """The entries of a copy (``owner`` maps each parameter dict to the copy's): each low copy made again at
         its first call, since the copied masters' version counters start anew."""
-        return [[owner(d), name, attr, None, -1] for d, name, attr, _, _ in self.entries]
+        return [[owner(d), name, attr, None, None] for d, name, attr, _, _ in self.entries]
 
     def __deepcopy__(self, memo: dict) -> "LowCopies":
         return LowCopies(self.dtype, self._anew(lambda d: copy.deepcopy(d, memo)), list(self.paths))
@@ -88,14 +89,14 @@ class LowCopies:
         for entry in self.entries:
             owner, name, attr, seen, version = entry
             master = owner.get(name)
-            if master is seen and master._version == version:
-                continue
+            if master is seen and version == (master._version, master.data_ptr()):
+                continue  # neither replaced, written in place, nor re-pointed with .data = ...
             if master is None:
                 raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
                                       "model: convert the model again")
             with torch.no_grad():
                 gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
-            entry[3], entry[4] = master, master._version
+            entry[3], entry[4] = master, (master._version, master.data_ptr())
 
     def nbytes(self) -> int:
         return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)

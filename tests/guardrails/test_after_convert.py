@@ -621,3 +621,13 @@ def test_fixed_values_are_checked_the_same_way_without_the_generated_expression(
     model.lin.half()
     with pytest.raises(StaleModelError, match=r"model\.lin\.weight \(float16\)"):
         amp(X)
+
+
+def test_inference_copies_follow_weights_re_pointed_with_data():
+    """mode='inference': a weight re-pointed with ``.data = ...`` (vector_to_parameters does) moves no version
+    counter; its storage changed, and its low copy is made again."""
+    model = mlp()
+    amp = ampfx.convert(model, example_inputs=(X,), mode="inference")
+    amp(X)
+    vector_to_parameters(parameters_to_vector(model.parameters()) * -1, model.parameters())
+    assert rel(amp(X), model(X)) < 0.03
