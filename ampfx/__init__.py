@@ -6,16 +6,17 @@
 torch.bfloat16
 """
 from . import integrations  # noqa: F401 - registers other libraries' op tables (imports no library)
-from .debug import NonFiniteError, debug
+from .debug import debug
+from .errors import NonFiniteError, PolicyError, TuneError
 from .measure import count_casts
 from .api import convert
 from .compare import Comparison, ParamError, compare
 from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
-from .policy import Policy, PolicyError
+from .policy import Policy
 from .register import register_op
 from .report import CastInfo, Decision, Report
-from .tune import TuneError, TuneResult, tune
+from .tune import TuneResult, tune
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",

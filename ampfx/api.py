@@ -23,13 +23,13 @@ from . import arguments as args
 from . import guards, integrations, module_match, view
 from . import policy as policy_mod
 from .capture import export
-from .errors import ArgumentError, UninitializedModelError
+from .errors import ArgumentError, PolicyError, UninitializedModelError
 from .decide import check_tuned
 from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
-from .policy import Policy, PolicyError, did_you_mean
+from .policy import Policy, did_you_mean
 from .report import Report, dtype_name
 from .rewrite import Request
 from .state import copy_tree, one_thread, untouched

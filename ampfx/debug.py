@@ -26,19 +26,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from .errors import NonFiniteError
 from .inputs import ExampleInputs
 from .meta import record
 from .report import Decision, dtype_name
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised by a debugged module at the first non-finite value; says where and why."""
-
-    def __init__(self, node: str, op: str, module: str, dtype: Any, inputs: list[str], phase: str) -> None:
-        self.node, self.op, self.module, self.dtype, self.inputs, self.phase = node, op, module, dtype, inputs, phase
-        where = f"{module}.{op}" if module else op
-        super().__init__(f"{phase}: {where} (node {node!r}, computing in {dtype_name(dtype, none='None')}) "
-                         f"produced inf/NaN from finite inputs; input ranges: {'; '.join(inputs) or 'none'}")
 
 
 def _finite(value: Any) -> bool:

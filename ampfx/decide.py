@@ -39,7 +39,8 @@ import torch.nn as nn
 
 from . import ops
 from .ops import Category
-from .policy import Policy, PolicyError, did_you_mean, is_glob
+from .errors import PolicyError
+from .policy import Policy, did_you_mean, is_glob
 from .report import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,

@@ -1,7 +1,16 @@
-"""ampfx's own error classes, one per concern; each subclasses the builtin an ``except`` clause would expect."""
+"""Every error class of ampfx, one per concern; each subclasses the builtin an ``except`` clause would
+expect. This module imports nothing of ampfx: every other module may raise from it.
+
+The public ones (re-exported by :mod:`ampfx`) are raised to users; the internal ones at the end are
+signals between the capture stages (a capture that failed takes the next rung) and never reach a user.
+"""
 from __future__ import annotations
 
-from .policy import PolicyError
+from typing import Any
+
+
+class PolicyError(ValueError):
+    """A bad policy value: the message names the option or variable, the value and a close match."""
 
 
 class StaleModelError(RuntimeError):
@@ -44,3 +53,56 @@ class OpRegistrationError(PolicyError):
     """A bad :func:`ampfx.register_op` call: a target that is not an op, a category that is not a
     list, an argument slot the op does not have, an op ampfx's tables already hold, or a second
     registration with another rule (``replace=True`` allows it). A ``PolicyError``, so a ``ValueError``."""
+
+
+class TuneError(RuntimeError):
+    """No set of nodes kept float32 brings the metric within tolerance (or the budget ran out
+    before one was found): the message gives the metrics measured and what to change."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by a debugged module (:func:`ampfx.debug`) at the first non-finite value; says where and why."""
+
+    def __init__(self, node: str, op: str, module: str, dtype: Any, inputs: list[str], phase: str) -> None:
+        self.node, self.op, self.module, self.dtype, self.inputs, self.phase = node, op, module, dtype, inputs, phase
+        where = f"{module}.{op}" if module else op
+        computing = "None" if dtype is None else str(dtype).removeprefix("torch.")
+        super().__init__(f"{phase}: {where} (node {node!r}, computing in {computing}) "
+                         f"produced inf/NaN from finite inputs; input ranges: {'; '.join(inputs) or 'none'}")
+
+
+class CLIError(Exception):
+    """A bad command-line argument of the ``ampfx`` command; the message names it."""
+
+
+# ---------------------------------------------------------------------- internal: between capture stages
+class RootUntraceable(RuntimeError):
+    """The root module's own ``forward`` cannot be traced (:mod:`ampfx.capture.tracer`); ``steps`` says what
+    was tried."""
+
+    def __init__(self, error: BaseException, steps: list[str]):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+        self.steps = steps
+
+
+class ExportFailed(RuntimeError):
+    """``torch.export`` could not capture the model (:mod:`ampfx.capture.export`); ``steps`` says what was
+    tried."""
+
+    def __init__(self, message: str, steps: list[str]):
+        super().__init__(message)
+        self.steps = steps
+
+
+class Unfaithful(RuntimeError):
+    """The exported graph would not repeat something the forward does (:mod:`ampfx.capture.semantics`);
+    ``paths``: the modules that do it ('' for the exported module itself)."""
+
+    def __init__(self, message: str, paths: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.paths = paths
+
+
+class NotReproduced(ValueError):
+    """The captured graph does not run on the module's example inputs (:mod:`ampfx.rewrite`)."""

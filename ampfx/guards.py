@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from . import runtime
-from .errors import GuardError
+from .errors import GuardError, PolicyError
 from .inputs import ExampleInputs
 from .state import kept_buffers
 
@@ -633,7 +633,7 @@ def _symbolic_run(gm: fx.GraphModule, names: list[str], values: list[Any]) -> tu
 
 
 def check_dynamic_dims(dynamic_dims: Any, inputs: ExampleInputs) -> None:
-    """Raise :class:`~ampfx.policy.PolicyError` unless ``dynamic_dims`` maps dimensions that the
+    """Raise :class:`~ampfx.errors.PolicyError` unless ``dynamic_dims`` maps dimensions that the
     example's tensors have (negative ones count from the end) to size names, and some tensor
     is at least 2 long there (torch specialises sizes 0 and 1).
 
@@ -641,11 +641,9 @@ def check_dynamic_dims(dynamic_dims: Any, inputs: ExampleInputs) -> None:
     >>> check_dynamic_dims({5: "b"}, ExampleInputs.of(torch.ones(4, 3)))
     Traceback (most recent call last):
     ...
-    ampfx.policy.PolicyError: dynamic_dims names dim 5, but the example inputs' tensors have at most 2 dimensions (float32[4, 3]); name a dim in -2..1, e.g. dynamic_dims={0: 'batch'}
+    ampfx.errors.PolicyError: dynamic_dims names dim 5, but the example inputs' tensors have at most 2 dimensions (float32[4, 3]); name a dim in -2..1, e.g. dynamic_dims={0: 'batch'}
     """
     from collections.abc import Mapping
-
-    from .policy import PolicyError
 
     if not isinstance(dynamic_dims, Mapping):
         raise PolicyError(f"dynamic_dims must be a dict {{dim: name}}, e.g. {{0: 'batch'}}; got {_short(dynamic_dims)}")

@@ -37,7 +37,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from . import ops
-from .policy import PolicyError, _import_object, did_you_mean, is_glob
+from .errors import PolicyError
+from .policy import _import_object, did_you_mean, is_glob
 
 def glob_regex(pattern: str) -> re.Pattern:
     """The regular expression of a module-name glob: ``*``/``?`` stay within a segment, ``**`` crosses dots.

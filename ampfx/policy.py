@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from . import custom_ops, ops
+from .errors import PolicyError
 from .ops import LISTS, Category
 from .report import Rule
 
@@ -49,10 +50,6 @@ LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category
               Category.DENY: "denylist"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16}
-
-
-class PolicyError(ValueError):
-    """A bad policy value: the message names the option or variable, the value and a close match."""
 
 
 def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:

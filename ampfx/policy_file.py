@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from . import ops
-from .policy import ENV_PREFIX, LIST_NAMES, Policy, PolicyError, _import_object, did_you_mean, resolve_op
+from .errors import PolicyError
+from .policy import ENV_PREFIX, LIST_NAMES, Policy, _import_object, did_you_mean, resolve_op
 from .ops import LISTS
 from .report import Rule, dtype_name
 

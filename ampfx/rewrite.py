@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import fixed, guards
+from .errors import NotReproduced
 from .capture.base import Capture
 from .capture.tracer import inlined
 from .graph_module import MADE, AmpGraphModule, graph_module
@@ -55,10 +56,6 @@ class Request:
     #: classes of the modules whose forward torch.export found it would not repeat (a cache they fill), by
     #: training mode: an export of a module around one of their kind in that mode is not tried again
     export_drops: dict[bool, set[type]] = field(default_factory=dict, compare=False)
-
-
-class NotReproduced(ValueError):
-    """The captured graph does not run on the module's example inputs."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from .capture.tracer import AmpTracer, reads_mode
 from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
 from .report import Region, Report, dtype_name
-from .rewrite import NotReproduced, Request, convert_graph, device_of
+from .errors import NotReproduced
+from .rewrite import Request, convert_graph, device_of
 from .meta import record
 from .observe import Observation, observe
 from .policy import Policy

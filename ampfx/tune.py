@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from .api import convert
-from .errors import ArgumentError
+from .errors import ArgumentError, TuneError
 from .numerics import sensitivity
 from .policy import Policy
 from .report import dtype_name
@@ -61,11 +61,6 @@ from .state import kept_buffers, kept_parameters, kept_rng
 
 CANDIDATES = 32
 """How many nodes the sensitivity search ranks by default; the rest follow in graph order."""
-
-
-class TuneError(RuntimeError):
-    """No set of nodes kept float32 brings the metric within tolerance (or the budget ran out
-    before one was found): the message gives the metrics measured and what to change."""
 
 
 @dataclass(frozen=True)

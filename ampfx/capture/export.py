@@ -57,6 +57,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..errors import ExportFailed, Unfaithful
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
 from ..module_match import TRACED_PRE_HOOKS
@@ -186,14 +187,6 @@ def _importing(frame: Any, outer: Any = None) -> bool:
     return False
 
 
-class ExportFailed(RuntimeError):
-    """``torch.export`` could not capture the model; ``steps`` says what was tried."""
-
-    def __init__(self, message: str, steps: list[str]):
-        super().__init__(message)
-        self.steps = steps
-
-
 def _short(e: BaseException) -> str:
     """:func:`~ampfx.capture.base.short`, with the fix for the export error HF caches give."""
     text = short(e)
@@ -281,15 +274,6 @@ def _no_stack_traces() -> Iterator[None]:
         yield
     finally:
         config.do_not_emit_stack_traces = before
-
-
-class Unfaithful(RuntimeError):
-    """The exported graph would not repeat something the forward does (:mod:`ampfx.capture.semantics`);
-    ``paths``: the modules that do it ('' for the exported module itself)."""
-
-    def __init__(self, message: str, paths: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.paths = paths
 
 
 def _about_sizes(e: BaseException) -> bool:

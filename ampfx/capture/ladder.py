@@ -30,7 +30,8 @@ from ..policy import Policy
 from ..state import kept_random
 from . import export
 from .base import Capture, Uncaptured
-from .tracer import RootUntraceable, trace
+from ..errors import RootUntraceable
+from .tracer import trace
 from .verify import compare, reference
 
 

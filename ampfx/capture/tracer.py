@@ -35,21 +35,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import integrations, ops, runtime
+from ..errors import RootUntraceable
 from ..policy import Policy
 from .base import Capture, short
 from .lift import Lifting, Tagged
 from .semantics import Watch
 
 MAX_LEAF_RETRIES = 64
-
-
-class RootUntraceable(RuntimeError):
-    """The root module's own ``forward`` cannot be traced; ``steps`` says what was tried."""
-
-    def __init__(self, error: BaseException, steps: list[str]):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.error = error
-        self.steps = steps
 
 
 class AmpTracer(fx.Tracer):

@@ -25,16 +25,13 @@ import torch
 
 from ..api import convert
 from ..compare import compare
+from ..errors import CLIError, PolicyError
 from ..ops import LISTS
-from ..policy import LIST_NAMES, Policy, PolicyError, from_env, parse_dtype
+from ..policy import LIST_NAMES, Policy, from_env, parse_dtype
 
 _TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
                   "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64, "long": torch.int64,
                   "int32": torch.int32, "bool": torch.bool}
-
-
-class CLIError(Exception):
-    """A bad command-line argument; the message names it."""
 
 
 def _dtype_arg(value: str) -> torch.dtype:
