@@ -1,8 +1,8 @@
 """``ampfx.convert``: policy, capture, analyses, passes, report — one stage after another.
 
-1. **policy** — a frozen :class:`~ampfx.policy.Policy` from defaults, arguments and
-   the ``AMPFX_*`` environment (read here, once); arguments checked into a
-   :class:`~ampfx.rewrite.Request`;
+1. **request** — every argument checked, a frozen :class:`~ampfx.policy.Policy` from defaults,
+   arguments and the ``AMPFX_*`` environment (read here, once), and what it means in the model,
+   into one :class:`~ampfx.request.Request` (:func:`ampfx.request.build`);
 2. **capture, analyses, passes** — per module of the tree, as the capture ladder
    decides (:func:`ampfx.tree.convert_tree`, :func:`ampfx.rewrite.convert_graph`),
    on a private copy of the module tree that shares the model's parameters;
@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
-from . import arguments as args
-from . import guards, integrations, module_match, view
-from . import policy as policy_mod
-from .capture import export
-from .errors import ArgumentError, PolicyError, UninitializedModelError
+from . import module_match, view
+from .errors import ArgumentError
 from .decide import check_tuned
 from .follow import follow
 from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
-from .policy import Policy, did_you_mean
+from .policy import Policy
 from .report import Report, dtype_name
-from .rewrite import Request
+from .request import Request, build, resolve
 from .state import copy_tree, one_thread, untouched
 from .tree import convert_module, convert_tree
 
@@ -102,10 +98,17 @@ def convert(
     """
     given = model
     model = _model_of(model)
-    request = _request(model, dtype, example_inputs, policy, dynamic_dims, tracer, mode, calibrate, calibrate_loss,
-                       os.environ if environ is None else environ, policy_options)
+    request = build(model, dtype, example_inputs, policy, policy_options, environ=environ, dynamic_dims=dynamic_dims,
+                    tracer=tracer, mode=mode, calibrate=calibrate, calibrate_loss=calibrate_loss)
+    return convert_request(model, request, given_a_view=given is not model)
+
+
+def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = False) -> nn.Module:
+    """:func:`convert` of ``model`` as ``request`` (:func:`ampfx.request.build`) asks; ``given_a_view``: the
+    caller was given a converted module of ``model``, and the report says so."""
+    mode = request.mode
     if request.policy.disable:
-        return _disabled_copy(model, request.policy)
+        return _disabled_copy(model, request)
     work = copy_tree(model)
     inputs = request.inputs.tensors() if request.inputs is not None else ()
     with untouched(model, *inputs), one_thread(model, *inputs):
@@ -115,9 +118,9 @@ def convert(
     follower = follow(model, result, views)
     _arm(views, request, follower, model)
     notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
-    if given is not model:
+    if given_a_view:
         notes += ("the module given is a converted module, a view of its model: that model was converted",)
-    report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request.policy), shapes=report.shapes,
+    report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
     _save(report, request.policy)
@@ -137,10 +140,9 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
         # tracer='export' inlines every module: a module hooked since conversion would run its hooks once, while
         # tracing; 'auto' keeps it a boundary where torch.fx captures the rest
-        req = dataclasses.replace(request, policy=_check_module_names(model, request.policy), inputs=inputs,
+        req = dataclasses.replace(request, resolved=resolve(model, request.policy), inputs=inputs,
                                   dynamic_dims=request.dynamic_dims if not where else None,
-                                  tracer="auto" if request.tracer == "export" else request.tracer,
-                                  export_sizes={}, export_drops={})
+                                  tracer="auto" if request.tracer == "export" else request.tracer)
         tensors = inputs.tensors()
         with untouched(module, *tensors), one_thread(module, *tensors):
             return convert_module(copy_tree(module), req, inputs, where, arrive)
@@ -180,55 +182,11 @@ def _save(report: Report, policy: Policy) -> None:
                             f"({e.strerror or e}); give a writable directory") from e
 
 
-def _request(model: nn.Module, dtype: Any, example_inputs: Any, policy: Policy | None, dynamic_dims: Any,
-             tracer: str, mode: str, calibrate: Any, calibrate_loss: Any, environ: Mapping[str, str],
-             policy_options: dict[str, Any]) -> Request:
-    """The policy (arguments, then the environment) and every argument checked."""
-    args.check_model(model)
-    _check_unwrapped(model)
-    args.check_choice("mode", mode, {"train": "float32 master weights",
-                                     "inference": "weights stored in the low dtype once"})
-    args.check_choice("tracer", tracer, {"auto": "torch.fx, then torch.export where fx fails", "fx": "torch.fx",
-                                         "export": "torch.export"})
-    if not isinstance(environ, Mapping):
-        raise ArgumentError(f"environ={type(environ).__name__}: give a mapping of variable names to strings "
-                            "(like os.environ), or leave it out to read os.environ")
-    dtype_given = dtype is not None or policy is not None  # else AMPFX_POLICY_FILE's dtype is taken
-    if policy is None:
-        args.check_policy_options(policy_options)
-        policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **policy_options)
-    else:
-        if not isinstance(policy, Policy):
-            raise ArgumentError(f"policy={policy!r}: give an ampfx.Policy(...), or pass its fields as keywords "
-                                "(convert(model, 'bf16', fp32_modules=...))")
-        if policy_options:
-            raise ArgumentError(f"pass either policy= or policy options, not both: {sorted(policy_options)}")
-        if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
-            raise PolicyError(f"dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
-    policy = _check_module_names(model, policy_mod.from_env(policy, environ, dtype_given=dtype_given))
-    _check_initialised(model)
-    if policy.disable:
-        return Request(policy, None)
-    if tracer == "export" and example_inputs is None:
-        raise ArgumentError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a "
-                            "dict of keyword inputs), or use tracer='fx'")
-    if tracer == "export" and export.unavailable():
-        raise RuntimeError(export.unavailable())
-    if dynamic_dims and example_inputs is None:
-        raise ArgumentError("dynamic_dims names dimensions of example_inputs; give example_inputs too")
-    inputs = args.check_inputs(model, example_inputs, "example_inputs")
-    calib = args.check_calibration(model, calibrate, calibrate_loss, inputs)
-    if calib is not None and inputs is None:
-        inputs = ExampleInputs.of(calib[0][0])
-    if dynamic_dims is not None and inputs is not None:
-        guards.check_dynamic_dims(dynamic_dims, inputs)
-    return Request(policy, inputs, tracer, dynamic_dims, calib)
-
-
-def _disabled_copy(model: nn.Module, policy: Policy) -> nn.Module:
+def _disabled_copy(model: nn.Module, request: Request) -> nn.Module:
     """``AMPFX_DISABLE=1``: an unconverted copy, and a report that says so."""
+    policy = request.policy
     copy = copy_tree(model)
-    copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(policy),
+    copy.ampfx_report = Report(dtype=policy.dtype, disabled=True, policy=_policy_log(request),
                                notes=("conversion disabled: the model is an unconverted copy",))
     log.info("ampfx disabled: returning an unconverted copy")
     _save(copy.ampfx_report, policy)
@@ -247,68 +205,10 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
             "the model's float32 weights) and made again only when a weight changes",)
 
 
-def _all_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for _, m in model.named_modules(remove_duplicate=False)]
-
-
-def _check_initialised(model: nn.Module) -> None:
-    """Lazy modules must have their parameters before conversion (see :class:`UninitializedModelError`)."""
-    lazy = [name or "<root>" for name, m in model.named_modules()
-            if any(nn.parameter.is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
-    if lazy:
-        raise UninitializedModelError(
-            f"{type(model).__name__} has lazy modules with uninitialised parameters ({', '.join(lazy[:5])}): "
-            "initialising them changes the model, which ampfx.convert does not do. Run the model once first "
-            "(model(*example_inputs), as torch asks before an optimizer is built), then convert it.")
-
-
-def _check_module_names(model: nn.Module, policy: Policy) -> Policy:
-    """The modules ``fp32_modules`` keeps float32 in ``model``, resolved once
-    (:func:`ampfx.module_match.resolve`: an entry that keeps nothing is an error), and every name
-    in ``leaf_modules`` a module of ``model``, under any of its names: a submodule registered
-    twice (``self.alias = self.fc``) answers to both, and the policy returned names it by all of
-    them (the converted tree copies each name's module apart; a graph records the name ``forward``
-    used). ``module_filter_fn`` is asked once about every module (:func:`ampfx.module_match.filter_rejected`),
-    so it also holds inside modules converted on their own under a rejected parent."""
-    named = list(model.named_modules(remove_duplicate=False))
-    names = [n for n, _ in named if n]
-    matched = module_match.resolve(model, policy.fp32_modules)
-    # another library's module (a DGL conv) is a leaf its integration runs: its forward runs already
-    libraries = [n for n, m in named if n and integrations.library_of(m) is not None]
-    kept = tuple((p, why) for p, why in module_match.resolve(model, policy.keep_modules, "keep_modules")
-                 if not any(p == lib or p.startswith(lib + ".") for lib in libraries))
-    rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
-                if policy.module_filter_fn is not None else None)
-    leaves = []
-    for leaf in policy.leaf_modules:
-        if isinstance(leaf, str) and leaf not in names:
-            raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
-                              f"of {type(model).__name__} nor an importable module type."
-                              f"{did_you_mean(leaf, names, cutoff=0.5)}")
-        if isinstance(leaf, str):
-            module = model.get_submodule(leaf)
-            leaves += [n for n, m in named if n and m is module and n not in policy.leaf_modules]
-    return dataclasses.replace(policy, fp32_matched=matched, filter_rejected=rejected, user_ops=policy.user_ops,
-                               keep_matched=kept,
-                               leaf_modules=policy.leaf_modules + tuple(dict.fromkeys(leaves)))
-
-
-def _check_unwrapped(model: nn.Module) -> None:
-    """A model already sharded, wrapped for data parallelism or compiled cannot be converted inside
-    (:func:`ampfx.module_match.wrapped_first`): the error names the module and the order that works."""
-    found = module_match.wrapped_first(model)
-    if found is None:
-        return
-    path, wrapper = found
-    raise ArgumentError(
-        f"{'model.' + path if path else 'the model'} is already wrapped by {wrapper}: ampfx converts a plain model, "
-        "and the wrapper goes on the converted one (it holds the parameters as shards, or a forward bound when it "
-        "was made, which a conversion cannot reach inside). Convert first, then wrap: amp = ampfx.convert(model, ...); "
-        "then fully_shard(amp.blocks[i]) for each block and fully_shard(amp), DDP(amp) or torch.compile(amp) "
-        "(see docs/scale.md). Activation-checkpoint wrappers may go on before or after.")
-
-
-def _policy_log(policy: Policy) -> dict[str, Any]:
+def _policy_log(request: Request) -> dict[str, Any]:
+    """The report's record of the policy: what was asked (:class:`~ampfx.policy.Policy`) and what it was
+    resolved to in the model (:class:`~ampfx.request.Resolved`)."""
+    policy = request.policy
     edits = {}
     for f in ("allowlist", "inferlist", "clearlist", "denylist"):
         for a in ("add", "remove"):
@@ -319,9 +219,9 @@ def _policy_log(policy: Policy) -> dict[str, Any]:
             "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
             "fp32_modules": [module_match.describe(e) for e in policy.fp32_modules],
-            "fp32_matched": dict(policy.fp32_matched), "tuned": dict(policy.tuned),
+            "fp32_matched": request.resolved.as_json()["fp32_matched"], "tuned": dict(policy.tuned),
             "keep_modules": [module_match.describe(e) for e in policy.keep_modules],
-            "keep_matched": dict(policy.keep_matched or ()),
+            "keep_matched": request.resolved.as_json()["keep_matched"],
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

@@ -16,7 +16,6 @@ ampfx.errors.ArgumentError: mode='inferenc': use 'train' (float32 masters) or 'i
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from .errors import ArgumentError
 from .inputs import ExampleInputs
-from .policy import Policy, did_you_mean
+from .policy import did_you_mean
 
 _PLAIN = (str, bytes, int, float, bool, type(None))  # leaves that cannot be (or hold) model data
 
@@ -71,18 +70,6 @@ def check_choice(name: str, value: Any, options: Mapping[str, str]) -> None:
     listed = " or ".join(f"{k!r} ({v})" for k, v in options.items())
     close = did_you_mean(value, options) if isinstance(value, str) else ""
     raise ArgumentError(f"{name}={value!r}: use {listed}.{close}")
-
-
-_INTERNAL = {"origins", "env", "user_ops"}  # Policy fields ampfx fills itself
-
-
-def check_policy_options(options: Mapping[str, Any]) -> None:
-    """Every keyword option names a field of :class:`~ampfx.policy.Policy`."""
-    known = [f.name for f in dataclasses.fields(Policy) if f.name not in _INTERNAL and f.name != "dtype"]
-    for key in options:
-        if key not in known:
-            raise ArgumentError(f"convert() got an unknown option {key}={options[key]!r}.{did_you_mean(key, known)} "
-                                f"Options: {', '.join(known)} (see ampfx.Policy).")
 
 
 def check_inputs(model: nn.Module, value: Any, where: str) -> ExampleInputs | None:

@@ -35,18 +35,21 @@ import importlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from .api import convert_request
 from .arguments import check_inputs
 from .errors import ArgumentError, ExampleInputsError
 from .inputs import ExampleInputs
 from .passes.calibrate import default_loss
+from .policy import Policy
 from .report import Report, dtype_name
+from .request import build, check_options
 from .state import kept_random, kept_rng, untouched
 
 
@@ -202,15 +205,19 @@ class _Run:
     drew: bool = False  # the run drew random numbers (dropout)
 
 
-def compare(model: nn.Module, amp: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
-            top: int = 10, autocast: bool = True, sensitivity: bool = True) -> Comparison:
+def compare(model: nn.Module, amp: Any, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+            top: int = 10, autocast: bool = True, sensitivity: bool = True, policy: Policy | None = None,
+            environ: Mapping[str, str] | None = None, **policy_options: Any) -> Comparison:
     """Measure ``amp`` (``ampfx.convert(model, ...)``) and ``torch.autocast`` against float32 on
     ``batch`` (a tuple of positional inputs, a dict of keyword inputs, or one tensor), forward
-    and backward; see the module docstring. ``loss_fn(output)`` makes the loss (default: the
-    output if it is a scalar, else the mean of the float outputs). ``top`` limits the parameters
-    and nodes listed; ``autocast=False`` skips autocast's run; ``sensitivity`` asks
+    and backward; see the module docstring. ``amp`` may also be a dtype (``"bf16"``,
+    ``torch.float16``): then ``model`` is converted here, on ``batch``, with ``policy`` or the keyword
+    options and ``environ`` as :func:`ampfx.convert` takes them. ``loss_fn(output)`` makes the loss
+    (default: the output if it is a scalar, else the mean of the float outputs). ``top`` limits the
+    parameters and nodes listed; ``autocast=False`` skips autocast's run; ``sensitivity`` asks
     ``ampfx.sensitivity`` (where this ampfx has it) for the nodes most responsible. ``model``
     is left as it was: values, buffers, ``.grad``, training mode and the random state."""
+    amp = _converted(model, amp, batch, policy, environ, policy_options)
     report = _check(model, amp, top)
     inputs = check_inputs(model, batch, "batch")
     if inputs is None:
@@ -356,6 +363,20 @@ def _autocast_run(model: nn.Module, inputs: ExampleInputs, loss: _Loss, params: 
 
 
 # ------------------------------------------------------------------ checks
+def _converted(model: Any, amp: Any, batch: Any, policy: Policy | None, environ: Mapping[str, str] | None,
+               given: dict[str, Any]) -> Any:
+    """``amp`` when it is a module; else ``model`` converted to the dtype ``amp`` names, on ``batch``, with
+    the policy as :func:`ampfx.convert` takes it (:mod:`ampfx.request`: the same checks, the same errors)."""
+    if not isinstance(amp, nn.Module):
+        return convert_request(model, build(model, amp, batch, policy, given, caller="compare", environ=environ))
+    if given or policy is not None or environ is not None:
+        check_options("compare", given)
+        raise ArgumentError("compare(): policy, environ and policy options apply when compare converts the model: "
+                            "pass amp as a dtype (compare(model, 'bf16', batch, fp32_modules=...)), or give them to "
+                            "ampfx.convert")
+    return amp
+
+
 def _check(model: Any, amp: Any, top: Any) -> Report:
     """``model`` a module, ``amp`` a module ampfx converted from it, ``top`` a count; ``amp``'s report."""
     if not isinstance(model, nn.Module):

@@ -31,6 +31,7 @@ whose rule is in :data:`FINAL_RULES`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -40,7 +41,7 @@ import torch.nn as nn
 from . import ops
 from .ops import Category
 from .errors import PolicyError
-from .policy import Policy, did_you_mean, is_glob
+from .policy import Policy, Resolved, did_you_mean, is_glob
 from .report import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
@@ -63,21 +64,22 @@ class Verdict:
         return Decision(category=self.category, dtype=self.dtype, rule=self.rule, reason=self.reason, **where)
 
 
-def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") -> tuple[str, str] | None:
+def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "",
+                  resolved: Resolved = Resolved()) -> tuple[str, str] | None:
     """``(rule, reason)`` when the module at ``path`` (relative to ``root``, which sits at
     ``prefix`` in the user's model) is kept float32 by ``fp32_modules`` or ``module_filter_fn``;
     else ``None``. The filter's answers for the module and each parent, innermost first, come
-    from ``policy.filter_rejected`` (set by :func:`ampfx.convert`, up to the model's root); a
-    policy not resolved yet asks the filter itself, up to ``root``."""
+    from ``resolved.filter_rejected`` (:func:`ampfx.request.resolve`, up to the model's root); a
+    policy not resolved asks the filter itself, up to ``root``."""
     full = prefix + path if path else prefix.rstrip(".")
-    hit = _fp32_module(policy, full)
+    hit = _fp32_module(policy, resolved, full)
     if hit is not None:
         return Rule.FP32_MODULES, hit
     fn = policy.module_filter_fn
-    if fn is not None and policy.filter_rejected is not None:  # asked once per module by convert()
+    if fn is not None and resolved.filter_rejected is not None:  # asked once per module by convert()
         parts = full.split(".") if full else []
         for fqn in (".".join(parts[:i]) for i in range(len(parts), -1, -1)):
-            if fqn in policy.filter_rejected:
+            if fqn in resolved.filter_rejected:
                 return Rule.MODULE_FILTER_FN, f"module_filter_fn rejected module {fqn or '<root>'!r}: kept float32"
     elif fn is not None:
         parts = path.split(".") if path else []
@@ -90,12 +92,12 @@ def decide_module(policy: Policy, root: nn.Module, path: str, prefix: str = "") 
     return None
 
 
-def _fp32_module(policy: Policy, full: str) -> str | None:
+def _fp32_module(policy: Policy, resolved: Resolved, full: str) -> str | None:
     """The reason when the module at ``full`` (or one above it) is kept by ``fp32_modules``: the
-    first entry that matched, from ``policy.fp32_matched`` (resolved against the model by
-    :func:`ampfx.convert`); a policy not resolved yet matches its plain names, and its globs,
+    first entry that matched, from ``resolved.fp32_matched`` (resolved against the model by
+    :func:`ampfx.request.resolve`); a policy not resolved matches its plain names, and its globs,
     classes and predicates, which only a model can resolve, are an error rather than ignored."""
-    matched = policy.fp32_matched
+    matched = resolved.fp32_matched
     if not matched:
         unresolved = [e for e in policy.fp32_modules if not isinstance(e, str) or is_glob(e)]
         if unresolved:
@@ -104,16 +106,19 @@ def _fp32_module(policy: Policy, full: str) -> str | None:
         matched = tuple((e, "named in fp32_modules") for e in policy.fp32_modules)
     if not matched:
         return None
-    order = policy.__dict__.get("_fp32_order")
-    if order is None or order[0] is not matched:
-        order = (matched, {path: (i, why) for i, (path, why) in enumerate(matched)})
-        object.__setattr__(policy, "_fp32_order", order)
+    order = _order(matched)
     parts = full.split(".") if full else []
     hits = [order[1][p] + (p,) for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in order[1]]
     if not hits:
         return None
     _, why, path = min(hits)
     return f"inside module {path!r}, {why}: kept float32"
+
+
+@functools.lru_cache(maxsize=64)
+def _order(matched: tuple[tuple[str, str], ...]) -> tuple[tuple[str, ...], dict[str, tuple[int, str]]]:
+    """``matched`` (``fp32_matched``) indexed by path: each path's place in it and its reason."""
+    return matched, {path: (i, why) for i, (path, why) in enumerate(matched)}
 
 
 def decide_op(policy: Policy, name: str, why: str | None = None) -> Verdict:
@@ -134,10 +139,11 @@ def leaf_name(policy: Policy, module: nn.Module) -> str:
     return policy.op_name(type(module)) or ops.qualified_name(type(module))
 
 
-def decide_leaf(policy: Policy, root: nn.Module, path: str, prefix: str = "", why: str | None = None) -> Verdict:
+def decide_leaf(policy: Policy, root: nn.Module, path: str, prefix: str = "", why: str | None = None,
+                resolved: Resolved = Resolved()) -> Verdict:
     """The module rules (:func:`decide_module`), then the lists (:func:`decide_op`), for the leaf
     module at ``path`` under ``root``."""
-    hit = decide_module(policy, root, path, prefix)
+    hit = decide_module(policy, root, path, prefix, resolved)
     if hit is not None:
         return Verdict(Category.FP32, torch.float32, *hit)
     module = root.get_submodule(path) if path else root

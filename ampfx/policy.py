@@ -334,15 +334,6 @@ class Policy:
     origins: tuple[tuple[tuple[str, str], Rule], ...] = ()
     #: the AMPFX_* environment values that were read, for the log
     env: tuple[tuple[str, str], ...] = ()
-    #: set by convert(): the module paths fp32_modules keeps float32 in the model, each with the words the
-    #: report uses (ampfx.module_match.resolve)
-    fp32_matched: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
-    #: set by convert() when module_filter_fn is: the module paths it rejects in the model (every name of each,
-    #: ampfx.module_match.filter_rejected); None: not resolved, the filter is asked during classification
-    filter_rejected: frozenset[str] | None = field(default=None, compare=False, repr=False)
-    #: set by convert(): the module paths keep_modules keeps as boundaries in the model, each with why
-    #: (ampfx.module_match.resolve); None: not resolved (passes run on their own keep nothing)
-    keep_matched: tuple[tuple[str, str], ...] | None = field(default=None, compare=False, repr=False)
     #: user functions / module types named in lists: (object, qualified name)
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
 
@@ -492,6 +483,37 @@ class Policy:
             if isinstance(obj, type) and issubclass(module_type, obj):
                 return True
         return any(isinstance(t, type) and issubclass(module_type, t) for t in self.leaf_modules)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`ampfx.request.resolve` found a :class:`~ampfx.policy.Policy` to mean in one model.
+
+    ``fp32_matched``: the module paths ``fp32_modules`` keeps float32, each with the words the report
+    uses (:func:`ampfx.module_match.resolve`); ``keep_matched``: the paths ``keep_modules`` keeps as
+    boundaries, each with why (``None``: not resolved, and passes run on their own keep nothing);
+    ``filter_rejected``: every name of the modules ``module_filter_fn`` rejects (``None``: not resolved,
+    the filter is asked during classification); ``leaf_names``: every name of the modules ``leaf_modules``
+    names (a module registered twice, ``self.alias = self.fc``, is a leaf under both: the converted tree
+    copies each name's module apart, and a graph records the name ``forward`` used).
+
+    >>> Resolved().fp32_matched, Resolved().keep_matched
+    ((), None)
+    """
+
+    fp32_matched: tuple[tuple[str, str], ...] = ()
+    keep_matched: tuple[tuple[str, str], ...] | None = None
+    filter_rejected: frozenset[str] | None = None
+    leaf_names: frozenset[str] = frozenset()
+
+    def below(self, prefix: str) -> frozenset[str]:
+        """The names in ``leaf_names`` under the module at ``prefix`` (``"enc."``), as paths in that module."""
+        return frozenset(n[len(prefix):] for n in self.leaf_names if n.startswith(prefix) and len(n) > len(prefix))
+
+    def as_json(self) -> dict[str, Any]:
+        """The report's view of it (``Report.policy``'s ``fp32_matched`` / ``keep_matched``)."""
+        return {"fp32_matched": dict(self.fp32_matched), "keep_matched": dict(self.keep_matched or ())}
+
 
 
 # ---------------------------------------------------------------------- environment

@@ -42,7 +42,7 @@ VAR = f"{ENV_PREFIX}POLICY_FILE"
 LIST_FIELDS = tuple(f"{LIST_NAMES[c]}_{a}" for c in LISTS for a in ("add", "remove"))
 ADDITIVE = (*LIST_FIELDS, "fp32_modules", "leaf_modules", "tuned")
 """Fields whose entries a file adds to the call's, rather than replacing them."""
-NOT_SAVED = ("origins", "env", "user_ops", "fp32_matched", "filter_rejected")
+NOT_SAVED = ("origins", "env", "user_ops")
 """Bookkeeping fields, rebuilt when the file is read."""
 
 

@@ -13,11 +13,9 @@ captured graph (the whole model, or one region of it):
 """
 from __future__ import annotations
 
-import dataclasses
-
 import copy
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -33,29 +31,13 @@ from . import runtime
 from .meta import RECORD, leaf_param_casts, record
 from .passes import PIPELINE, autocast, calibrate, paint, sensitivity, shapes
 from .passes.context import PassContext
-from .policy import Policy
+from .policy import Policy, Resolved
+from .request import Request
 from .report import COMPUTE, CastInfo, Decision, Region, Report
 from .module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the caller of :func:`ampfx.convert` asked for, checked."""
-
-    policy: Policy
-    inputs: ExampleInputs | None
-    tracer: str = "auto"
-    dynamic_dims: dict[int, str] | None = None
-    calibrate: tuple[list[Any], Callable[[Any], torch.Tensor] | None] | None = None
-    #: what this conversion learnt about exporting each module path: the size try to start from (a module's
-    #: other training mode starts where its first export ended: ampfx.capture.export.capture)
-    export_sizes: dict[str, list[int]] = field(default_factory=dict, compare=False)
-    #: classes of the modules whose forward torch.export found it would not repeat (a cache they fill), by
-    #: training mode: an export of a module around one of their kind in that mode is not tried again
-    export_drops: dict[bool, set[type]] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -81,11 +63,9 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     analysis = analyse(gm, inputs, request, root=prefix == "")
-    why_kept = dict(request.policy.keep_matched or ())
-    policy = request.policy  # a kept module taking a low input returns it low: its outputs' dtype is the boundary's
-    if arrive is not None and arrive != torch.float32 and policy.keep_output_dtype:
-        policy = dataclasses.replace(policy, keep_output_dtype=False)
-    ctx = PassContext(policy=policy, arrive=arrive, device=device_of(work, inputs), prefix=prefix,
+    why_kept = dict(request.resolved.keep_matched or ())
+    ctx = PassContext(policy=request.policy, resolved=request.resolved, arrive=arrive, device=device_of(work, inputs),
+                      prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, leaf_facts=leaf_facts)
     precision = find_sensitive(gm, ctx, request) if prefix == "" else []
@@ -97,11 +77,11 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
     notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
                            exported, request.policy.pad)
-    remember(gm, work, capture, request.policy, prefix, arrive)
+    remember(gm, work, capture, request.policy, request.resolved, prefix, arrive)
     return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
 
 
-def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, prefix: str,
+def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,
              arrive: torch.dtype | None) -> None:
     """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.view`): what its
     graph fixed of ``work``'s Python (:func:`ampfx.fixed.record`), where it sits, its boundary dtype, and
@@ -109,7 +89,8 @@ def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Poli
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))
     d = gm.__dict__
-    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy), targets, capture.lifted,
+    named = resolved.below(prefix) if prefix else resolved.leaf_names
+    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
                                         torch.finfo(policy.dtype).max, capture.read)
     d["_ampfx_where"], d["_ampfx_arrive"], d["_ampfx_low_dtype"] = prefix.rstrip("."), arrive, policy.dtype
     d["_ampfx_own_hooks"] = capture.method == "export" and any(

@@ -39,10 +39,11 @@ from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
 from .report import Region, Report, dtype_name
 from .errors import NotReproduced
-from .rewrite import Request, convert_graph, device_of
+from .request import Request
+from .rewrite import convert_graph, device_of
 from .meta import record
 from .observe import Observation, observe
-from .policy import Policy
+from .policy import Resolved
 from .state import HOOK_DICTS, copy_tree, kept_requires_grad
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,18 @@ class _Part:
     report: Report | None = None
     children: list[_Part] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)
+
+
+@dataclass
+class Memo:
+    """What one walk of the tree learns while it converts, for the captures after: each module path's
+    export size try to start from (a module's other training mode starts where its first export ended:
+    :func:`ampfx.capture.export.capture`), and by training mode the classes of modules whose forward
+    torch.export found it would not repeat (a cache they fill): an export of a module around one of
+    their kind in that mode is not tried again."""
+
+    export_sizes: dict[str, list[int]] = field(default_factory=dict)
+    export_drops: dict[bool, set[type]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class _Job:
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
     """Convert ``root`` (a private copy of the model) and every module below it that needs it."""
-    return _tree(root, request, request.inputs, "", other_mode=True)
+    return _tree(root, request, request.inputs, "", other_mode=True, memo=Memo())
 
 
 def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | None, where: str,
@@ -80,11 +93,11 @@ def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | No
     """Convert ``work`` (a private copy of the model's module at ``where``) on its own, in its current
     training mode only: what a converted graph module makes again at a call when a value its graph fixed
     changed (:class:`ampfx.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`."""
-    return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive)
+    return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive, memo=Memo())
 
 
 def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
-          other_mode: bool, arrive: torch.dtype | None = None) -> tuple[nn.Module, Report]:
+          other_mode: bool, arrive: torch.dtype | None = None, *, memo: Memo) -> tuple[nn.Module, Report]:
     """:func:`convert_tree` of ``root``, which sits at ``prefix`` in the model and is called with ``inputs``
     (``arrive``: a kept module's boundary dtype, :attr:`_Job.arrive`)."""
     calls = _Observed(root, inputs, request.policy.dtype, prefix)
@@ -93,7 +106,8 @@ def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefi
     result = root
     while stack:
         job = stack.pop()
-        converted, more = _eager(job, calls, request) if job.eager is not None else _captured(job, calls, request)
+        converted, more = (_eager(job, calls, request) if job.eager is not None
+                           else _captured(job, calls, request, memo))
         if converted is not None and job.place is None:
             result = converted
         elif converted is not None:
@@ -102,18 +116,19 @@ def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefi
     return result, _merge(top, request.policy.dtype)
 
 
-def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module | None, list[_Job]]:
+def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tuple[nn.Module | None, list[_Job]]:
     """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
     work, prefix = job.module, job.prefix
-    kept = kept_below(request.policy, prefix)
+    kept = kept_below(request.resolved, prefix)
     # a kept module named by the user, or one carrying hooks (torch.export would run them once, while tracing),
     # must stay a boundary: torch.export, which inlines modules, is not tried around it
     required = any(not why.startswith("keep_modules='auto'") or module_match.HOOKED in why
-                for p, why in request.policy.keep_matched or () if p[len(prefix):] in kept and p.startswith(prefix))
-    known = request.export_drops.setdefault(work.training, set())  # classes, in this training mode
+                for p, why in request.resolved.keep_matched or () if p[len(prefix):] in kept and p.startswith(prefix))
+    known = memo.export_drops.setdefault(work.training, set())  # classes, in this training mode
     drops = {path for path, m in work.named_modules() if type(m) in known}
     capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, required,
-                             sizes=request.export_sizes.setdefault(prefix, [0]), drops=drops)
+                             sizes=memo.export_sizes.setdefault(prefix, [0]), drops=drops,
+                             named=request.resolved.below(prefix) if prefix else request.resolved.leaf_names)
     known.update(type(work.get_submodule(p)) for p in drops)
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
@@ -133,7 +148,7 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
     if twin is not None:
-        notes = _other_mode(gm, twin, job, request, capture)
+        notes = _other_mode(gm, twin, job, request, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, *notes))
     jobs = []
     for path in inner:
@@ -146,9 +161,9 @@ def _captured(job: _Job, calls: _Observed, request: Request) -> tuple[nn.Module 
     return gm, jobs + [_kept_job(gm, path, job, calls, twin is None) for path in capture.kept]
 
 
-def kept_below(policy: Policy, prefix: str) -> frozenset[str]:
+def kept_below(resolved: Resolved, prefix: str) -> frozenset[str]:
     """The modules ``keep_modules`` keeps under the module at ``prefix``, as paths in that module."""
-    return frozenset(p[len(prefix):] for p, _ in policy.keep_matched or ()
+    return frozenset(p[len(prefix):] for p, _ in resolved.keep_matched or ()
                      if p.startswith(prefix) and len(p) > len(prefix))
 
 
@@ -177,7 +192,8 @@ def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
     return low[0] if len(calls) == 1 and low else torch.float32
 
 
-def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request, capture: Capture) -> list[str]:
+def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request, capture: Capture,
+                memo: Memo) -> list[str]:
     """Convert ``twin`` (a copy of the job's module sharing its tensors) in the other training mode, as
     ``ampfx.convert(model.train() / .eval())`` would, and make ``gm`` run it in that mode; the notes."""
     training = not job.module.training
@@ -188,7 +204,7 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
         for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
             getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
     try:
-        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive)
+        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive, memo=memo)
     except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
         gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
         return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "
@@ -227,11 +243,11 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                 part.regions.append(Region(full, "left as is: not called on the example inputs"))
             elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy,
                                                           calls.facts_of(child, full, inputs), prefix,
-                                                          device_of(child, inputs))) is not None:
+                                                          device_of(child, inputs), request.resolved)) is not None:
                 setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
                 part.children.append(_Part(report=leaf[1]))
-            elif (not list(child.children()) and AmpTracer(request.policy).is_leaf_module(child, sub)
-                  and type(child) not in ops.TRACE_THROUGH):
+            elif (not list(child.children()) and type(child) not in ops.TRACE_THROUGH
+                  and AmpTracer(request.policy, named=request.resolved.below(prefix)).is_leaf_module(child, sub)):
                 part.regions.append(Region(full, "left as is: a single torch.nn leaf module called from eager code"))
             else:
                 child_part = _Part()

@@ -56,6 +56,7 @@ from .api import convert
 from .errors import ArgumentError, TuneError
 from .numerics import sensitivity
 from .policy import Policy
+from .request import policy_of
 from .report import dtype_name
 from .state import kept_buffers, kept_parameters, kept_rng
 
@@ -149,12 +150,7 @@ class _Search:
               candidates: Any, progress: Any, policy: Any, environ: Any, options: dict[str, Any]) -> "_Search":
         _check(model, metric, tolerance, candidates)
         evaluations, seconds = _budget(budget)
-        if policy is None:
-            policy = Policy(dtype=dtype if dtype is not None else torch.bfloat16, **options)
-        elif options or not isinstance(policy, Policy):
-            raise ArgumentError("tune: give either policy=ampfx.Policy(...) or policy options as keywords, not both")
-        elif dtype is not None and Policy(dtype=dtype).dtype != policy.dtype:
-            raise ArgumentError(f"tune: dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
+        policy = policy_of("tune", dtype, policy, options)  # the environment is read by each conversion
         return cls(model, inputs, metric, float(tolerance), evaluations, seconds, loss_fn, int(candidates),
                    bool(progress), policy, environ, started=time.monotonic())
 

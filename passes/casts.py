@@ -105,7 +105,7 @@ def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
         if not isinstance(d, Decision):
             return False
         if d.kind == "output":
-            if not ctx.policy.keep_output_dtype or original_dtype(node) != torch.float32:
+            if not ctx.keeps_output_dtype or original_dtype(node) != torch.float32:
                 return False
         elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule is Rule.SELECT:
             return False
@@ -404,7 +404,7 @@ def _cast_outputs(node: fx.Node, ctx: PassContext, casts: "_Casts") -> None:
         node.args = fx.map_arg(node.args, lambda n: casts.get(
             n, ctx.arrive if original_dtype(n) == torch.float32 else original_dtype(n), node,
             f"a kept module returns {dtype_name(ctx.arrive)} to its caller"))
-    elif ctx.policy.keep_output_dtype:
+    elif ctx.keeps_output_dtype:
         node.args = fx.map_arg(node.args, lambda n: casts.get(n, original_dtype(n), node,
                                                               "outputs keep their original dtype"))
 

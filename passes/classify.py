@@ -384,7 +384,7 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
                               "on float32 inputs, with its children converted separately (see their records)")
     if (asked := user_float32(node)) is not None:
         return decide.Verdict(Category.FP32, torch.float32, Rule.USER_FLOAT32, f"{asked}: the model asks for float32")
-    hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix)
+    hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix, ctx.resolved)
     if hit is not None:
         return decide.Verdict(Category.FP32, torch.float32, *hit)
     why = ctx.leaves.get(str(node.target)) if node.op == "call_module" else None

@@ -4,12 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..policy import Policy
+import torch
+
+from ..policy import Policy, Resolved
 
 
 @dataclass(frozen=True)
 class PassContext:
-    """The policy and the facts about one conversion that no single node carries.
+    """The policy, what it resolved to in the model, and the facts about one conversion that no single
+    node carries.
 
     ``prefix`` is the module path of the converted region inside the user's
     model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
@@ -28,6 +31,7 @@ class PassContext:
     """
 
     policy: Policy
+    resolved: Resolved = Resolved()
     device: str = "cpu"
     prefix: str = ""
     leaves: Mapping[str, str] = field(default_factory=dict)
@@ -36,6 +40,14 @@ class PassContext:
     arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
     symbols: Any = None
     leaf_facts: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def keeps_output_dtype(self) -> bool:
+        """Do this graph's outputs return in their original dtype (``Policy.keep_output_dtype``)? A kept
+        module whose caller hands it low values (``arrive``) returns them low: its outputs' dtype is the
+        boundary's."""
+        low_boundary = self.arrive is not None and self.arrive != torch.float32
+        return self.policy.keep_output_dtype and not low_boundary
 
     @property
     def has_shapes(self) -> bool:

@@ -106,7 +106,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
         _clear_propagation(cat, ins, outs, color, low)
         if len(color) == painted:
             break
-    _save_casts(nodes, cat, color, denied, decided, low, ctx.policy.keep_output_dtype)
+    _save_casts(nodes, cat, color, denied, decided, low, ctx.keeps_output_dtype)
     _record_paint(nodes, cat, ins, outs, color, low)
     _values(gm, low)
     if _float32_regions(gm, ctx):
@@ -268,7 +268,7 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     nothing is cast. Regions with a low consumer (another GEMM) stay low: in
     float32 they would need a cast for it.
     """
-    low, keep = ctx.policy.dtype, ctx.policy.keep_output_dtype
+    low, keep = ctx.policy.dtype, ctx.keeps_output_dtype
     nodes = list(gm.graph.nodes)
     dec = {n: decision(n) for n in nodes}
     current = lambda n: dec[n].out  # noqa: E731

@@ -41,11 +41,12 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
             kept: frozenset[str] = frozenset(), required: bool = False, sizes: list[int] | None = None,
-            drops: set[str] | None = None) -> Capture | Uncaptured:
+            drops: set[str] | None = None, named: frozenset[str] = frozenset()) -> Capture | Uncaptured:
     """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
     ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
     which would inline them, is not tried where torch.fx captured the module, nor where a kept module
-    was named (``required``) rather than found by ``"auto"``; when torch.export does capture it, a
+    was named (``required``) rather than found by ``"auto"``; the modules at ``named`` are leaves
+    ``leaf_modules`` names (under any of their names: :attr:`ampfx.policy.Resolved.leaf_names`); when torch.export does capture it, a
     note says which modules it inlined. ``sizes`` and ``drops``: :func:`ampfx.capture.export.capture`'s memos;
     torch.export is not tried where ``drops`` already names modules (paths in ``module``, of a class whose
     forward an earlier export in this training mode found it would not repeat), nor where the model's own
@@ -54,7 +55,8 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     fx_capture, steps, run = None, [], _ModelRun()
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
-        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, run, check=not only_fx, kept=kept)
+        fx_capture, steps, exportable = _fx_rung(module, policy, inputs, run, check=not only_fx, kept=kept,
+                                                      named=named)
         if fx_capture is not None and (only_fx or fx_capture.why):
             return fx_capture
         if only_fx:
@@ -128,7 +130,8 @@ def _with_leaves(fx_capture: Capture | None, run: _ModelRun, steps: list[str]) -
 
 
 def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, run: _ModelRun, check: bool,
-             kept: frozenset[str] = frozenset()) -> tuple[Capture | None, list[str], bool]:
+             kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()
+             ) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
     set when it reproduces the module without leaves; a capture without ``why`` (it
@@ -140,7 +143,7 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ru
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
         with kept_random() as draws:
-            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None, kept)
+            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None, kept, named)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
                                   if check else [])], True

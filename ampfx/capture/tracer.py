@@ -48,7 +48,7 @@ class AmpTracer(fx.Tracer):
     """``torch.fx.Tracer`` with ampfx's leaf rules (see the module docstring)."""
 
     def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset(),
-                 kept: frozenset[str] = frozenset()) -> None:
+                 kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()) -> None:
         policy = policy if policy is not None else Policy()
         # user functions named on a list, and other libraries' functions in the tables (timm's drop_path),
         # stay one node (fx would trace into them)
@@ -57,7 +57,7 @@ class AmpTracer(fx.Tracer):
         super().__init__(autowrap_functions=functions)
         self.policy = policy
         self.user_functions = functions
-        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept)
+        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept) | named
         self.failed_path: str | None = None
         self.watch: Watch | None = None
         self.lifting: Lifting | None = None
@@ -177,12 +177,13 @@ def _fast_paths_off():
 
 
 def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
-          kept: frozenset[str] = frozenset()) -> Capture:
+          kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()) -> Capture:
     """Trace ``model`` with the fallback ladder; raises :class:`RootUntraceable`.
 
     ``given_args`` names the forward arguments the caller supplies (from
     ``example_inputs``); the others may be fixed at their defaults. The modules at
-    ``kept`` (paths in ``model``) are leaves: module boundaries ``keep_modules`` asked for.
+    ``kept`` (paths in ``model``) are leaves: module boundaries ``keep_modules`` asked for; so are those at
+    ``named``, the names of the modules ``leaf_modules`` names (:attr:`ampfx.policy.Resolved.leaf_names`).
     """
     steps: list[str] = []
     leaves: dict[str, str] = {}
@@ -193,7 +194,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
     python_state = False
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
-            tracer = AmpTracer(policy, set(leaves), kept)
+            tracer = AmpTracer(policy, set(leaves), kept, named)
             try:
                 graph = tracer.trace(model, concrete_args=fixed or None)
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
@@ -334,7 +335,7 @@ def reads_mode(model: nn.Module, capture: Capture, policy: Policy) -> bool:
     return any(reads_training(type(model.get_submodule(p) if p else model)) for p in inlined(model, capture, policy))
 
 
-def inlined(model: nn.Module, capture: Capture, policy: Policy) -> tuple[str, ...]:
+def inlined(model: nn.Module, capture: Capture, policy: Policy, named: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The paths in ``model`` ('' for itself) of the modules whose ``forward`` ``capture``'s graph traced
     through: every module for torch.export; for torch.fx, those that are neither leaves nor inside one.
 
@@ -344,7 +345,7 @@ def inlined(model: nn.Module, capture: Capture, policy: Policy) -> tuple[str, ..
     """
     if capture.method == "export":
         return tuple(p for p, _ in model.named_modules())
-    tracer = AmpTracer(policy, set(capture.leaves) | set(capture.kept))
+    tracer = AmpTracer(policy, set(capture.leaves) | set(capture.kept), named=named)
     found, stack = [], [("", model)]
     while stack:  # the modules traced through: not leaves, nor inside one (containers are looked into)
         name, m = stack.pop()

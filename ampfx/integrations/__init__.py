@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .. import decide, ops
 from ..inputs import ExampleInputs
-from ..policy import Policy
+from ..policy import Policy, Resolved
 from ..report import Region, Report, dtype_name
 from . import dgl
 
@@ -107,7 +107,7 @@ def facts_of(module: nn.Module, seen: list[Any], inputs: Any) -> Any:
 
 
 def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, observed: Any, prefix: str = "",
-                       device: str = "cpu") -> tuple[nn.Module, Report] | None:
+                       device: str = "cpu", resolved: Resolved = Resolved()) -> tuple[nn.Module, Report] | None:
     """For a library module called from eager code (its parent could not be traced): ``(replacement,
     Report)`` running it as the library's table says, or ``None`` for modules of no library.
 
@@ -122,7 +122,7 @@ def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, observed: Any
     if lib is None:
         return None
     full = prefix + path
-    verdict = decide.decide_leaf(policy, root, path, prefix)
+    verdict = decide.decide_leaf(policy, root, path, prefix, resolved=resolved)
     record = verdict.decision(node=full.replace(".", "_") or "leaf", op=decide.leaf_name(policy, module),
                               target=full, module=full, kind="call_module", out=torch.float32)
     if record.rule not in decide.FINAL_RULES:
