@@ -232,7 +232,10 @@ class Decision:
     bn.running_var"``, ``"affine parameters: bn.weight, bn.bias"``, ``"accumulation"``).
     ``autocast`` is the dtype ``torch.autocast`` would compute the node in on the conversion device
     (``"unknown"`` where that cannot be known, ``None`` for non-float values, on devices without
-    autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`.
+    autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`. ``history`` is the
+    sequence of ``(step, rule)`` that set the decision, first to last (:class:`ampfx.observer.Observer`):
+    ``(("classify", "table"), ("paint", "paint:clear"))`` reads "the tables put it on a list, painting
+    chose its dtype".
     """
 
     node: str
@@ -250,6 +253,7 @@ class Decision:
     inplace: bool = False
     fp32_inside: tuple[str, ...] = ()
     autocast: torch.dtype | str | None = None
+    history: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
@@ -274,6 +278,7 @@ class Decision:
         d["in_shapes"] = list(self.in_shapes)
         d["fp32_inside"] = list(self.fp32_inside)
         d["autocast"] = dtype_name(self.autocast) if isinstance(self.autocast, torch.dtype) else self.autocast
+        d["history"] = [list(h) for h in self.history]
         return d
 
 
@@ -349,6 +354,10 @@ class Report:
     policy: dict[str, Any] = field(default_factory=dict)
     code_before: dict[str, str] = field(default_factory=dict)
     code_after: dict[str, str] = field(default_factory=dict)
+    #: each step run on each graph: (graph path, step, seconds), in the order they ran (ampfx.observer)
+    steps: tuple[tuple[str, str, float], ...] = ()
+    #: with log_path: each graph's code after each step, {graph path: ((step, code), ...)}
+    step_code: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     disabled: bool = False
     notes: tuple[str, ...] = ()
 
@@ -504,12 +513,15 @@ class Report:
         """Write the decision log to ``directory``: ``decisions.jsonl`` (one
         record per node), ``casts.jsonl``, ``summary.txt``, ``policy.json`` and
         the graph's code before and after (``graph_before.py`` / ``graph_after.py``,
-        one file per captured region), and ``report.html``, the graph as a
-        picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` files left
-        by an earlier save are removed first; nothing else in ``directory`` is touched."""
+        one file per captured region), ``steps.json`` (every step run on every graph, with its
+        seconds), the graph after each step when the conversion kept it (``log_path``:
+        ``steps/<graph>/NN_<step>.py``, ``<graph>`` ``root`` for the model's), and ``report.html``,
+        the graph as a picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` and
+        ``steps/*/*.py`` files left by an earlier save are removed first; nothing else in
+        ``directory`` is touched."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py")]:
+        for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py"), *out.glob("steps/*/*.py")]:
             stale.unlink()  # an older report's regions: only the files save() itself writes
         _write_lines(out / "decisions.jsonl", (r.as_json() for r in self.records))
         _write_lines(out / "casts.jsonl", (c.as_json() for c in self.casts))
@@ -522,6 +534,13 @@ class Report:
             for path, code in codes.items():
                 suffix = f".{path}" if path else ""
                 (out / f"graph_{label}{suffix}.py").write_text(code)
+        (out / "steps.json").write_text(json.dumps(
+            [{"graph": g, "step": s, "seconds": round(t, 6)} for g, s, t in self.steps], indent=1) + "\n")
+        for path, steps in self.step_code.items():
+            folder = out / "steps" / (path or "root")
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, (step, code) in enumerate(steps):
+                (folder / f"{i:02d}_{step}.py").write_text(code)
         (out / "report.html").write_text(self.html(), encoding="utf-8")
         return out
 
@@ -546,6 +565,8 @@ class Report:
             leaf_param_casts=sum(p.leaf_param_casts for p in parts),
             code_before={k: v for p in parts for k, v in p.code_before.items()},
             code_after={k: v for p in parts for k, v in p.code_after.items()},
+            steps=tuple(s for p in parts for s in p.steps),
+            step_code={k: v for p in parts for k, v in p.step_code.items()},
             **kw,
         )
 

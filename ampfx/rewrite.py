@@ -4,15 +4,18 @@ is converted by :mod:`ampfx.tree`, as converting the model in that mode would).
 :func:`convert_graph` is the part of :func:`ampfx.convert` that runs once per
 captured graph (the whole model, or one region of it):
 
-1. **analyses** — shapes and dtypes from the example inputs
-   (:func:`ampfx.passes.shapes.propagate`), and calibration statistics when
-   ``calibrate=`` batches were given; facts land in ``node.meta``;
+1. **analyses** — :data:`ampfx.passes.ANALYSES`: shapes and dtypes from the example inputs,
+   calibration statistics when ``calibrate=`` batches were given, and the precision check of
+   calibration; facts land in ``node.meta``;
 2. **passes** — :data:`ampfx.passes.PIPELINE` with a frozen
-   :class:`~ampfx.passes.context.PassContext`, then lint and one recompile;
+   :class:`~ampfx.passes.context.PassContext`, then lint and one recompile; every step (analyses
+   included) runs under an :class:`~ampfx.observer.Observer` (timings, a debug log, each
+   ``Decision``'s history, the graph after each step when the report is saved);
 3. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
 """
 from __future__ import annotations
 
+import dataclasses
 import copy
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -27,9 +30,9 @@ from .capture.base import Capture
 from .capture.tracer import inlined
 from .graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
-from . import runtime
-from .meta import RECORD, leaf_param_casts, record
-from .passes import PIPELINE, autocast, calibrate, paint, sensitivity, shapes
+from .meta import leaf_param_casts, record
+from .observer import Observer
+from .passes import ANALYSES, DECIDING, PIPELINE, calibrate, sensitivity
 from .passes.context import PassContext
 from .policy import Policy, Resolved
 from .request import Request
@@ -62,15 +65,15 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
     exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
-    analysis = analyse(gm, inputs, request, root=prefix == "")
+    seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
+    analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
     why_kept = dict(request.resolved.keep_matched or ())
     ctx = PassContext(policy=request.policy, resolved=request.resolved, arrive=arrive, device=device_of(work, inputs),
                       prefix=prefix,
                       leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
                       kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, leaf_facts=leaf_facts)
-    precision = find_sensitive(gm, ctx, request) if prefix == "" else []
-    autocast.annotate(gm, ctx)  # what torch.autocast would do, on the graph before casts (reporting only)
-    run_passes(gm, ctx)
+    precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
+    run_passes(gm, ctx, seen)
     notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes, *precision]
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
@@ -78,7 +81,10 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
                            exported, request.policy.pad)
     remember(gm, work, capture, request.policy, request.resolved, prefix, arrive)
-    return gm, graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
+    report = graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
+    where = prefix.rstrip(".")
+    return gm, dataclasses.replace(report, steps=tuple((where, s, t) for s, t in seen.steps),
+                                   step_code={where: tuple(seen.code)} if seen.keep_code else {})
 
 
 def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,
@@ -97,20 +103,24 @@ def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Poli
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())
 
 
-def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool) -> Analysis:
-    """Shapes from ``inputs``, then calibration. ``dynamic_dims`` and calibration batches describe
-    the model's own inputs: they apply to the root graph only (a region's inputs have other dimensions)."""
+def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool,
+            seen: Observer) -> Analysis:
+    """Shapes from ``inputs``, then calibration (:data:`ampfx.passes.ANALYSES`, observed by ``seen``).
+    ``dynamic_dims`` and calibration batches describe the model's own inputs: they apply to the root
+    graph only (a region's inputs have other dimensions)."""
     if inputs is None:
         return Analysis()
+    steps = dict(ANALYSES)
     try:
-        _, note, symbols = shapes.propagate(gm, inputs, request.dynamic_dims if root else None)
+        _, note, symbols = seen.run("propagate_shapes", steps["propagate_shapes"], gm, inputs,
+                                    request.dynamic_dims if root else None)
     except ValueError as e:
         raise NotReproduced(str(e)) from e
     notes: list[str] = []
     if request.calibrate is not None and root:
         batches, loss_fn = request.calibrate
-        seen = calibrate.record(gm, batches, loss_fn, request.policy.dtype)
-        notes.append(f"calibration: {seen} batches, forward and backward")
+        count = seen.run("record_calibration", steps["record_calibration"], gm, batches, loss_fn, request.policy.dtype)
+        notes.append(f"calibration: {count} batches, forward and backward")
         advice = calibrate.loss_scale_advice(gm, request.policy.dtype)
         if advice:
             notes.append(advice)
@@ -122,7 +132,7 @@ SENSITIVITY_BUDGET = sensitivity.Budget(evaluations=256)
 about 2 k log2(n) evaluations (each a forward and backward per calibration batch)."""
 
 
-def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request) -> list[str]:
+def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request, seen: Observer) -> list[str]:
     """With ``calibrate=`` batches and a ``sensitivity_threshold``, the nodes the passes would paint
     low are searched for those whose rounding alone hurts (:func:`ampfx.passes.sensitivity.record`
     marks them; the calibrate pass keeps them float32). Returns the report's note."""
@@ -132,7 +142,8 @@ def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request) -> li
     low = planned_low(gm, ctx)
     candidates = [n for n in gm.graph.nodes if n.name in low]
     batches, loss_fn = request.calibrate
-    found = sensitivity.record(gm, batches, loss_fn, ctx.policy.dtype, candidates, threshold, SENSITIVITY_BUDGET)
+    found = seen.run("find_sensitive", dict(ANALYSES)["find_sensitive"], gm, batches, loss_fn, ctx.policy.dtype,
+                     candidates, threshold, SENSITIVITY_BUDGET)
     whole = "" if found.whole is None else (f"; all of them rounded together: output {found.whole.out_err:.2g}, "
                                             f"gradient {found.whole.grad_err:.2g}")
     unfinished = "" if found.complete else f" (stopped at the budget of {SENSITIVITY_BUDGET.evaluations})"
@@ -144,57 +155,23 @@ def planned_low(gm: AmpGraphModule, ctx: PassContext) -> set[str]:
     """Names of the nodes the pipeline would compute in the low dtype: the passes up to painting,
     run on a copy of the graph (``gm`` and its ``node.meta`` are left as they are)."""
     dry = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node.meta dicts are copied: the passes write the copies
-    for pass_ in PIPELINE[:PIPELINE.index(paint.paint) + 1]:
+    for pass_ in DECIDING:
         pass_(dry, ctx)
     return {n.name for n in dry.graph.nodes if isinstance(record(n), Decision) and record(n).kind in COMPUTE
             and record(n).dtype == ctx.policy.dtype}
 
 
-def run_passes(gm: AmpGraphModule, ctx: PassContext) -> None:
-    """The pipeline, then lint and one recompile; fake tensors leave the meta (deepcopy, pickling)."""
+def run_passes(gm: AmpGraphModule, ctx: PassContext, seen: Observer | None = None) -> None:
+    """The pipeline (:data:`ampfx.passes.PIPELINE`, each step observed by ``seen``), then lint and one
+    recompile; fake tensors leave the meta (deepcopy, pickling)."""
+    seen = seen if seen is not None else Observer(ctx.prefix.rstrip("."))
     for pass_ in PIPELINE:
-        pass_(gm, ctx)
-    autocast.stamp(gm)
-    if ctx.prefix:
-        keep_boundary(gm)
+        seen.run(pass_.__name__, pass_, gm, ctx)
     gm.graph.lint()
     gm.recompile()
     for node in gm.graph.nodes:
         for key in ("val", "tensor_meta"):
             node.meta.pop(key, None)
-
-
-def keep_boundary(gm: AmpGraphModule) -> None:
-    """A region's float inputs are cast to the dtype its graph was converted for, whatever the eager
-    code around it hands it: an input recorded as bfloat16 and handed float32 would otherwise reach
-    a bfloat16 op, whose weight is cast, uncast (``mat1 and mat2 must have the same dtype``).
-    Integer and bool inputs, and the casts ampfx already put on an input, are left alone; the cast
-    does nothing when the dtype is already right.
-
-    Before (``h`` recorded as bfloat16, ``linear`` in bfloat16)::
-
-        linear = torch._C._nn.linear(h, weight_bf16)
-
-    After::
-
-        h_in = ampfx_runtime_cast(h, torch.bfloat16)
-        linear = torch._C._nn.linear(h_in, weight_bf16)
-    """
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node in inputs:
-        d = record(node)
-        want = d.out if isinstance(d, Decision) else None
-        # the checks of arguments fixed while tracing (interleaved with the placeholders) read them as handed
-        users = [u for u in node.users if u.target not in (runtime.cast, runtime.assert_is_none)]
-        if want not in runtime.CASTABLE or not users:
-            continue
-        with gm.graph.inserting_after(inputs[-1]):
-            cast = gm.graph.create_node("call_function", runtime.cast, (node, want), {}, name=f"{node.name}_in")
-        for user in users:
-            user.replace_input_with(node, cast)
-        cast.meta[RECORD] = CastInfo(node=cast.name, value=node.name, source="as handed", to=want,
-                                     consumers=tuple(u.name for u in users),
-                                     reason="region input: cast to the dtype its graph was converted for")
 
 
 def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:

@@ -2,8 +2,13 @@
 reads and writes ``node.meta``. Internal: the public entry point is
 :func:`ampfx.convert`.
 
-The order is :data:`PIPELINE`; shapes (``shapes.propagate``) run before it
-when example inputs are given.
+Every step that runs on a captured graph, in order, is listed here: first
+:data:`ANALYSES` (facts from running the graph on its example inputs; they
+run only with example inputs, calibration batches or a ``sensitivity_threshold``,
+see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, each step under a
+:class:`ampfx.observer.Observer` that times it, logs it, records which step set
+each node's :class:`~ampfx.report.Decision` (``Decision.history``) and, with
+``AMPFX_LOG_PATH``, keeps the graph after it. Then one lint and one recompile.
 """
 from __future__ import annotations
 
@@ -11,10 +16,18 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import calibrate, casts, classify, pad, paint, reductions, tuned, unpack
+from . import autocast, boundary, calibrate, casts, classify, pad, paint, reductions, sensitivity, shapes, tuned, unpack
 from .context import PassContext
 
+ANALYSES: list[tuple[str, Callable[..., Any]]] = [
+    ("propagate_shapes", shapes.propagate),  # dtypes and shapes from the example inputs (fake tensors)
+    ("record_calibration", calibrate.record),  # value ranges of the float32 model's calibration batches
+    ("find_sensitive", sensitivity.record),  # nodes whose rounding alone moves the output (calibration)
+]
+"""Analyses, in order: they write facts into ``node.meta``; their arguments differ (inputs, batches)."""
+
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
+    autocast.annotate_autocast,  # what torch.autocast would do, on the graph before casts (reporting only)
     unpack.unpack,  # a tensor unpacked into all its rows: one unbind, as eager Python runs it (needs shapes)
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
@@ -23,4 +36,11 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
+    autocast.stamp_autocast,  # autocast's dtype copied into each node's Decision
+    boundary.cast_region_inputs,  # a region's float inputs cast to the dtypes its graph was converted for
 ]
+"""The passes, in order: each ``pass_(gm, ctx)``."""
+
+DECIDING = PIPELINE[PIPELINE.index(unpack.unpack):PIPELINE.index(paint.paint) + 1]
+"""The passes that decide dtypes (up to painting): calibration's precision check runs them on a copy of
+the graph to find the nodes that would be low (:func:`ampfx.rewrite.planned_low`)."""

@@ -49,7 +49,7 @@ _TORCH_RULES = ("torch.", "operator.", "builtins.", "math.", "ampfx.")
 """Qualified names of functions whose dtype rules are torch's (any other function called whole is opaque)."""
 
 
-def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
+def annotate_autocast(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Write ``node.meta[AUTOCAST]`` on every node (see the module docstring)."""
     if ctx.device not in autocast_lists.devices():
         return
@@ -61,7 +61,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
         node.meta[AUTOCAST] = found[node]
 
 
-def stamp(gm: fx.GraphModule) -> None:
+def stamp_autocast(gm: fx.GraphModule, ctx: PassContext | None = None) -> None:
     """Copy ``node.meta[AUTOCAST]`` into each node's Decision (run after the passes; casts get nothing)."""
     for node in gm.graph.nodes:
         d = record(node)

@@ -307,7 +307,7 @@ def test_analysis_gives_each_node_the_dtype_real_cpu_autocast_computes(name, low
     seen = _under_autocast(gm, inputs, low)
     if with_shapes:
         shapes.propagate(gm, inputs)
-    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
+    ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
     got = {n.name: n.meta[AUTOCAST] for n in gm.graph.nodes if n.op != "output"}
     if not with_shapes:  # without shapes, non-float values cannot be told apart: compare float values only
         got = {k: v for k, v in got.items() if seen[k] is not None}
@@ -324,7 +324,7 @@ def test_exported_graph_nodes_get_the_dtype_real_cpu_autocast_computes(low):
     assert any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
     seen = _under_autocast(gm, inputs, low)
     shapes.propagate(gm, inputs)
-    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
+    ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=low), device="cpu"))
     assert {n.name: n.meta[AUTOCAST] for n in gm.graph.nodes if n.op != "output"} == seen
 
 
@@ -437,7 +437,7 @@ def test_a_model_function_named_like_an_aten_op_and_a_custom_op_are_unknown():
     """A function of the model's kept whole is opaque even when its name is an ATen op's ('tanh'), and so
     is a custom op (torch.ops.<namespace>): 'unknown', never a guess from the name."""
     gm = _captured(Foreign(), (torch.randn(2, 4),))
-    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="cpu"))
+    ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="cpu"))
     by_target = {getattr(n.target, "__name__", str(n.target)): n.meta.get(AUTOCAST) for n in gm.graph.nodes}
     assert by_target["tanh"] == ac_pass.UNKNOWN and by_target["scale"] == ac_pass.UNKNOWN
     assert by_target["linear"] == torch.bfloat16 and by_target["add"] == ac_pass.UNKNOWN
@@ -478,7 +478,7 @@ def test_a_device_without_an_autocast_table_reports_nothing():
     """On a device the table does not cover, no node gets an autocast dtype and the summary says so."""
     model, inputs = MODELS["block"]()
     gm = _captured(model, inputs)
-    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="mps"))
+    ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="mps"))
     assert not any(AUTOCAST in n.meta for n in gm.graph.nodes)
     assert ampfx.report.Report(torch.bfloat16).autocast_summary().startswith("autocast: not compared")
 
@@ -536,6 +536,6 @@ def test_attention_output_is_low_and_its_weights_unknown():
             return out, weights
 
     gm = _captured(Attn().eval(), (torch.randn(2, 3, 8),))
-    ac_pass.annotate(gm, PassContext(ampfx.Policy(dtype=torch.float16), device="cpu"))
+    ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=torch.float16), device="cpu"))
     got = [n.meta[AUTOCAST] for n in gm.graph.nodes if n.target is operator.getitem]
     assert got == [torch.float16, ac_pass.UNKNOWN]

@@ -16,7 +16,8 @@ from disk. It draws the rewritten graph:
   expanded by a click; with more than :data:`COLLAPSE_ABOVE` records every
   group starts collapsed;
 - hovering shows a node's op, module, category, dtype, rule, reason and
-  shapes; clicking shows them in a side panel, with its inputs and casts.
+  shapes; clicking shows them in a side panel, with its inputs and casts and
+  the steps that decided it, in order (``Decision.history``).
 
 Above the graph are the summary, a legend and a search box (``page.html#node=NAME``
 opens with that node shown and selected); below it, the decisions and casts
@@ -291,14 +292,25 @@ def _swatch(cls: str, text: str) -> str:
     return f'<span class="key"><span class="sw {cls}"></span>{_e(text)}</span>'
 
 
+def history_text(history: list[list[str]]) -> str:
+    """A decision's history (``Decision.history``) as the page shows it.
+
+    >>> history_text([["classify", "table"], ["paint", "paint:clear"]])
+    'classify (table) → paint (paint:clear)'
+    """
+    return " → ".join(f"{step} ({rule})" for step, rule in history)
+
+
 def render(report: Report) -> str:
     """The report as one self-contained HTML page (see the module docstring)."""
     data = graph(report)
     low = data["low"]
     lines = [*report.summary().splitlines(), f"  {report.autocast_summary()}"]
-    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", "rule", "reason", "shapes"),
+    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", "rule", "reason",
+                        "decided by", "shapes"),
                        [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-",
-                         n["autocast"] or "-", n["rule"], n["reason"], " ".join(n["shapes"])) for n in data["nodes"]],
+                         n["autocast"] or "-", n["rule"], n["reason"], history_text(n["history"]),
+                         " ".join(n["shapes"])) for n in data["nodes"]],
                        "decisions")
     diff = report.autocast_diff()
     differs = _table(("node", "op", "module", "ampfx", "autocast", "rule", "reason"),
@@ -587,7 +599,8 @@ _JS = r"""
       show(n.node, [["op", n.op], ["kind", n.kind], ["target", n.target], ["module", n.module || "<root>"],
                     ["category", n.category], ["dtype", n.dtype || "- (left as written)"],
                     ["output dtype", n.out], ["rule", n.rule + (D.rules[n.rule] ? ` \u2014 ${D.rules[n.rule]}` : "")],
-                    ["reason", n.reason], ["shapes", n.shapes.join(", ")], ["input shapes", n.in_shapes.join(", ")],
+                    ["reason", n.reason], ["decided by", n.history.map(h => `${h[0]} (${h[1]})`).join(" \u2192 ")],
+                    ["shapes", n.shapes.join(", ")], ["input shapes", n.in_shapes.join(", ")],
                     ["in-place", n.inplace ? "yes" : ""], ["inputs", ins.join(", ")], ["consumers", outs.join(", ")]]);
     }
     function showCasts(cs) {
