@@ -15,7 +15,8 @@ from .numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy
 from .register import register_op
-from .report import CastInfo, Decision, Report
+from .report import Report
+from .records import CastInfo, Decision
 from .tune import TuneResult, tune
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",

@@ -26,7 +26,8 @@ from .graph_module import AmpGraphModule
 from .inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy
-from .report import Report, dtype_name
+from .report import Report
+from .records import dtype_name
 from .request import Request, build, resolve
 from .state import copy_tree, one_thread, untouched
 from .tree import convert_module, convert_tree

@@ -48,7 +48,8 @@ from .errors import ArgumentError, ExampleInputsError
 from .inputs import ExampleInputs
 from .passes.calibrate import default_loss
 from .policy import Policy
-from .report import Report, dtype_name
+from .report import Report
+from .records import dtype_name
 from .request import build, check_options
 from .state import kept_random, kept_rng, untouched
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from .errors import NonFiniteError
 from .inputs import ExampleInputs
 from .meta import record
-from .report import Decision, dtype_name
+from .records import Decision, dtype_name
 
 
 def _finite(value: Any) -> bool:

@@ -41,8 +41,9 @@ import torch.nn as nn
 from . import ops
 from .ops import Category
 from .errors import PolicyError
-from .policy import Policy, Resolved, did_you_mean, is_glob
-from .report import Decision, Rule
+from .names import did_you_mean, is_glob
+from .policy import Policy, Resolved
+from .records import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
                          Rule.USER_FLOAT32, Rule.OTHER_FLOAT})
@@ -60,7 +61,7 @@ class Verdict:
     reason: str
 
     def decision(self, **where: Any) -> Decision:
-        """The :class:`~ampfx.report.Decision` for one node (``where``: its name, op, module, shapes, ...)."""
+        """The :class:`~ampfx.records.Decision` for one node (``where``: its name, op, module, shapes, ...)."""
         return Decision(category=self.category, dtype=self.dtype, rule=self.rule, reason=self.reason, **where)
 
 

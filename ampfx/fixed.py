@@ -196,6 +196,26 @@ def reached(cls: type) -> list[types.FunctionType]:
     return list(seen.values())
 
 
+_READS_TRAINING: dict[type, bool] = {}
+
+
+def _reads(code: types.CodeType, name: str) -> bool:
+    return name in code.co_names or any(_reads(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def reads_training(cls: type) -> bool:
+    """Does any method of ``cls`` (or of its bases below ``nn.Module``), or a function its forward calls by
+    global name, read ``training``? Read from the bytecode, so it also works for classes defined in
+    notebooks and ``exec``. Cached per class."""
+    if cls not in _READS_TRAINING:
+        _READS_TRAINING[cls] = any(
+            _reads(inspect.unwrap(fn).__code__, "training")  # unwrap: decorated forwards (HF's) hide their code
+            for klass in cls.__mro__ if klass not in (nn.Module, object)
+            for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__")) or any(
+            _reads(fn.__code__, "training") for fn in reached(cls))
+    return _READS_TRAINING[cls]
+
+
 def global_reads(cls: type) -> tuple[tuple[str, str], ...]:
     """``(module name, global name)`` of every global the code ``cls``'s forward reaches (:func:`reached`,
     outside torch and the standard library) reads that a change could make it compute something else: plain
@@ -329,8 +349,6 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
     ``if self.drop.p > 0``)."""
     flags, attributes, configs, hooked, globs, classes, objects = [], [], [], [], {}, [], []
     read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
-    from .capture.tracer import reads_training  # a late import: capture imports this module's users
-
     for path in inlined:
         m = root.get_submodule(path) if path else root
         cls = type(m)

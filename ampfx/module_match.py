@@ -38,7 +38,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from . import ops
 from .errors import PolicyError
-from .policy import _import_object, did_you_mean, is_glob
+from .names import did_you_mean, import_object, is_glob
 
 def glob_regex(pattern: str) -> re.Pattern:
     """The regular expression of a module-name glob: ``*``/``?`` stay within a segment, ``**`` crosses dots.
@@ -82,7 +82,7 @@ def glob_regex(pattern: str) -> re.Pattern:
 def as_class(text: str) -> type | None:
     """The module class a string names: a ``torch.nn`` class name, or an importable qualified name."""
     short = text[len("nn."):] if text.startswith("nn.") else text
-    obj = getattr(nn, short, None) if "." not in short else _import_object(text)
+    obj = getattr(nn, short, None) if "." not in short else import_object(text)
     return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
 
 

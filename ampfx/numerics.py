@@ -37,8 +37,9 @@ from .graph_module import AmpGraphModule
 from .inputs import ExampleInputs
 from .meta import record
 from .passes import sensitivity as sens
-from .policy import SENSITIVITY_THRESHOLD, parse_dtype
-from .report import COMPUTE, CastInfo, Decision, dtype_name
+from .names import parse_dtype
+from .policy import SENSITIVITY_THRESHOLD
+from .records import COMPUTE, CastInfo, Decision, dtype_name
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .meta import RECORD, record
-from .report import Decision
+from .records import Decision
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,6 @@ that come straight from the table.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -40,129 +38,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import custom_ops, ops
+from . import custom_ops, ops, policy_file
 from .errors import PolicyError
+from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, import_object, is_glob, parse_dtype, resolve_op
 from .ops import LISTS, Category
-from .report import Rule
-
-ENV_PREFIX = "AMPFX_"
-LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",
-              Category.DENY: "denylist"}
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16}
-
-
-def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
-    """``torch.bfloat16``, ``torch.float16`` or one of their names.
-
-    >>> parse_dtype("fp16")
-    torch.float16
-    """
-    if value in (torch.bfloat16, torch.float16):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _DTYPES:
-        return _DTYPES[value.strip().lower()]
-    hint = (" (the model already runs in it; to keep it, do not convert, or set AMPFX_DISABLE=1)"
-            if isinstance(value, torch.dtype) and value.is_floating_point else "")
-    raise PolicyError(f"{where}={value!r} is not a low-precision dtype{hint}; use one of "
-                      "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
-
-
-def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
-    """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
-    suffix every "unknown name" message of ampfx ends with.
-
-    >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
-    " Did you mean 'softmax'?"
-    """
-    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
-    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
-
-
-def _import_object(path: str) -> Any:
-    """Import ``pkg.module.attr.attr`` by trying ever shorter module prefixes."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            return None
-    return None
-
-
-def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
-    """An op as a user names it -> ``(canonical name, user object or None)``.
-
-    ``spec`` is a torch callable, a module type, a canonical name or method name
-    (``"gelu"``, ``"softmax"``), or a qualified name (``"torch.nn.GELU"``,
-    ``"mypkg.layers.MyBlock"``). A user function or module type that is in no
-    table gets its qualified name, and the object is returned so that nodes
-    calling it can be matched.
-    """
-    if not isinstance(spec, str):
-        name = ops.lookup_name(spec) or _torch_op_name(custom_ops.ref_of(spec))
-        if name is not None:
-            return name, None
-        if callable(spec):
-            return ops.qualified_name(spec), spec
-        raise PolicyError(f"{where}: {spec!r} is not an op, function or module type")
-    text = spec.strip()
-    name = ops.lookup_name(text)
-    if name is not None:
-        return name, None
-    for prefix in ("torch.Tensor.", "Tensor."):
-        if text.startswith(prefix):  # a Tensor method: matched on call_method nodes by its name
-            method = text[len(prefix):]
-            name = ops.lookup_name(method)
-            if name is not None:
-                return name, None
-            if method.isidentifier() and hasattr(torch.Tensor, method):
-                return f"Tensor.{method}", method
-            raise PolicyError(f"{where}: torch.Tensor has no method {method!r}."
-                              f"{did_you_mean(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
-    try:
-        name = _torch_op_name(custom_ops.parse(text))
-    except LookupError as e:
-        raise PolicyError(f"{where}: {e}") from None
-    if name is not None:
-        return name, None
-    if "." in text:
-        obj = _import_object(text)
-        if obj is not None and callable(obj):
-            name = ops.lookup_name(obj)
-            return (name, None) if name is not None else (ops.qualified_name(obj), obj)
-    close = did_you_mean(text, [*ops.known_names(), *custom_ops.close_names(text)])
-    raise PolicyError(f"{where}: unknown op {text!r}.{close} "
-                      "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu), by a qualified "
-                      "name of a function or module type (e.g. mypkg.layers.MyBlock), or, for a torch.library "
-                      "op, as 'namespace::op' (e.g. mylib::scale2; import its library first).")
-
-
-def _torch_op_name(ref: custom_ops.OpRef | None) -> str | None:
-    """The list name of a torch op: its table name (``aten::softmax.int`` is ``softmax``: ampfx's
-    tables name an op with all its overloads), else ``"ns::op"`` / ``"ns::op.overload"``."""
-    if ref is None:
-        return None
-    return ops.lookup_name(ref.target()) or ref.name
-
-
-GLOB_CHARS = frozenset("*?[")
-
-
-def is_glob(text: str) -> bool:
-    """Does ``text`` use glob characters (a module-name pattern of ``fp32_modules``)?
-
-    >>> is_glob("head.*"), is_glob("head")
-    (True, False)
-    """
-    return any(c in GLOB_CHARS for c in text)
-
+from .records import Rule
 
 def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
     """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see :mod:`ampfx.module_match`);
@@ -202,7 +82,7 @@ def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
 
 def _tuned_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """``tuned`` as ``((key, reason), ...)``: a mapping or pairs; a key is a node's
-    :attr:`~ampfx.report.Decision.key` (``module:node``, or the node at the root).
+    :attr:`~ampfx.records.Decision.key` (``module:node``, or the node at the root).
 
     >>> _tuned_pairs({"head:linear": "tuned"})
     (('head:linear', 'tuned'),)
@@ -371,7 +251,7 @@ class Policy:
 
     def lists(self) -> dict[str, tuple[Category, Rule, str]]:
         """The effective lists: op name -> ``(category, source, reason)``; the
-        source is the :class:`~ampfx.report.Rule` a record names.
+        source is the :class:`~ampfx.records.Rule` a record names.
 
         Ops on no list are absent (they stay float32, counted as unlisted).
         Raises :class:`PolicyError` when an edit leaves an op on two lists or
@@ -445,14 +325,12 @@ class Policy:
     def save(self, path: str | os.PathLike) -> Any:
         """Write this policy to ``path`` as JSON (:mod:`ampfx.policy_file`), to load with
         :meth:`from_file` or ``AMPFX_POLICY_FILE``; returns the path."""
-        from . import policy_file
         return policy_file.save(self, path)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Policy":
         """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy_file`)."""
-        from . import policy_file
-        return policy_file.load(path)
+        return policy_file.load(path, cls)
 
     def _torch_op_name(self, ref: custom_ops.OpRef) -> str:
         """A graph's torch op (not in ampfx's tables) by its list name: ``"ns::op.overload"`` when a list
@@ -601,7 +479,6 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
     if not seen:
         return base
     if seen.get("AMPFX_POLICY_FILE", "").strip():  # the file first: the other variables apply on top of it
-        from . import policy_file
         base = policy_file.merge(base, seen["AMPFX_POLICY_FILE"].strip(), dtype_given=dtype_given)
     changes: dict[str, Any] = {}
     origins = dict(base.origins)
@@ -621,7 +498,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
     if "AMPFX_LEAF_MODULES" in seen:
         extra = []
         for spec in _split("AMPFX_LEAF_MODULES", seen["AMPFX_LEAF_MODULES"]):
-            obj = _import_object(spec) if "." in spec else None
+            obj = import_object(spec) if "." in spec else None
             extra.append(obj if isinstance(obj, type) else spec)
         changes["leaf_modules"] = base.leaf_modules + tuple(extra)
     if "AMPFX_LOG_PATH" in seen:

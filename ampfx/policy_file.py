@@ -29,13 +29,16 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the class is given to the functions that make one: policy imports this module
+    from .policy import Policy
 
 from . import ops
 from .errors import PolicyError
-from .policy import ENV_PREFIX, LIST_NAMES, Policy, _import_object, did_you_mean, resolve_op
+from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, import_object, resolve_op
 from .ops import LISTS
-from .report import Rule, dtype_name
+from .records import Rule, dtype_name
 
 FORMAT = "ampfx-policy/1"
 VAR = f"{ENV_PREFIX}POLICY_FILE"
@@ -46,8 +49,8 @@ NOT_SAVED = ("origins", "env", "user_ops")
 """Bookkeeping fields, rebuilt when the file is read."""
 
 
-def _defaults() -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(Policy) if f.default is not dataclasses.MISSING}
+def _defaults(cls: type[Policy]) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 def _portable(value: Any, where: str) -> Any:
@@ -69,7 +72,7 @@ def _portable(value: Any, where: str) -> Any:
 
 def policy_object(name: str) -> Any:
     """The object an importable qualified ``name`` denotes, else ``None``."""
-    return _import_object(name) if "." in name else None
+    return import_object(name) if "." in name else None
 
 
 def _list_names(policy: Policy, fname: str) -> list[str]:
@@ -91,9 +94,9 @@ def as_json(policy: Policy) -> dict[str, Any]:
     """The file's content: the format, the dtype, and each field that differs from its default."""
     if policy.module_filter_fn is not None:
         _portable(policy.module_filter_fn, "module_filter_fn")
-    defaults = _defaults()
+    defaults = _defaults(type(policy))
     out: dict[str, Any] = {"format": FORMAT, "dtype": dtype_name(policy.dtype)}
-    for f in dataclasses.fields(Policy):
+    for f in dataclasses.fields(policy):
         value = getattr(policy, f.name)
         if f.name in ("dtype", "module_filter_fn", *NOT_SAVED) or value == defaults.get(f.name):
             continue
@@ -117,7 +120,7 @@ def save(policy: Policy, path: str | os.PathLike) -> Path:
     return path
 
 
-def _read(path: str | os.PathLike, where: str) -> dict[str, Any]:
+def _read(path: str | os.PathLike, where: str, cls: type[Policy]) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -128,7 +131,7 @@ def _read(path: str | os.PathLike, where: str) -> dict[str, Any]:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise PolicyError(f"{where}: {str(path)!r} is not an ampfx policy file (format {found!r}, expected "
                           f"{FORMAT!r}); write one with Policy.save(path)")
-    known = [f.name for f in dataclasses.fields(Policy) if f.name not in (*NOT_SAVED, "module_filter_fn")]
+    known = [f.name for f in dataclasses.fields(cls) if f.name not in (*NOT_SAVED, "module_filter_fn")]
     for key in data:
         if key != "format" and key not in known:
             raise PolicyError(f"{where}: {str(path)!r} sets {key!r}, which is not a Policy field."
@@ -142,19 +145,20 @@ def _leaf(value: Any) -> Any:
     return obj if isinstance(obj, type) else value
 
 
-def load(path: str | os.PathLike, *, where: str = "Policy.from_file") -> Policy:
-    """The :class:`Policy` saved at ``path``; a bad file or value is a :class:`PolicyError` naming both."""
-    return _policy(_read(path, where), path, where)
+def load(path: str | os.PathLike, cls: type[Policy], *, where: str = "Policy.from_file") -> Policy:
+    """The :class:`~ampfx.policy.Policy` (``cls``) saved at ``path``; a bad file or value is a
+    :class:`PolicyError` naming both."""
+    return _policy(_read(path, where, cls), path, where, cls)
 
 
-def _policy(saved: dict[str, Any], path: str | os.PathLike, where: str) -> Policy:
+def _policy(saved: dict[str, Any], path: str | os.PathLike, where: str, cls: type[Policy]) -> Policy:
     """The :class:`Policy` of a file's fields (as :func:`_read` returns them)."""
     fields = dict(saved)
     for name in ("leaf_modules", *LIST_FIELDS, "fp32_modules"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(_leaf(v) for v in fields[name]) if name == "leaf_modules" else tuple(fields[name])
     try:
-        return Policy(**fields)
+        return cls(**fields)
     except (PolicyError, TypeError) as e:
         raise PolicyError(f"{where}: the policy file {str(path)!r}: {e}") from None
 
@@ -163,12 +167,12 @@ def merge(base: Policy, path: str, *, dtype_given: bool) -> Policy:
     """``base`` (the ``convert()`` call's policy) with the file at ``path`` merged in, as the module
     docstring says; list edits from the file are recorded as coming from ``AMPFX_POLICY_FILE``."""
     where = f"{VAR}={path!r}"
-    saved = _read(path, where)
-    loaded = _policy(saved, path, where)
+    saved = _read(path, where, type(base))
+    loaded = _policy(saved, path, where, type(base))
     if loaded.dtype != base.dtype and dtype_given:
         raise PolicyError(f"{where} was saved for {dtype_name(loaded.dtype)}, but convert() was given "
                           f"{dtype_name(base.dtype)}: give one dtype (leave dtype out to use the file's)")
-    defaults = _defaults()
+    defaults = _defaults(type(base))
     changes: dict[str, Any] = {"dtype": loaded.dtype}
     origins = dict(base.origins)
     for name in saved:

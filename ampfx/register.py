@@ -24,7 +24,7 @@ from typing import Any
 from . import custom_ops, ops
 from .errors import OpRegistrationError
 from .ops import LISTS, Category
-from .policy import did_you_mean
+from .names import did_you_mean
 
 _CATEGORIES = {c.value: c for c in LISTS}
 

@@ -34,11 +34,11 @@ import torch.nn as nn
 
 from . import arguments as args
 from . import guards, integrations, module_match
-from . import policy as policy_mod
 from .capture import export
 from .errors import ArgumentError, PolicyError, UninitializedModelError
 from .inputs import ExampleInputs
-from .policy import Policy, Resolved, did_you_mean
+from .names import did_you_mean, parse_dtype
+from .policy import Policy, Resolved, from_env
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def policy_of(caller: str, dtype: Any, policy: Policy | None, given: Mapping[str
     if given:
         check_options(caller, given)
         raise ArgumentError(f"{caller}(): pass either policy= or policy options, not both: {sorted(given)}")
-    if dtype is not None and policy_mod.parse_dtype(dtype) != policy.dtype:
+    if dtype is not None and parse_dtype(dtype) != policy.dtype:
         raise PolicyError(f"{caller}(): dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
     return policy
 
@@ -110,7 +110,7 @@ def build(model: nn.Module, dtype: Any = None, example_inputs: Any = None, polic
         raise ArgumentError(f"environ={type(environ).__name__}: give a mapping of variable names to strings "
                             "(like os.environ), or leave it out to read os.environ")
     dtype_given = dtype is not None or policy is not None  # else AMPFX_POLICY_FILE's dtype is taken
-    policy = policy_mod.from_env(policy_of(caller, dtype, policy, given), environ, dtype_given=dtype_given)
+    policy = from_env(policy_of(caller, dtype, policy, given), environ, dtype_given=dtype_given)
     resolved = resolve(model, policy)
     _check_initialised(model)
     if policy.disable:

@@ -36,7 +36,8 @@ from .passes import ANALYSES, DECIDING, PIPELINE, calibrate, sensitivity
 from .passes.context import PassContext
 from .policy import Policy, Resolved
 from .request import Request
-from .report import COMPUTE, CastInfo, Decision, Region, Report
+from .report import Report
+from .records import COMPUTE, CastInfo, Decision, Region
 from .module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 

@@ -37,7 +37,8 @@ from .capture.base import Capture, Uncaptured, short
 from .capture.tracer import AmpTracer, reads_mode
 from .graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
-from .report import Region, Report, dtype_name
+from .report import Report
+from .records import Region, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of

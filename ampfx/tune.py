@@ -57,7 +57,7 @@ from .errors import ArgumentError, TuneError
 from .numerics import sensitivity
 from .policy import Policy
 from .request import policy_of
-from .report import dtype_name
+from .records import dtype_name
 from .state import kept_buffers, kept_parameters, kept_rng
 
 CANDIDATES = 32
@@ -255,7 +255,7 @@ class _Search:
 
 
 def _key(module: str, node: str) -> str:
-    """:attr:`ampfx.report.Decision.key` from a record's module and node names."""
+    """:attr:`ampfx.records.Decision.key` from a record's module and node names."""
     return f"{module}:{node}" if module else node
 
 

@@ -7,7 +7,7 @@ Every step that runs on a captured graph, in order, is listed here: first
 run only with example inputs, calibration batches or a ``sensitivity_threshold``,
 see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, each step under a
 :class:`ampfx.observer.Observer` that times it, logs it, records which step set
-each node's :class:`~ampfx.report.Decision` (``Decision.history``) and, with
+each node's :class:`~ampfx.records.Decision` (``Decision.history``) and, with
 ``AMPFX_LOG_PATH``, keeps the graph after it. Then one lint and one recompile.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Analysis (not a pass of the pipeline; reporting only): the dtype ``torch.autocast`` would compute each
-node in, so that the report can say where ampfx differs from autocast and why.
+"""Reporting only: the dtype ``torch.autocast`` would compute each node in, so that the report can say
+where ampfx differs from autocast and why. It decides nothing.
 
-:func:`annotate` runs on the captured graph before the passes insert casts. It walks the graph as the
+:func:`annotate_autocast`, the pipeline's first step, runs on the captured graph before the passes insert casts. It walks the graph as the
 model would run under ``torch.autocast(ctx.device, dtype=ctx.policy.dtype)``: graph inputs, parameters and
 buffers keep their dtype (float32 without example inputs); an op autocast lists runs as its list says
 (:mod:`ampfx.autocast_lists`: the low dtype, float32, or the widest input); every other op gives what its
@@ -9,8 +9,8 @@ inputs give it under type promotion (0-dim tensors do not decide against tensors
 normalisation its data input's dtype, an explicit cast its target. Non-float values get ``None``; what
 cannot be known (an opaque user leaf or function, a region that runs eagerly, a recurrent module, an op
 whose ATen kernel depends on its arguments) gets :data:`UNKNOWN`, and so do float values computed from it
-by unlisted ops. Devices without a table (``mps``...) leave every node at ``None``. :func:`stamp`, after the
-passes, copies the results into ``Decision.autocast``.
+by unlisted ops. Devices without a table (``mps``...) leave every node at ``None``. :func:`stamp_autocast`, after
+the passes, copies the results into ``Decision.autocast``.
 
 Before::
 
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from .. import autocast_lists, ops
 from ..autocast_lists import Cast
 from ..meta import AUTOCAST, RECORD, out_infos, record, user_float32
-from ..report import Decision, Rule
+from ..records import Decision, Rule
 from .classify import DYNAMIC, attr_of, op_key, pass_result, selects_float
 from .context import PassContext
 

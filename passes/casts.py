@@ -48,7 +48,7 @@ import torch.fx as fx
 from .. import integrations, ops, probes, runtime
 from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
 from ..ops import Category
-from ..report import COMPUTE, CastInfo, Decision, Rule, dtype_name
+from ..records import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .classify import attr_of, original_dtype, view_group, written

@@ -1,5 +1,5 @@
 """Pass: give every node a category from the op tables, the policy, module
-names and device probes, as a :class:`~ampfx.report.Decision` in
+names and device probes, as a :class:`~ampfx.records.Decision` in
 ``node.meta['ampfx']`` (dtype still unset for the four paintable lists).
 
 Before::
@@ -30,7 +30,7 @@ from .. import custom_ops, decide, integrations, ops, probes
 from ..meta import RECORD, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
-from ..report import Decision, Rule, dtype_name
+from ..records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
-from ..report import dtype_name
+from ..records import dtype_name
 from ..shape_memo import ShapeMemo
 from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, modes
 

@@ -1,7 +1,7 @@
 """Tuned nodes: the nodes :func:`ampfx.tune` chose to keep float32 compute in float32.
 
 ``Policy.tuned`` holds ``(key, reason)`` pairs, a key naming a node across the
-whole conversion (:attr:`ampfx.report.Decision.key`: ``module:node``, or the
+whole conversion (:attr:`ampfx.records.Decision.key`: ``module:node``, or the
 node's name at the root). A node whose key is there and which the passes so
 far left free to be low (allow, infer or clear) becomes DENY float32, rule
 ``tune``, with the reason tuning wrote (the metric before and after): as
@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..ops import Category
-from ..report import Decision, Rule
+from ..records import Decision, Rule
 from .context import PassContext
 
 

@@ -34,9 +34,10 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], int]:
-    """Modules of ``known`` that ``name`` imports when it is imported (module level), and the
-    number of import statements inside functions."""
+def _imports(name: str, path: Path, known: dict[str, Path], inner_too: bool = False) -> tuple[set[str], int]:
+    """Modules of ``known`` that ``name`` imports when it is imported (module level; with ``inner_too``,
+    inside functions as well), and the number of import statements inside functions. Imports under
+    ``if TYPE_CHECKING:`` never run and are left out."""
     tree = ast.parse(path.read_text())
     is_package = path.name == "__init__.py"
     edges: set[str] = set()
@@ -57,7 +58,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], i
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 inner += in_function
-                if not in_function:
+                if inner_too or not in_function:
                     edges.update(t for t in targets(child) if t in known and t != name)
             elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
@@ -68,10 +69,11 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], i
     return edges, inner
 
 
-def import_cycles() -> list[list[str]]:
-    """Strongly connected groups of more than one module in the module-level import graph."""
+def import_cycles(inner_too: bool = False) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the module-level import graph (with
+    ``inner_too``, the imports inside functions as well)."""
     known = modules()
-    graph = {name: _imports(name, path, known)[0] for name, path in known.items()}
+    graph = {name: _imports(name, path, known, inner_too)[0] for name, path in known.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -143,6 +145,64 @@ def op_name_comparisons() -> list[str]:
 def test_no_import_cycle_inside_ampfx():
     """Module-level imports of ampfx and ampfx.passes form no cycle."""
     assert import_cycles() == []
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    """An import inside a function is not a way around a cycle: with them, the graph has none either."""
+    assert import_cycles(inner_too=True) == []
+
+
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """Two modules importing each other, one of them inside a function, are a cycle for the check with
+    ``inner_too`` and none without it."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from . import a\n")
+    monkeypatch.setitem(PACKAGES, "pkg", tmp_path / "pkg")
+    assert ["pkg.a", "pkg.b"] in import_cycles(inner_too=True)
+    assert ["pkg.a", "pkg.b"] not in import_cycles()
+
+
+def error_classes_elsewhere() -> list[str]:
+    """Exception classes (``Exception`` subclasses) defined in a module other than ``ampfx.errors``."""
+    found = []
+    for name, path in modules().items():
+        if name == "ampfx.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(  # BaseException: a control-flow signal, not an error
+                    re.search(r"(Error|Exception|Untraceable|Unfaithful|Failed)$", ast.unparse(b))
+                    and ast.unparse(b) != "BaseException" for b in node.bases):
+                found.append(f"{name}.{node.name}")
+    return found
+
+
+def test_every_error_class_is_in_errors_py():
+    """Every exception class of ampfx is defined in ampfx/errors.py (control-flow signals deriving from
+    BaseException, which no user sees, aside); errors.py imports nothing of ampfx."""
+    assert error_classes_elsewhere() == []
+    import ampfx.errors
+
+    raised = [v for v in vars(ampfx.errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(raised) >= 10 and all(c.__module__ == "ampfx.errors" for c in raised)
+    assert _imports("ampfx.errors", modules()["ampfx.errors"], modules(), inner_too=True)[0] == set()
+
+
+def unplaced_modules() -> list[str]:
+    """Modules of the package that docs/architecture.md does not name (as ``ampfx/x.py``, ``passes/x.py``,
+    or a folder ``ampfx/x/`` that names each of its modules)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for name, path in modules().items():
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" and (rel in text or rel.rsplit("/", 1)[0] + "/" in text):
+            continue
+        if rel not in text and f"`{rel.rsplit('/', 1)[-1]}`" not in text:
+            missing.append(rel)
+    return missing
+
+
 
 
 FORBIDDEN = {  # importer prefix -> imported prefixes it must not import (docs/architecture.md)
@@ -251,6 +311,11 @@ if __name__ == "__main__":
     inner = sum(_imports(n, p, modules())[1] for n, p in modules().items())
     print(f"modules: {len(modules())}")
     print(f"import cycles: {len(cycles)}" + "".join(f"\n  {' <-> '.join(c)}" for c in cycles))
+    inner_cycles = import_cycles(inner_too=True)
+    print(f"import cycles through imports inside functions: {len(inner_cycles)}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in inner_cycles))
+    print(f"modules docs/architecture.md does not place: {unplaced_modules()}")
+    print(f"error classes outside errors.py: {error_classes_elsewhere()}")
     print(f"imports inside functions: {inner}")
     print(f"functions over {MAX_BODY} lines: {sum(n > MAX_BODY for n, _ in bodies)}; longest:")
     for n, f in bodies[:8]:

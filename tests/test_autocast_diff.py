@@ -29,7 +29,7 @@ from ampfx.meta import AUTOCAST
 from ampfx.passes import autocast as ac_pass
 from ampfx.passes import shapes
 from ampfx.passes.context import PassContext
-from ampfx.report import AutocastDiff, computes_in, dtype_name
+from ampfx.records import AutocastDiff, computes_in, dtype_name
 from conftest import DTYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,8 @@ import torch.nn as nn
 import ampfx
 from ampfx.ui.html import COLLAPSE_ABOVE, graph, render
 from ampfx.ops import Category
-from ampfx.report import CastInfo, Decision, Report, dtype_name
+from ampfx.report import Report
+from ampfx.records import CastInfo, Decision, dtype_name
 from models import Root, build
 
 

@@ -13,7 +13,7 @@ import ampfx
 from ampfx.errors import ArgumentError
 from ampfx.graph_module import AmpGraphModule
 from ampfx.measure import count_casts
-from ampfx.policy import PolicyError
+from ampfx.errors import PolicyError
 
 
 class Block(nn.Module):

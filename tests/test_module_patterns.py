@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.report import Rule
+from ampfx.records import Rule
 
 
 class MyNorm(nn.LayerNorm):

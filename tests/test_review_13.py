@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.module_match import resolve
-from ampfx.policy import PolicyError
+from ampfx.errors import PolicyError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import ArgumentError
-from ampfx.report import Rule
+from ampfx.records import Rule
 from models import Offsets  # tests/models.py: a deep MLP with precision-critical (y + c) - c adds
 
 

@@ -16,7 +16,7 @@ import ampfx
 from ampfx import probes
 from ampfx.integrations import dgl as integ
 from ampfx.ops import Category
-from ampfx.policy import PolicyError
+from ampfx.errors import PolicyError
 
 from dgl_seeds import GAT
 

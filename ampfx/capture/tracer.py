@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from .. import integrations, ops, runtime
 from ..errors import RootUntraceable
+from ..fixed import reads_training
 from ..policy import Policy
 from .base import Capture, short
 from .lift import Lifting, Tagged
@@ -368,23 +369,3 @@ def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
         return True
 
 
-_READS_TRAINING: dict[type, bool] = {}
-
-
-def _reads(code: types.CodeType, name: str) -> bool:
-    return name in code.co_names or any(_reads(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
-
-
-def reads_training(cls: type) -> bool:
-    """Does any method of ``cls`` (or of its bases below ``nn.Module``), or a function its forward calls by
-    global name, read ``training``? Read from the bytecode, so it also works for classes defined in
-    notebooks and ``exec``. Cached per class."""
-    if cls not in _READS_TRAINING:
-        from ..fixed import reached  # the functions outside the class its forward calls (a helper reading mod.training)
-
-        _READS_TRAINING[cls] = any(
-            _reads(inspect.unwrap(fn).__code__, "training")  # unwrap: decorated forwards (HF's) hide their code
-            for klass in cls.__mro__ if klass not in (nn.Module, object)
-            for fn in vars(klass).values() if hasattr(inspect.unwrap(fn), "__code__")) or any(
-            _reads(fn.__code__, "training") for fn in reached(cls))
-    return _READS_TRAINING[cls]

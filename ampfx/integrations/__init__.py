@@ -37,7 +37,8 @@ import torch.nn as nn
 from .. import decide, ops
 from ..inputs import ExampleInputs
 from ..policy import Policy, Resolved
-from ..report import Region, Report, dtype_name
+from ..report import Report
+from ..records import Region, dtype_name
 from . import dgl
 
 LIBRARIES: dict[str, Any] = {

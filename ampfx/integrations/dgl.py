@@ -67,7 +67,7 @@ from torch.func import functional_call
 
 from .. import probes
 from ..ops import Category
-from ..report import Rule, dtype_name
+from ..records import Rule, dtype_name
 
 LIBRARY = "DGL"
 FP16_MAX = 65504.0

@@ -27,7 +27,8 @@ from ..api import convert
 from ..compare import compare
 from ..errors import CLIError, PolicyError
 from ..ops import LISTS
-from ..policy import LIST_NAMES, Policy, from_env, parse_dtype
+from ..names import LIST_NAMES, parse_dtype
+from ..policy import Policy, from_env
 
 _TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
                   "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64, "long": torch.int64,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..measure import count_casts
 from ..api import convert
-from ..report import dtype_name
+from ..records import dtype_name
 
 
 class DemoClassifier(nn.Module):

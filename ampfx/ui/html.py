@@ -51,9 +51,12 @@ import ast
 import html
 import json
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..report import SHORT_NAMES, Decision, Report, Rule, dtype_name
+from ..records import SHORT_NAMES, Decision, Rule, dtype_name
+
+if TYPE_CHECKING:  # the report renders itself through this module (Report.html)
+    from ..report import Report
 
 COLLAPSE_ABOVE = 200
 """Records above which every module group starts collapsed."""

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import ArgumentError
-from ampfx.policy import PolicyError
+from ampfx.errors import PolicyError
 from ampfx.ui.cli import main
 
 

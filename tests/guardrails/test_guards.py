@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import ExampleInputsError, GuardError
-from ampfx.policy import PolicyError
+from ampfx.errors import PolicyError
 from conftest import rel
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import ampfx
 from ampfx.graph_module import AmpGraphModule
-from ampfx.report import Decision, Rule
+from ampfx.records import Decision, Rule
 
 
 def _runtime_dtypes(amp: nn.Module, *inputs: torch.Tensor) -> dict[str, torch.dtype]:

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.passes import tuned
-from ampfx.report import Rule
+from ampfx.records import Rule
 
 
 def _net():

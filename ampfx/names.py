@@ -1,0 +1,130 @@
+"""The names a user writes at ampfx's string boundary (environment variables, the command line, policy
+files) and how they are resolved: dtypes, ops, list names, importable objects, globs, and the
+"did you mean" suggestion every unknown name gets. Used by :mod:`ampfx.policy` and by what reads and
+writes policies (:mod:`ampfx.policy_file`, :mod:`ampfx.module_match`), none of which it imports.
+"""
+from __future__ import annotations
+
+import difflib
+import pkgutil
+from typing import Any, Iterable
+
+import torch
+
+from . import custom_ops, ops
+from .errors import PolicyError
+from .ops import Category
+
+ENV_PREFIX = "AMPFX_"
+LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",
+              Category.DENY: "denylist"}
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16}
+
+
+def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
+    """``torch.bfloat16``, ``torch.float16`` or one of their names.
+
+    >>> parse_dtype("fp16")
+    torch.float16
+    """
+    if value in (torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _DTYPES:
+        return _DTYPES[value.strip().lower()]
+    hint = (" (the model already runs in it; to keep it, do not convert, or set AMPFX_DISABLE=1)"
+            if isinstance(value, torch.dtype) and value.is_floating_point else "")
+    raise PolicyError(f"{where}={value!r} is not a low-precision dtype{hint}; use one of "
+                      "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
+
+
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
+    suffix every "unknown name" message of ampfx ends with.
+
+    >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
+    " Did you mean 'softmax'?"
+    """
+    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
+    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
+
+
+def import_object(path: str) -> Any:
+    """The object ``pkg.module.attr.attr`` names (:func:`pkgutil.resolve_name`), or ``None`` when nothing
+    importable has that name.
+
+    >>> import_object("torch.nn.LayerNorm"), import_object("torch.nn.NoSuchLayer")
+    (<class 'torch.nn.modules.normalization.LayerNorm'>, None)
+    """
+    try:
+        return pkgutil.resolve_name(path)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def resolve_op(spec: Any, *, where: str) -> tuple[str, Any | None]:
+    """An op as a user names it -> ``(canonical name, user object or None)``.
+
+    ``spec`` is a torch callable, a module type, a canonical name or method name
+    (``"gelu"``, ``"softmax"``), or a qualified name (``"torch.nn.GELU"``,
+    ``"mypkg.layers.MyBlock"``). A user function or module type that is in no
+    table gets its qualified name, and the object is returned so that nodes
+    calling it can be matched.
+    """
+    if not isinstance(spec, str):
+        name = ops.lookup_name(spec) or _torch_op_name(custom_ops.ref_of(spec))
+        if name is not None:
+            return name, None
+        if callable(spec):
+            return ops.qualified_name(spec), spec
+        raise PolicyError(f"{where}: {spec!r} is not an op, function or module type")
+    text = spec.strip()
+    name = ops.lookup_name(text)
+    if name is not None:
+        return name, None
+    for prefix in ("torch.Tensor.", "Tensor."):
+        if text.startswith(prefix):  # a Tensor method: matched on call_method nodes by its name
+            method = text[len(prefix):]
+            name = ops.lookup_name(method)
+            if name is not None:
+                return name, None
+            if method.isidentifier() and hasattr(torch.Tensor, method):
+                return f"Tensor.{method}", method
+            raise PolicyError(f"{where}: torch.Tensor has no method {method!r}."
+                              f"{did_you_mean(method, [m for m in dir(torch.Tensor) if not m.startswith('_')])}")
+    try:
+        name = _torch_op_name(custom_ops.parse(text))
+    except LookupError as e:
+        raise PolicyError(f"{where}: {e}") from None
+    if name is not None:
+        return name, None
+    if "." in text:
+        obj = import_object(text)
+        if obj is not None and callable(obj):
+            name = ops.lookup_name(obj)
+            return (name, None) if name is not None else (ops.qualified_name(obj), obj)
+    close = did_you_mean(text, [*ops.known_names(), *custom_ops.close_names(text)])
+    raise PolicyError(f"{where}: unknown op {text!r}.{close} "
+                      "Ops are named as in `ampfx lists` (e.g. softmax, linear, gelu), by a qualified "
+                      "name of a function or module type (e.g. mypkg.layers.MyBlock), or, for a torch.library "
+                      "op, as 'namespace::op' (e.g. mylib::scale2; import its library first).")
+
+
+def _torch_op_name(ref: custom_ops.OpRef | None) -> str | None:
+    """The list name of a torch op: its table name (``aten::softmax.int`` is ``softmax``: ampfx's
+    tables name an op with all its overloads), else ``"ns::op"`` / ``"ns::op.overload"``."""
+    if ref is None:
+        return None
+    return ops.lookup_name(ref.target()) or ref.name
+
+
+GLOB_CHARS = frozenset("*?[")
+
+
+def is_glob(text: str) -> bool:
+    """Does ``text`` use glob characters (a module-name pattern of ``fp32_modules``)?
+
+    >>> is_glob("head.*"), is_glob("head")
+    (True, False)
+    """
+    return any(c in GLOB_CHARS for c in text)

@@ -1,0 +1,328 @@
+"""The frozen records a conversion writes into ``node.meta['ampfx']``: a :class:`Decision` for each of the
+model's own nodes (why it got its dtype, by which :class:`Rule`), a :class:`CastInfo` for each cast ampfx
+inserted, a :class:`Region` for each part of the model captured or left eager; and how ampfx writes a
+dtype (:func:`dtype_name`). The :class:`~ampfx.report.Report` is built from them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .ops import Category
+
+COMPUTE = ("call_function", "call_method", "call_module")
+
+SHORT_NAMES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+"""The short spellings of the float dtypes ampfx converts between (cast node names, plots)."""
+
+
+def dtype_name(d: Any, *, short: bool = False, none: str = "-") -> str:
+    """How ampfx writes a dtype: ``"bfloat16"`` for ``torch.bfloat16`` (``"bf16"``
+    with ``short``, for the dtypes in :data:`SHORT_NAMES`), ``none`` for ``None``,
+    and anything else (``"dynamic"``) as it is.
+
+    >>> dtype_name(torch.bfloat16), dtype_name(torch.float16, short=True), dtype_name(None), dtype_name("dynamic")
+    ('bfloat16', 'fp16', '-', 'dynamic')
+    """
+    if d is None:
+        return none
+    if short and d in SHORT_NAMES:
+        return SHORT_NAMES[d]
+    return str(d).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class _About:
+    """What a :class:`Rule` member carries besides its value (see there)."""
+
+    doc: str
+    word: str | None = None
+    inserted: bool = False
+    counted: bool = True
+
+
+def _about(doc: str, *, word: str | None = None, inserted: bool = False, counted: bool | None = None) -> _About:
+    return _About(doc, word, inserted, (not inserted) if counted is None else counted)
+
+
+class Rule(str, enum.Enum):
+    """What decided a node's dtype: ``Decision.rule``.
+
+    A member is its value, a string (``Rule.TABLE == "table"``), and prints,
+    formats, reprs and serialises to JSON as that string, so records read the
+    same as plain strings. Each member carries:
+
+    - ``doc``: one line saying what the rule means (the report page shows it);
+    - ``word``: the short word the summary's ``float32:`` line uses for it;
+    - ``inserted``: the node is one ampfx added to the graph (drawn dotted);
+    - ``counted``: the node counts as one of the model's compute nodes in the
+      summary (not for nodes ampfx added, nor for an untraceable region, whose
+      children are counted instead).
+
+    A list edit from the environment is ``env:<VAR>`` with the variable's name:
+    ``Rule("env:AMPFX_DENYLIST_ADD")`` (or ``Rule.env("AMPFX_DENYLIST_ADD")``) is
+    a member made on demand, with :attr:`ENV`'s documentation.
+
+    >>> Rule("table") is Rule.TABLE, Rule.TABLE == "table", f"{Rule.PAINT_DENY}", Rule.PAINT_DENY.word
+    (True, True, 'paint:deny', 'follows deny')
+    >>> r = Rule.env("AMPFX_DENYLIST_ADD")
+    >>> r, r == "env:AMPFX_DENYLIST_ADD", r.env_var, r.doc == Rule.ENV.doc
+    ('env:AMPFX_DENYLIST_ADD', True, 'AMPFX_DENYLIST_ADD', True)
+    """
+
+    def __new__(cls, value: str, about: _About) -> "Rule":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member._info = about
+        return member
+
+    TABLE = "table", _about("the default op tables (ampfx.ops) for this dtype", word="deny list")
+    ARGUMENT = "argument", _about("a list edit given as a Policy argument")
+    ENV = "env:<VAR>", _about("a list edit from that environment variable")
+    UNLISTED = "unlisted", _about("the op is in no list: it stays float32")
+    NON_FLOAT = "non-float", _about("no float32/16/bf16 data flows through the node")
+    OTHER_FLOAT = "other-float", _about("the op computes in float64, a complex dtype or another float dtype that ampfx "
+                                        "never converts: it runs as written, in that dtype")
+    FP32_MODULES = "fp32_modules", _about("inside a module named in fp32_modules / AMPFX_FP32_MODULES",
+                                          word="fp32 module")
+    MODULE_FILTER_FN = "module_filter_fn", _about("inside a module the policy's module_filter_fn rejected")
+    USER_FLOAT32 = "user-float32", _about("the model's code asks for float32 here: inside "
+                                          "torch.autocast(..., enabled=False)", word="user float32")
+    PROBE = "probe", _about("the low-precision kernel failed a tiny test run on this device",
+                            word="no low kernel here")
+    COMPLEX = "complex", _about("makes complex numbers from real data (torch.complex, view_as_complex, x * 1j): "
+                                "bfloat16 has no complex dtype and float16's has few kernels, so it reads float32",
+                                word="makes complex")
+    PAINT_DENY = "paint:deny", _about("follows a deny op through infer/clear ops (TF-AMP deny propagation)",
+                                      word="follows deny")
+    PAINT_BETWEEN_ALLOW = "paint:between-allow", _about("on a path between low-precision ops (TF-AMP)")
+    PAINT_FOLLOW_ALLOW = "paint:follow-allow", _about(
+        "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)")
+    PAINT_CLEAR = "paint:clear", _about("a clear op next to a low-precision op (TF-AMP clear propagation)")
+    PAINT_SAVE_CAST = "paint:save-cast", _about(
+        "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
+        "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
+        word="saves a cast")
+    WRITE_LOW = "cost:write-low", _about(
+        "a float32 op (softmax) whose low-precision kernel computes in float32 inside and rounds once, and whose "
+        "consumers all read its result low: it writes the low dtype (the same values, no cast, its saved output "
+        "half the bytes)", word="writes low")
+    NO_FLOAT32_COPY = "cost:no-float32-copy", _about(
+        "the model's own conversion of a low value to float32, whose users all read it low: left out (they "
+        "would get the same values back)", word="float32 copy left out")
+    FIDELITY_STREAM = "fidelity:stream", _about(
+        "reads a float32 activation (a residual stream, a carried state, positions): computes in float32 as "
+        "type promotion would, instead of casting that value down (Policy.float32_stream)", word="float32 stream")
+    FIDELITY_OPERAND = "fidelity:operand", _about(
+        "an add/sub of a float32 parameter, buffer or factory value (arange, meshgrid): computes in float32, "
+        "so the operand's low bits survive (Policy.float32_operands)", word="float32 operand")
+    FIDELITY_EXACT = "fidelity:exact", _about(
+        "its value reaches an integer conversion, an index or a comparison: float32 inputs are not rounded "
+        "(Policy.exact_values)", word="exact value")
+    PAINT_DEFAULT = "paint:default", _about("an infer/clear op with no low-precision neighbours: stays float32",
+                                            word="no low neighbour")
+    SELECT = "select", _about("indexing keeps its input's dtype; consumers cast the (smaller) selection")
+    DGL_DEVICE = "dgl:device", _about(
+        "a DGL leaf whose kernels lack the low dtype on this device (no float16 on CPU): bfloat16 or float32")
+    DGL_OVERFLOW = "dgl:overflow", _about(
+        "a DGL sum/mean aggregation whose example inputs would overflow float16: bfloat16 or float32")
+    BIAS_FP32 = "bias-fp32", _about("a GEMM bias added in float32 after the GEMM's float32 cast (no bias cast)",
+                                    inserted=True)
+    SHAPE_SMALL_REDUCTION = "shape:small-reduction", _about(
+        "a reduction over at most reduction_threshold elements: follows its inputs")
+    SHAPE_LARGE_REDUCTION = "shape:large-reduction", _about("a reduction over more than reduction_threshold elements")
+    SHAPE_SIZE_UNKNOWN = "shape:size-unknown", _about(
+        "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32")
+    CALIBRATION_OVERFLOW = "calibration:overflow", _about(
+        "calibration saw this node's output or gradient exceed the low dtype's range")
+    CALIBRATION_SENSITIVE = "calibration:sensitive", _about(
+        "calibration saw that rounding this node's result alone to the low dtype moves the output or a parameter "
+        "gradient by more than sensitivity_threshold", word="precision-sensitive")
+    TUNE = "tune", _about(
+        "ampfx.tune found that keeping this node float32 brings the user's metric within tolerance of the float32 "
+        "model's (Policy.tuned, or a policy file)", word="tuned")
+    PAD = "pad", _about("a node ampfx added to slice a padded GEMM's output back", inserted=True)
+    INPLACE = "inplace", _about("an in-place op keeps the dtype of the tensor it mutates", word="in-place")
+    RANGE_CONSTANT = "range:constant", _about(
+        "a float constant argument the low dtype cannot hold (e.g. a float32 mask minimum)")
+    KEPT = "keep_modules", _about("a module kept as a boundary (keep_modules): its forward runs, converted on its "
+                                  "own; float32 crosses the boundary both ways", word="kept module", counted=False)
+    REGION = "region", _about("a module that could not be traced runs eagerly; its children were converted one by one",
+                              counted=False)
+    STRUCTURE = "structure", _about("graph inputs, parameters and outputs")
+
+    # str, not "Rule.TABLE", wherever a rule is printed: records read as they did when rules were strings
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self._value_)
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Rule | None":
+        """``env:<VAR>`` for any variable: a member made (once) on demand."""
+        if not (isinstance(value, str) and value.startswith("env:") and len(value) > len("env:")):
+            return None
+        member = str.__new__(cls, value)
+        member._name_ = "ENV"
+        member._value_ = value
+        member._info = _About(cls.ENV.doc)
+        return cls._value2member_map_.setdefault(value, member)
+
+    @classmethod
+    def env(cls, var: str) -> "Rule":
+        """The rule of a list edit read from the environment variable ``var``."""
+        return cls(f"env:{var}")
+
+    @property
+    def doc(self) -> str:
+        """What the rule means, in one line."""
+        return self._info.doc
+
+    @property
+    def word(self) -> str:
+        """The summary's short word for the rule (its value unless it has one)."""
+        return self._info.word or self._value_
+
+    @property
+    def inserted(self) -> bool:
+        """Is a node with this rule one ampfx added to the graph (a bias add, a pad slice)?"""
+        return self._info.inserted
+
+    @property
+    def counted(self) -> bool:
+        """Does a node with this rule count among the model's compute nodes in the summary?"""
+        return self._info.counted
+
+    @property
+    def env_var(self) -> str | None:
+        """The environment variable of an ``env:<VAR>`` rule; ``None`` for other rules."""
+        return self._value_[len("env:"):] if self._name_ == "ENV" and self is not Rule.ENV else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why one node got its dtype.
+
+    ``dtype`` is the dtype the node computes in (``None``: left as written).
+    ``shapes`` / ``in_shapes`` are its output and tensor-input shapes, as
+    ``dtype[sizes]`` before conversion (symbolic sizes by name), when
+    ``example_inputs`` were given.
+    ``rule`` is the :class:`Rule` that decided (a rule's value is accepted and
+    made a member); ``reason`` says it in words. ``out`` is the dtype of the value the node produces after
+    conversion (``"dynamic"`` when only known at run time). ``fp32_inside`` says what stays float32
+    inside a low-precision op, one ``"what: names"`` item each (``"running statistics: bn.running_mean,
+    bn.running_var"``, ``"affine parameters: bn.weight, bn.bias"``, ``"accumulation"``).
+    ``autocast`` is the dtype ``torch.autocast`` would compute the node in on the conversion device
+    (``"unknown"`` where that cannot be known, ``None`` for non-float values, on devices without
+    autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`. ``history`` is the
+    sequence of ``(step, rule)`` that set the decision, first to last (:class:`ampfx.observer.Observer`):
+    ``(("classify", "table"), ("paint", "paint:clear"))`` reads "the tables put it on a list, painting
+    chose its dtype".
+    """
+
+    node: str
+    op: str
+    target: str
+    module: str
+    category: Category
+    dtype: torch.dtype | None
+    rule: Rule
+    reason: str
+    kind: str = "call_function"
+    shapes: tuple[str, ...] = ()
+    in_shapes: tuple[str, ...] = ()
+    out: torch.dtype | str | None = None
+    inplace: bool = False
+    fp32_inside: tuple[str, ...] = ()
+    autocast: torch.dtype | str | None = None
+    history: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
+            object.__setattr__(self, "rule", Rule(self.rule))
+
+    @property
+    def key(self) -> str:
+        """The node's name across the whole conversion, as ``Policy.tuned`` names it: ``module:node``
+        (``node`` alone at the root); a name repeats in different graphs, a module's graph is one.
+
+        >>> Decision("linear", "linear", "linear", "head", Category.ALLOW, None, "table", "").key
+        'head:linear'
+        """
+        return f"{self.module}:{self.node}" if self.module else self.node
+
+    def as_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["category"] = self.category.value
+        d["dtype"] = dtype_name(self.dtype) if self.dtype is not None else None
+        d["out"] = dtype_name(self.out) if isinstance(self.out, torch.dtype) else self.out
+        d["shapes"] = list(self.shapes)
+        d["in_shapes"] = list(self.in_shapes)
+        d["fp32_inside"] = list(self.fp32_inside)
+        d["autocast"] = dtype_name(self.autocast) if isinstance(self.autocast, torch.dtype) else self.autocast
+        d["history"] = [list(h) for h in self.history]
+        return d
+
+
+@dataclass(frozen=True)
+class CastInfo:
+    """One cast ampfx inserted: ``value`` to ``to``, shared by ``consumers``."""
+
+    node: str
+    value: str
+    source: torch.dtype | str | None
+    to: torch.dtype
+    consumers: tuple[str, ...]
+    weight: bool = False
+    reason: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["source"] = dtype_name(self.source) if isinstance(self.source, torch.dtype) else self.source
+        d["to"] = dtype_name(self.to)
+        d["consumers"] = list(self.consumers)
+        return d
+
+
+@dataclass(frozen=True)
+class Region:
+    """How one part of the model was captured: ``path`` ('' = root), ``method``, the ``steps``
+    tried, the ``leaves`` kept opaque (path, why) and ``why`` the capture was accepted."""
+
+    path: str
+    method: str
+    steps: tuple[str, ...] = ()
+    leaves: tuple[tuple[str, str], ...] = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class AutocastDiff:
+    """One compute node whose dtype under ampfx (``dtype``) is not the one ``torch.autocast`` would
+    compute it in (``autocast``), with the ``rule`` and ``reason`` that decided ampfx's dtype."""
+
+    node: str
+    op: str
+    module: str
+    dtype: torch.dtype
+    autocast: torch.dtype
+    rule: Rule
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dtype"], d["autocast"], d["rule"] = dtype_name(self.dtype), dtype_name(self.autocast), str(self.rule)
+        return d
+
+
+def computes_in(r: Decision) -> torch.dtype | None:
+    """The dtype a record's node computes in under ampfx: its ``dtype``, else (left as written) the
+    dtype of its value, else ``None``."""
+    if r.dtype is not None:
+        return r.dtype
+    return r.out if isinstance(r.out, torch.dtype) else None
