@@ -28,7 +28,6 @@ a rule that silently matches nothing is a rule the user believes holds.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Iterable
 
 import torch.nn as nn
@@ -38,45 +37,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from . import ops
 from .errors import PolicyError
-from .names import did_you_mean, import_object, is_glob
+from .names import did_you_mean, glob_regex, import_object, is_glob
 
-def glob_regex(pattern: str) -> re.Pattern:
-    """The regular expression of a module-name glob: ``*``/``?`` stay within a segment, ``**`` crosses dots.
-
-    >>> bool(glob_regex("a.*.c").fullmatch("a.b.c")), bool(glob_regex("a.*").fullmatch("a.b.c"))
-    (True, False)
-    >>> bool(glob_regex("a.**").fullmatch("a.b.c"))
-    True
-    >>> [bool(glob_regex("l[0-2]").fullmatch(n)) for n in ("l1", "l3")], bool(glob_regex("a[!x]b").fullmatch("a.b"))
-    ([True, False], False)
-    """
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^.]*")
-        elif c == "?":
-            out.append("[^.]")
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end < 0:
-                raise PolicyError(f"fp32_modules: the glob {pattern!r} opens '[' without closing it")
-            body = pattern[i + 1:end]
-            negated = body.startswith("!")
-            chars = "".join(ch if ch == "-" else re.escape(ch) for ch in body[negated:])  # '-' makes a range
-            out.append("[^." + chars + "]" if negated else "[" + chars + "]")  # '[!x]' stays within a segment
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    try:
-        return re.compile("".join(out))
-    except re.error as e:
-        raise PolicyError(f"fp32_modules: the glob {pattern!r} is not a valid pattern ({e})") from None
 
 
 def as_class(text: str) -> type | None:
@@ -126,7 +88,7 @@ def _hits(model: nn.Module, entry: Any, all_names: list[str], field: str) -> lis
     if isinstance(entry, str) and entry in all_names:
         return [(entry, f"named in {field}")]
     if isinstance(entry, str) and is_glob(entry):
-        rx = glob_regex(entry)
+        rx = glob_regex(entry, field)
         hits = [n for n in all_names if rx.fullmatch(n)]
         if not hits:
             raise PolicyError(f"{field} / {var}: the glob {entry!r} matches no module of {owner} "

@@ -6,7 +6,9 @@ writes policies (:mod:`ampfx.policy_file`, :mod:`ampfx.module_match`), none of w
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import pkgutil
+import re
 from typing import Any, Iterable
 
 import torch
@@ -128,3 +130,61 @@ def is_glob(text: str) -> bool:
     (True, False)
     """
     return any(c in GLOB_CHARS for c in text)
+
+
+def _bracket_end(pattern: str, i: int) -> int:
+    """The index of the ``]`` closing the bracket expression opened at ``pattern[i]``, as :mod:`fnmatch`
+    reads it (a ``]`` first in the set, after ``[`` or ``[!``, is a member), or -1."""
+    j = i + 1
+    if j < len(pattern) and pattern[j] == "!":
+        j += 1
+    if j < len(pattern) and pattern[j] == "]":
+        j += 1
+    end = pattern.find("]", j)
+    return end
+
+
+def _bracket_regex(bracket: str) -> str:
+    """The regular expression :func:`fnmatch.translate` makes of one bracket expression (``[a-c]``,
+    ``[!x]``, ``[]]``): ranges, negation and escapes exactly as fnmatch reads them."""
+    translated = fnmatch.translate(bracket)  # '(?s:[a-c])\\Z'
+    return translated[len("(?s:"):-len(")\\Z")]
+
+
+def glob_regex(pattern: str, where: str = "fp32_modules") -> re.Pattern:
+    """The regular expression of a module-name glob: ``*``/``?`` stay within a segment, ``**`` crosses dots,
+    and a bracket expression means what it means to :mod:`fnmatch` (``[!x]`` within a segment). A ``[``
+    left open is an error (fnmatch would read it as a literal, which in a module name is a typo).
+
+    >>> bool(glob_regex("a.*.c").fullmatch("a.b.c")), bool(glob_regex("a.*").fullmatch("a.b.c"))
+    (True, False)
+    >>> bool(glob_regex("a.**").fullmatch("a.b.c"))
+    True
+    >>> [bool(glob_regex("l[0-2]").fullmatch(n)) for n in ("l1", "l3")], bool(glob_regex("a[!x]b").fullmatch("a.b"))
+    ([True, False], False)
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif c == "[":
+            end = _bracket_end(pattern, i)
+            if end < 0:
+                raise PolicyError(f"{where}: the glob {pattern!r} opens '[' without closing it")
+            body = _bracket_regex(pattern[i:end + 1])
+            out.append("(?!\\.)" + body if pattern.startswith("[!", i) else body)  # '[!x]' stays within a segment
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    try:
+        return re.compile("".join(out))
+    except re.error as e:
+        raise PolicyError(f"{where}: the glob {pattern!r} is not a valid pattern ({e})") from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import enum
+import functools
 import operator
 import sys
 import types
@@ -659,12 +660,43 @@ INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", 
 
 
 def is_inplace_name(name: str) -> bool:
-    """Does the method or op called ``name`` write its first argument?
+    """Does the method or op called ``name`` write its first argument? ATen's schema says, where ATen has an
+    op of that name (:func:`writes_first_argument`); a name ATen does not know (a user's tensor subclass
+    method) by torch's naming convention, a trailing underscore.
 
     >>> is_inplace_name("add_"), is_inplace_name("__iadd__"), is_inplace_name("__add__"), is_inplace_name("add")
     (True, True, False, False)
     """
-    return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
+    if name in INPLACE_DUNDERS:
+        return True
+    written = _aten_writes_first(name)
+    return written if written is not None else name.endswith("_") and not name.endswith("__")
+
+
+def writes_first_argument(target: Any) -> bool:
+    """Does the ATen op ``target`` (an ``OpOverload``) write its first argument (``Tensor(a!) self``)?
+    Read from its schema's alias annotation; an op that writes another argument (batch norm's running
+    statistics, an ``out=`` overload) does not count.
+
+    >>> writes_first_argument(torch.ops.aten.add_.Tensor), writes_first_argument(torch.ops.aten.add.out)
+    (True, False)
+    """
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_writes_first(name: str) -> bool | None:
+    """Whether the ATen op called ``name`` writes its first argument in any overload; ``None``: ATen has none."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    overloads = [getattr(packet, o) for o in packet.overloads()]
+    return any(writes_first_argument(o) for o in overloads) if overloads else None
 
 
 def is_view(name: str) -> bool:

@@ -40,7 +40,7 @@ import torch
 
 from . import custom_ops, ops, policy_file
 from .errors import PolicyError
-from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, import_object, is_glob, parse_dtype, resolve_op
+from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, glob_regex, import_object, is_glob, parse_dtype, resolve_op
 from .ops import LISTS, Category
 from .records import Rule
 
@@ -62,8 +62,8 @@ def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
                 raise PolicyError(f"{name}={value!r}: an empty name names the whole model; name submodules "
                                   "(e.g. 'head')" + ("" if name == "keep_modules" else ", or do not convert the model"))
             out.append(entry.strip())
-            if is_glob(entry) and entry.count("[") != entry.count("]"):
-                raise PolicyError(f"{name}: the glob {entry!r} opens '[' without closing it")
+            if is_glob(entry):
+                glob_regex(entry, name)  # a glob that is no pattern is an error now, not when it is resolved
         elif isinstance(entry, type):
             if not issubclass(entry, torch.nn.Module):
                 raise PolicyError(f"{name}: {entry.__name__} is a class but not an nn.Module; give module "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,16 +258,8 @@ class Decision:
         return f"{self.module}:{self.node}" if self.module else self.node
 
     def as_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["category"] = self.category.value
-        d["dtype"] = dtype_name(self.dtype) if self.dtype is not None else None
-        d["out"] = dtype_name(self.out) if isinstance(self.out, torch.dtype) else self.out
-        d["shapes"] = list(self.shapes)
-        d["in_shapes"] = list(self.in_shapes)
-        d["fp32_inside"] = list(self.fp32_inside)
-        d["autocast"] = dtype_name(self.autocast) if isinstance(self.autocast, torch.dtype) else self.autocast
-        d["history"] = [list(h) for h in self.history]
-        return d
+        """The record as ``decisions.jsonl`` holds it (:func:`to_json`)."""
+        return to_json(self)
 
 
 @dataclass(frozen=True)
@@ -282,11 +275,8 @@ class CastInfo:
     reason: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["source"] = dtype_name(self.source) if isinstance(self.source, torch.dtype) else self.source
-        d["to"] = dtype_name(self.to)
-        d["consumers"] = list(self.consumers)
-        return d
+        """The record as ``casts.jsonl`` holds it (:func:`to_json`)."""
+        return to_json(self)
 
 
 @dataclass(frozen=True)
@@ -315,9 +305,33 @@ class AutocastDiff:
     reason: str
 
     def as_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["dtype"], d["autocast"], d["rule"] = dtype_name(self.dtype), dtype_name(self.autocast), str(self.rule)
-        return d
+        """:func:`to_json`, with a missing dtype written ``"-"`` as the table shows it."""
+        return {**to_json(self), "dtype": dtype_name(self.dtype), "autocast": dtype_name(self.autocast)}
+
+
+def to_json(value: Any) -> Any:
+    """``value`` as JSON holds it: the one encoder of ampfx's records. A record (a dataclass) is a dict of
+    its fields, a dtype its name (:func:`dtype_name`), an enum (:class:`Rule`, ``Category``) its value,
+    tuples lists, a path a string; numbers, strings, booleans and ``None`` stay as they are.
+
+    >>> to_json(CastInfo("x_bf16", "x", torch.float32, torch.bfloat16, ("linear",), "allow op"))["to"]
+    'bfloat16'
+    >>> to_json({"rule": Rule.TABLE, "pairs": (("a", 1),)})
+    {'rule': 'table', 'pairs': [['a', 1]]}
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
 
 
 def computes_in(r: Decision) -> torch.dtype | None:

@@ -60,8 +60,9 @@ def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
         if node.kwargs.get("inplace") is True:
             return True
-        packet = getattr(node.target, "overloadpacket", None)  # ATen ops: aten.add_.Tensor -> "add_"
-        name = getattr(packet if packet is not None else node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.OpOverload):  # ATen ops (torch.export): their schema says
+            return ops.writes_first_argument(node.target) or custom_ops.writes_inputs(node.target)
+        name = getattr(node.target, "__name__", "")
         return ops.is_inplace_operator(node.target) or custom_ops.writes_inputs(node.target) or (
             ops.is_inplace_name(name) and node.target not in (torch._assert,))
     if node.op == "call_module":
