@@ -30,9 +30,9 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     autocast.annotate_autocast,  # what torch.autocast would do, on the graph before casts (reporting only)
     unpack.unpack,  # a tensor unpacked into all its rows: one unbind, as eager Python runs it (needs shapes)
     classify.classify,  # category per node from the tables, policy, module names, probes
-    reductions.reductions,  # reductions by size: small ones follow their inputs, large ones float32
+    reductions.decide_reductions,  # reductions by size: small ones follow their inputs, large ones float32
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
-    tuned.tuned,  # nodes ampfx.tune kept float32 (Policy.tuned): float32 (no-op without them)
+    tuned.keep_tuned,  # nodes ampfx.tune kept float32 (Policy.tuned): float32 (no-op without them)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted

@@ -58,7 +58,7 @@ def reduced_count(node: fx.Node) -> int | sympy.Expr | None:
     return ratio
 
 
-def reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
+def decide_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Refine table decisions of reductions by their size (see module docstring)."""
     threshold = ctx.policy.reduction_threshold
     low = ctx.policy.dtype

@@ -27,7 +27,7 @@ from ..records import Decision, Rule
 from .context import PassContext
 
 
-def tuned(gm: fx.GraphModule, ctx: PassContext) -> None:
+def keep_tuned(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Keep float32 the nodes ``ctx.policy.tuned`` names (see the module docstring)."""
     reasons = dict(ctx.policy.tuned)
     if not reasons:

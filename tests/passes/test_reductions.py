@@ -10,7 +10,7 @@ from ampfx.passes.reductions import reduced_count
 
 from .helpers import node, rec, run
 
-REDUCTIONS = dict(upto=reductions.reductions)
+REDUCTIONS = dict(upto=reductions.decide_reductions)
 
 
 def sums(x):
@@ -77,11 +77,11 @@ def test_reduced_count_is_elements_per_output():
     (cumsum) the size of the scanned dim; a sympy expression for symbolic sizes;
     ``None`` without shapes."""
     fn = lambda x: (x.mean(dim=1, keepdim=True), torch.cumsum(x, dim=1), x.sum())  # noqa: E731
-    gm, _ = run(fn, (torch.randn(6, 10),), upto=reductions.reductions)
+    gm, _ = run(fn, (torch.randn(6, 10),), upto=reductions.decide_reductions)
     assert [reduced_count(node(gm, n)) for n in ("mean", "cumsum", "sum_1")] == [10, 10, 60]
-    gm, _ = run(fn, (torch.randn(6, 10),), dynamic_dims={0: "batch"}, upto=reductions.reductions)
+    gm, _ = run(fn, (torch.randn(6, 10),), dynamic_dims={0: "batch"}, upto=reductions.decide_reductions)
     assert reduced_count(node(gm, "sum_1")) == 10 * sympy.Symbol("batch", integer=True, positive=True)
-    gm, _ = run(fn, upto=reductions.reductions)
+    gm, _ = run(fn, upto=reductions.decide_reductions)
     assert reduced_count(node(gm, "sum_1")) is None
 
 

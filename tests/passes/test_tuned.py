@@ -60,7 +60,7 @@ def test_a_key_that_names_no_node_is_an_error_with_a_close_match():
 def test_no_tuned_entries_leave_the_graph_alone():
     plain, again = ampfx.convert(_net(), "bf16"), ampfx.convert(_net(), "bf16", tuned=())
     assert [r.rule for r in plain.ampfx_report.records] == [r.rule for r in again.ampfx_report.records]
-    assert tuned.tuned.__doc__
+    assert tuned.keep_tuned.__doc__
 
 
 @pytest.mark.parametrize("bad", ["add", [("a",)], [(1, "x")], [("", "x")], 3])
