@@ -539,3 +539,27 @@ def test_attention_output_is_low_and_its_weights_unknown():
     ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=torch.float16), device="cpu"))
     got = [n.meta[AUTOCAST] for n in gm.graph.nodes if n.target is operator.getitem]
     assert got == [torch.float16, ac_pass.UNKNOWN]
+
+
+# ------------------------------------------------------------------ the autocast field
+class DtypeArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.softmax(h, -1, dtype=torch.float32) + 1, h.cumsum(0, dtype=torch.float32) * 2
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_dtype_argument_decides_the_autocast_dtype_in_exported_graphs_too(tracer):
+    """torch.export passes dtype= by position (aten.softmax.int(h, -1, torch.float32)): the analysis read
+    only keywords and said bfloat16 where autocast computes float32."""
+    x = torch.randn(4, 8)
+    report = ampfx.convert(DtypeArgs(), "bf16", example_inputs=(x,), tracer=tracer).ampfx_report
+    got = {r.op: r.autocast for r in report.records if r.op in ("softmax", "cumsum")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s, c = DtypeArgs()(x)
+    assert got == {"softmax": torch.float32, "cumsum": torch.float32} and s.dtype == c.dtype == torch.float32

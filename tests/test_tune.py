@@ -3,6 +3,7 @@ import datetime
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -250,3 +251,51 @@ def test_a_custom_op_on_a_list_is_saved_by_its_name_and_found_again(tmp_path):
     path = ampfx.Policy(allowlist_add=(twice,)).save(tmp_path / "p.json")
     assert json.loads(path.read_text())["allowlist_add"] == ["ampfx_tune_test::twice"]
     assert ampfx.Policy.from_file(path).category_of("ampfx_tune_test::twice")[0] is ampfx.Category.ALLOW
+
+
+# ------------------------------------------------------------------ metrics that train or return numpy
+class Offset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.fc(x) + 300.0) - 300.0
+
+
+def _offset():
+    torch.manual_seed(0)
+    net, x = Offset(), torch.randn(16, 8)
+    with torch.no_grad():
+        want = net(x)
+    return net, x, want
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_metric_that_trains_the_model_sees_the_same_weights_each_time_and_leaves_them():
+    """A metric that takes an optimizer step (fine-tune, then measure) changed the user's float32 weights
+    for good, and each evaluation started from other weights (the search then blamed determinism)."""
+    net, x, want = _offset()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def metric(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        (m(x).float() - want).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            return -float((m(x).float() - want).pow(2).mean())
+
+    amp = ampfx.tune(net, "bf16", example_inputs=(x,), metric=metric, tolerance=1e-4, progress=False)
+    assert amp.ampfx_tune.kept == ("add",)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_numpy_float_metric_is_a_number():
+    """np.float32 (np.mean of a float32 array) was rejected as 'not a number'."""
+    net, x, want = _offset()
+    amp = ampfx.tune(net, "bf16", example_inputs=(x,), tolerance=1e-4, progress=False,
+                     metric=lambda m: np.float32(-(m(x).detach().float() - want).pow(2).mean().item()))
+    assert amp.ampfx_tune.kept == ("add",)
