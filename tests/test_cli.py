@@ -6,16 +6,22 @@ import pytest
 from ampfx.ui.cli import main
 
 
-def test_demo_runs_end_to_end(capsys):
-    assert main(["demo", "--steps", "3"]) == 0
+def test_demo_runs_end_to_end(capsys, tmp_path):
+    """The demo says its task, the summary, what stays float32 and why, where the log went, the two runs,
+    and the casts against autocast with what they mean; no full table (its output is docs/getting-started.md's)."""
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path / "log")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("ampfx: converted") and "ampfx bfloat16" in out and "torch.autocast" in out
+    assert out.startswith("Task: ") and "ampfx: converted" in out and "What stays float32, and why" in out
+    assert f"Full log in {tmp_path / 'log'}/" in out and (tmp_path / "log" / "report.html").exists()
+    assert "ampfx bfloat16" in out and "torch.autocast" in out and "A cast is" in out
+    assert "┃" not in out and len(out.splitlines()) < 40
 
 
 def test_demo_fp16_plots_the_loss_scale(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "scale.png"
-    assert main(["demo", "--dtype", "fp16", "--steps", "3", "--loss-scale-plot", str(png)]) == 0
+    assert main(["demo", "--dtype", "fp16", "--steps", "3", "--loss-scale-plot", str(png),
+                 "--out", str(tmp_path / "log")]) == 0
     assert "loss scale over 3 steps plotted" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
 """The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``compare``, ``plot``.
 
-    ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png]
+    ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png] [--out DIR]
     ampfx lists [--dtype bf16|fp16]
     ampfx explain TARGET [--dtype bf16|fp16] [--input 8,3,32,32[:float32] ...] [--int-range 0,1000]
                   [--format table|json|html] [--out DIR] [--html FILE]
@@ -251,7 +251,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CLIError("--loss-scale-plot needs matplotlib: pip install 'ampfx[plots]'") from None
-    demo(str(args.dtype), steps=args.steps, loss_scale_plot=args.loss_scale_plot)
+    _check_writable(args.out, "--out", directory=True)
+    demo(str(args.dtype), steps=args.steps, loss_scale_plot=args.loss_scale_plot, out=args.out)
     return 0
 
 
@@ -301,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
     d.add_argument("--steps", type=_positive, default=200, help="training steps per run (default 200)")
     d.add_argument("--loss-scale-plot", metavar="PNG", help="with --dtype fp16: plot GradScaler's loss scale per step")
+    d.add_argument("--out", metavar="DIR", default="ampfx-demo",
+                   help="directory the full decision log and its HTML page are saved in (default ampfx-demo)")
     d.set_defaults(func=cmd_demo)
     ls = sub.add_parser("lists", help="the effective allow/infer/clear/deny lists after AMPFX_* overrides")
     ls.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
