@@ -274,7 +274,12 @@ class Decision:
         d["in_shapes"] = list(self.in_shapes)
         d["fp32_inside"] = list(self.fp32_inside)
         d["autocast"] = dtype_name(self.autocast) if isinstance(self.autocast, torch.dtype) else self.autocast
-        return d
+        # the shapes' dtypes are the original model's, ``dtype`` and ``out`` the conversion's: the keys say so
+        return {JSON_KEYS.get(k, k): v for k, v in d.items()}
+
+
+JSON_KEYS = {"shapes": "shapes_before", "in_shapes": "in_shapes_before"}
+"""Decision fields renamed in :meth:`Decision.as_json`: their dtypes are before conversion."""
 
 
 @dataclass(frozen=True)
