@@ -146,9 +146,9 @@ def _check_runs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], args: 
     except Exception as e:  # noqa: BLE001 - the model's own error, shown in one line
         text = str(e).strip().splitlines()
         given = " ".join(f"--input {s}" for s in args.input)
-        raise CLIError(f"TARGET {args.target!r}: the model raised {type(e).__name__}"
-                       f"{': ' + text[0] if text else ''} when run in float32 on {given}; give inputs its forward "
-                       f"accepts (shapes, dtypes, --int-range for token ids)") from None
+        raise CLIError(f"TARGET {args.target!r}: the model does not run in float32 on {given} ({type(e).__name__}"
+                       f"{': ' + text[0] if text else ''}); give inputs its forward accepts (shapes, dtypes, "
+                       f"--int-range for token ids)") from None
 
 
 def _check_writable(path: str | None, flag: str, *, directory: bool = False) -> None:

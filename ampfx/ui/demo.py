@@ -101,6 +101,31 @@ def _stays_fp32(rep, echo: Callable[[str], None]) -> None:
                            subsequent_indent="      "))
 
 
+def _casts(fp32: nn.Module, amp: nn.Module, ids, labels, low: torch.dtype) -> tuple[int, int]:
+    """Casts in one training step: ampfx's, and autocast's on the float32 model (loss inside the region)."""
+    ours = count_casts(lambda: F.cross_entropy(amp(ids), labels).backward())
+
+    def autocast_step() -> None:
+        with torch.autocast("cpu", low):
+            value = F.cross_entropy(fp32(ids), labels)
+        value.backward()
+
+    return ours, count_casts(autocast_step)
+
+
+def _loss_scale(path: str | None, scale_log: dict | None, low: torch.dtype, echo: Callable[[str], None]) -> None:
+    """Plot the GradScaler's scale to ``path``, or say why there is no plot."""
+    if path and scale_log is not None:
+        from .plots import loss_scale_plot as plot
+
+        plot(**scale_log, path=path)
+        echo(f"loss scale over {len(scale_log['scales'])} steps plotted to {path} ({len(scale_log['skipped'])} skipped)")
+    elif path and low == torch.float16:
+        echo(f"no loss-scale plot: torch {torch.__version__} has no GradScaler for CPU (torch >= 2.3 has)")
+    elif path:
+        echo("no loss-scale plot: bfloat16 trains without GradScaler (use --dtype fp16)")
+
+
 def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = print,
          loss_scale_plot: str | None = None, out: str | None = "ampfx-demo", timings: bool = True) -> dict:
     """Run the demo; returns the figures it printed. The full decision log and the HTML page are saved
@@ -132,15 +157,7 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
         echo(f"\nFull log in {saved}/: decisions.jsonl (every node's dtype, rule and reason), casts.jsonl,\n"
              f"report.html (the graph coloured by dtype; open it in a browser), summary.txt.")
     low = rep.dtype
-    batch = (ids[:64], labels[:64])
-    ours = count_casts(lambda: F.cross_entropy(amp(batch[0]), batch[1]).backward())
-
-    def autocast_step() -> None:
-        with torch.autocast("cpu", low):
-            value = F.cross_entropy(fp32(batch[0]), batch[1])
-        value.backward()
-
-    theirs = count_casts(autocast_step)
+    ours, theirs = _casts(fp32, amp, ids[:64], labels[:64], low)
     fp32.zero_grad()
     mixed.zero_grad()
     scaler = _cpu_grad_scaler() if low == torch.float16 else None
@@ -162,14 +179,5 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
         "A cast is a dtype-changing copy of a tensor: memory traffic on top of the arithmetic. Both keep this "
         f"model's residual stream and norms float32, so the counts are close; the {dtype_name(low)} run is worth "
         "having if its test accuracy matches float32's above, and the log says why each op got its dtype.", 100))
-    if loss_scale_plot and scale_log is not None:
-        from .plots import loss_scale_plot as plot
-
-        plot(**scale_log, path=loss_scale_plot)
-        echo(f"loss scale over {len(scale_log['scales'])} steps plotted to {loss_scale_plot} "
-             f"({len(scale_log['skipped'])} skipped)")
-    elif loss_scale_plot and low == torch.float16:
-        echo(f"no loss-scale plot: torch {torch.__version__} has no GradScaler for CPU (torch >= 2.3 has)")
-    elif loss_scale_plot:
-        echo("no loss-scale plot: bfloat16 trains without GradScaler (use --dtype fp16)")
+    _loss_scale(loss_scale_plot, scale_log, low, echo)
     return {"results": results, "casts": {"ampfx": ours, "autocast": theirs}, "convert_seconds": seconds}
