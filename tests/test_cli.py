@@ -136,3 +136,18 @@ def test_lists_reasons_read_as_sentences(capsys):
     assert "values large outputs" not in out and ") large outputs" not in out
     assert "a sum of many values can overflow float16's range (max 65504) and lose low bits" in out
     assert "1/x: small inputs give large outputs that overflow float16's range" in out
+
+
+def test_the_run_check_leaves_the_models_buffers_as_they_were():
+    """The float32 run on --input values before conversion does not move batch-norm statistics (compare
+    would otherwise measure a model one step on from the one it loaded)."""
+    import argparse
+
+    import torch
+
+    from ampfx.ui.cli import _check_runs
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _check_runs(model, (torch.randn(8, 4) * 3 + 1,), argparse.Namespace(target="t", input=["8,4"]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

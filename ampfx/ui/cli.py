@@ -139,10 +139,14 @@ def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
 
 def _check_runs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], args: argparse.Namespace) -> None:
     """Run the float32 model once on the inputs: one that cannot run on them is a user error, before
-    any conversion (which would otherwise fail deep inside, or convert a model that cannot be run)."""
+    any conversion (which would otherwise fail deep inside, or convert a model that cannot be run).
+    The buffers the run updates (batch-norm statistics) are put back as they were."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.no_grad():
             model(*inputs)
+            for b, value in buffers:
+                b.copy_(value)
     except Exception as e:  # noqa: BLE001 - the model's own error, shown in one line
         text = str(e).strip().splitlines()
         given = " ".join(f"--input {s}" for s in args.input)
