@@ -9,7 +9,7 @@ history: which pass decided first, which one overrode it), and, when the report 
 
 >>> import torch, torch.fx as fx
 >>> from ampfx.meta import RECORD
->>> from ampfx.report import Decision
+>>> from ampfx.records import Decision
 >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
 >>> def paint_it(gm):
 ...     for n in gm.graph.nodes:

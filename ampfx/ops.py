@@ -360,12 +360,12 @@ _op("group_norm", I, _NORM, fns=[F.group_norm, torch.group_norm], modules=_mods(
     fp32_accumulation=True)
 _op("rms_norm", I, _NORM, fns=_torch_fns("rms_norm"), modules=_mods("RMSNorm"), aten=["rms_norm"],
     fp32_args=(2, "weight"), probe="rms_norm", fp32_accumulation=True)
-_RANGE16 = "large outputs for small inputs overflow float16's range (max 65504)"
+_RANGE16 = "overflow float16's range (max 65504)"
 _op("rsqrt", I, _ELEMENTWISE + " (bfloat16 has float32's range)", fns=_torch_fns("rsqrt"), methods=["rsqrt"],
-    aten=["rsqrt"], fp16=(D, "1/sqrt(x) " + _RANGE16))
+    aten=["rsqrt"], fp16=(D, "1/sqrt(x): small inputs give large outputs that " + _RANGE16))
 _op("reciprocal", I, _ELEMENTWISE + " (bfloat16 has float32's range)", fns=_torch_fns("reciprocal"),
-    methods=["reciprocal"], aten=["reciprocal"], fp16=(D, "1/x " + _RANGE16))
-_SUM16 = ("reduction: a sum of many values " + _RANGE16 + " and loses low bits; kept float32 "
+    methods=["reciprocal"], aten=["reciprocal"], fp16=(D, "1/x: small inputs give large outputs that " + _RANGE16))
+_SUM16 = ("reduction: a sum of many values can " + _RANGE16 + " and lose low bits; kept float32 "
           "(accumulating in the op's own dtype= argument)")
 _SUMBF = "reduction: bfloat16 has float32's range and the kernel accumulates in float32"
 _op("sum", I, _SUMBF, fns=[torch.sum, torch.nansum], methods=["sum", "nansum"], aten=["sum"],

@@ -258,8 +258,13 @@ class Decision:
         return f"{self.module}:{self.node}" if self.module else self.node
 
     def as_json(self) -> dict[str, Any]:
-        """The record as ``decisions.jsonl`` holds it (:func:`to_json`)."""
-        return to_json(self)
+        """The record as ``decisions.jsonl`` holds it (:func:`to_json`); the shapes' dtypes are the original
+        model's, ``dtype`` and ``out`` the conversion's, and the keys say so (:data:`JSON_KEYS`)."""
+        return {JSON_KEYS.get(k, k): v for k, v in to_json(self).items()}
+
+
+JSON_KEYS = {"shapes": "shapes_before", "in_shapes": "in_shapes_before"}
+"""Decision fields renamed in :meth:`Decision.as_json`: their dtypes are before conversion."""
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def run_case(name, dt):
             r["problems"].append(f"writes {r['mb_ampfx']:.3g} MB > autocast {r['mb_autocast']:.3g} MB")
     except Exception:
         r["errors"].append({"stage": "casts", "tb": traceback.format_exc()})
-    if r["methods"] and r["methods"][0][1].startswith("eager"):
+    if root_left_eager(r["methods"]):
         r["problems"].append("root left eager")
     if r.get("total") and r["converted"] == 0:
         r["problems"].append("nothing converted")
@@ -348,12 +348,23 @@ def fmt(x, digits=2):
     return "n/a" if x is None else f"{x:.{digits}g}"
 
 
+def root_method(methods):
+    """How the root was captured, from the report's ``(path, method)`` regions: the root is the region
+    at path ``""``, listed after its children (``None`` without one)."""
+    return next((how for path, how in methods if path == ""), None)
+
+
+def root_left_eager(methods):
+    """Whether the root ran as eager Python (only its children converted): a "suspicious" row."""
+    return (root_method(methods) or "").startswith("eager")
+
+
 def capture(res):
     """How the root was captured, and how many regions were converted separately."""
     methods = res.get("methods") or []
     if not methods:
         return "-"
-    root = next((how for path, how in methods if path == ""), methods[0][1])
+    root = root_method(methods) or methods[0][1]
     regions = sum(1 for path, how in methods if path and not how.startswith("left as is"))
     return root + (f" + {regions} regions" if regions else "")
 

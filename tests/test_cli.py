@@ -6,16 +6,22 @@ import pytest
 from ampfx.ui.cli import main
 
 
-def test_demo_runs_end_to_end(capsys):
-    assert main(["demo", "--steps", "3"]) == 0
+def test_demo_runs_end_to_end(capsys, tmp_path):
+    """The demo says its task, the summary, what stays float32 and why, where the log went, the two runs,
+    and the casts against autocast with what they mean; no full table (its output is docs/getting-started.md's)."""
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path / "log")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("ampfx: converted") and "ampfx bfloat16" in out and "torch.autocast" in out
+    assert out.startswith("Task: ") and "ampfx: converted" in out and "What stays float32, and why" in out
+    assert f"Full log in {tmp_path / 'log'}/" in out and (tmp_path / "log" / "report.html").exists()
+    assert "ampfx bfloat16" in out and "torch.autocast" in out and "A cast is" in out
+    assert "┃" not in out and len(out.splitlines()) < 40
 
 
 def test_demo_fp16_plots_the_loss_scale(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "scale.png"
-    assert main(["demo", "--dtype", "fp16", "--steps", "3", "--loss-scale-plot", str(png)]) == 0
+    assert main(["demo", "--dtype", "fp16", "--steps", "3", "--loss-scale-plot", str(png),
+                 "--out", str(tmp_path / "log")]) == 0
     assert "loss scale over 3 steps plotted" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -60,3 +66,88 @@ def test_bad_dtype_is_rejected_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["lists", "--dtype", "fp64"])
     assert "--dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["explain", "compare", "plot"])
+def test_a_model_that_cannot_run_on_its_inputs_is_one_line_exit_2(capsys, tmp_path, command):
+    """The float32 model is run once on the --input values first: its error is one line naming the
+    target, the exception and the inputs, exit 2 (not a traceback, and not a report of a model that
+    cannot run)."""
+    if command == "plot":
+        pytest.importorskip("matplotlib")
+    argv = [command, "tests/cli_models.py:AlwaysRaises", "--input", "2,4"]
+    assert main(argv + (["--out", str(tmp_path / "p.png")] if command == "plot" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "AlwaysRaises" in err and "ValueError: this model always raises" in err and "--input 2,4" in err
+
+
+def test_a_model_that_converts_nothing_without_inputs_is_an_error(capsys):
+    """Without --input nothing is run; a model torch.fx cannot trace, with nothing else to convert, is
+    an error asking for --input rather than an empty report and exit 0."""
+    assert main(["explain", "tests/cli_models.py:BareRaises"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nothing was converted" in err and "give --input" in err
+
+
+def test_int_range_sets_the_integer_inputs(capsys):
+    """Integer inputs are drawn from --int-range [LOW, HIGH) (default [0, 2)): an embedding model is
+    measured on ids across its vocabulary, and ids past it are the model's own error, in one line."""
+    from ampfx.ui.cli import parse_input
+
+    ids = parse_input("64,32:int64", (0, 100))
+    assert ids.min() >= 0 and ids.max() < 100 and len(ids.unique()) > 50
+    assert set(parse_input("64,32:int64").unique().tolist()) == {0, 1}
+    assert main(["explain", "tests/cli_models.py:Embed", "--input", "8,5:int64", "--int-range", "0,100"]) == 0
+    capsys.readouterr()
+    assert main(["explain", "tests/cli_models.py:Embed", "--input", "8,50:int64", "--int-range", "0,1000"]) == 2
+    assert "IndexError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["5,5", "0", "a,b"])
+def test_a_bad_int_range_is_rejected_by_the_parser(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "tests/models.py:MLP", "--int-range", value])
+    assert exit_.value.code == 2 and "--int-range" in capsys.readouterr().err
+
+
+def test_every_subcommand_defaults_to_bf16_and_says_so():
+    """--dtype has one default (bfloat16) in every subcommand, and help text that says it."""
+    import argparse
+
+    import torch
+
+    from ampfx.ui.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        dtype = next(a for a in sub._actions if a.dest == "dtype")
+        assert dtype.default == torch.bfloat16, name
+        assert dtype.help and "bf16 (default)" in dtype.help, name
+        for action in sub._actions:
+            assert action.help, f"ampfx {name} {action.option_strings or action.dest} has no help"
+
+
+def test_lists_reasons_read_as_sentences(capsys):
+    """The float16 deny reasons of reductions and reciprocals are sentences (they once read "a sum of
+    many values large outputs for small inputs overflow ...")."""
+    assert main(["lists", "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "values large outputs" not in out and ") large outputs" not in out
+    assert "a sum of many values can overflow float16's range (max 65504) and lose low bits" in out
+    assert "1/x: small inputs give large outputs that overflow float16's range" in out
+
+
+def test_the_run_check_leaves_the_models_buffers_as_they_were():
+    """The float32 run on --input values before conversion does not move batch-norm statistics (compare
+    would otherwise measure a model one step on from the one it loaded)."""
+    import argparse
+
+    import torch
+
+    from ampfx.ui.cli import _check_runs
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _check_runs(model, (torch.randn(8, 4) * 3 + 1,), argparse.Namespace(target="t", input=["8,4"]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -292,7 +292,7 @@ def test_cli_plot_command_once_it_exists(tmp_path, capsys):
     (tmp_path / "m.py").write_text("import torch.nn as nn\n"
                                    "def build():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))\n")
     out = tmp_path / "range.png"
-    assert cli.main(["plot", f"{tmp_path / 'm.py'}:build", "--input", "32,8", "--out", str(out)]) == 0
+    assert cli.main(["plot", f"{tmp_path / 'm.py'}:build", "--input", "32,8", "--dtype", "fp16", "--out", str(out)]) == 0
     assert capsys.readouterr().out.startswith("fp16: zero below 2**-24")
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["plot", f"{tmp_path / 'm.py'}:build"]) == 2

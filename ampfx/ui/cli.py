@@ -1,10 +1,15 @@
 """The ``ampfx`` command: ``demo``, ``lists``, ``explain``, ``compare``, ``plot``.
 
-    ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png]
+    ampfx demo [--dtype bf16|fp16] [--steps N] [--loss-scale-plot FILE.png] [--out DIR]
     ampfx lists [--dtype bf16|fp16]
-    ampfx explain TARGET --dtype fp16 [--input 8,3,32,32[:float32] ...] [--format table|json|html] [--out DIR] [--html FILE]
-    ampfx compare TARGET --input 8,16 [--dtype bf16|fp16] [--top N] [--json FILE] [--seed N]
-    ampfx plot TARGET [--dtype fp16|bf16] --input 8,3,32,32 [--loss ce|mse] [--by module|op] [--log-y] [--out FILE.png]
+    ampfx explain TARGET [--dtype bf16|fp16] [--input 8,3,32,32[:float32] ...] [--int-range 0,1000]
+                  [--format table|json|html] [--out DIR] [--html FILE]
+    ampfx compare TARGET --input 8,16 [--dtype bf16|fp16] [--int-range LOW,HIGH] [--top N] [--json FILE] [--seed N]
+    ampfx plot TARGET [--dtype bf16|fp16] --input 8,3,32,32 [--int-range LOW,HIGH] [--loss ce|mse] [--by module|op]
+               [--log-y] [--out FILE.png]
+
+Every subcommand's ``--dtype`` defaults to bf16. Integer inputs are drawn from ``--int-range``
+(default 0,2: give the vocabulary size for token ids).
 
 ``TARGET`` is ``package.module:callable`` or ``path/to/file.py:callable``; the
 callable returns the model (an ``nn.Module`` instance or class).
@@ -53,8 +58,20 @@ def _positive(value: str) -> int:
     return number
 
 
-def parse_input(spec: str) -> torch.Tensor:
-    """``8,3,32,32`` or ``8,128:int64`` -> a random tensor of that shape and dtype; every size >= 1."""
+def parse_int_range(value: str) -> tuple[int, int]:
+    """An argparse type: ``LOW,HIGH`` -> integer inputs drawn from ``[LOW, HIGH)``."""
+    try:
+        low, high = (int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give LOW,HIGH as two integers, e.g. 0,1000") from None
+    if high <= low:
+        raise argparse.ArgumentTypeError(f"{value!r}: HIGH must be above LOW (values are drawn from [LOW, HIGH))")
+    return low, high
+
+
+def parse_input(spec: str, int_range: tuple[int, int] = (0, 2)) -> torch.Tensor:
+    """``8,3,32,32`` or ``8,128:int64`` -> a random tensor of that shape and dtype; every size >= 1.
+    Integer inputs are drawn from ``[low, high)`` of ``int_range`` (``--int-range``)."""
     shape_text, _, dtype_text = spec.partition(":")
     try:
         shape = tuple(int(s) for s in shape_text.split(","))
@@ -69,7 +86,7 @@ def parse_input(spec: str) -> torch.Tensor:
         return torch.randn(shape).to(dtype)
     if dtype is torch.bool:
         return torch.rand(shape) > 0.5
-    return torch.randint(0, 2, shape, dtype=dtype)
+    return torch.randint(*int_range, shape, dtype=dtype)
 
 
 def load_target(target: str) -> torch.nn.Module:
@@ -114,6 +131,28 @@ def _build(target: str, name: str, factory: Any) -> Any:
     return factory()
 
 
+def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    return tuple(parse_input(s, args.int_range) for s in args.input)
+
+
+def _check_runs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], args: argparse.Namespace) -> None:
+    """Run the float32 model once on the inputs: one that cannot run on them is a user error, before
+    any conversion (which would otherwise fail deep inside, or convert a model that cannot be run).
+    The buffers the run updates (batch-norm statistics) are put back as they were."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+            for b, value in buffers:
+                b.copy_(value)
+    except Exception as e:  # noqa: BLE001 - the model's own error, shown in one line
+        text = str(e).strip().splitlines()
+        given = " ".join(f"--input {s}" for s in args.input)
+        raise CLIError(f"TARGET {args.target!r}: the model does not run in float32 on {given} ({type(e).__name__}"
+                       f"{': ' + text[0] if text else ''}); give inputs its forward accepts (shapes, dtypes, "
+                       f"--int-range for token ids)") from None
+
+
 def _check_writable(path: str | None, flag: str, *, directory: bool = False) -> None:
     """Fail before any work when ``path`` cannot be written: its nearest existing ancestor must be a
     writable directory (and ``path`` itself, if it exists, a directory for ``directory`` else a file)."""
@@ -151,14 +190,20 @@ def cmd_lists(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    inputs = tuple(parse_input(s) for s in args.input) or None
+    inputs = _inputs(args) or None
     if args.tracer == "export" and inputs is None:
         raise CLIError("--tracer export runs the model on example inputs: give --input, e.g. --input 8,16")
     _check_writable(args.out, "--out", directory=True)
     _check_writable(args.html, "--html")
     model = load_target(args.target)
+    if inputs is not None:
+        _check_runs(model, inputs, args)
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     rep = amp.ampfx_report
+    root = next((reg.method for reg in rep.regions if reg.path == ""), "")
+    if inputs is None and root.startswith("eager") and not any(r.dtype is not None for r in rep.records):
+        raise CLIError(f"TARGET {args.target!r}: nothing was converted: torch.fx could not trace the model and it "
+                       "has no convertible submodules; give --input so that it is run (and its error shown)")
     if args.format == "json":
         for r in (rep.autocast_diff() if args.autocast_diff else rep.records):
             print(json.dumps(r.as_json(), default=str))
@@ -188,7 +233,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_writable(args.json, "--json")
     torch.manual_seed(args.seed)  # the model's initial weights and the random inputs, repeatable
     model = load_target(args.target)
-    inputs = tuple(parse_input(s) for s in args.input)
+    inputs = _inputs(args)
+    _check_runs(model, inputs, args)
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     result = compare(model, amp, inputs, top=args.top)
     print(result.table(color=sys.stdout.isatty()))
@@ -207,7 +253,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CLIError("--loss-scale-plot needs matplotlib: pip install 'ampfx[plots]'") from None
-    demo(str(args.dtype), steps=args.steps, loss_scale_plot=args.loss_scale_plot)
+    _check_writable(args.out, "--out", directory=True)
+    demo(str(args.dtype), steps=args.steps, loss_scale_plot=args.loss_scale_plot, out=args.out)
     return 0
 
 
@@ -218,16 +265,30 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise CLIError("needs matplotlib: pip install 'ampfx[plots]'") from None
     from .plots import collect_magnitudes, describe, range_plot, synthetic_loss
 
-    inputs = tuple(parse_input(s) for s in args.input)
+    inputs = _inputs(args)
     if not inputs:
         raise CLIError("give at least one --input, e.g. --input 8,3,32,32")
     _check_writable(args.out, "--out")
     model = load_target(args.target)
+    _check_runs(model, inputs, args)
     mags = collect_magnitudes(model, (inputs, None), synthetic_loss(args.loss), by=args.by)
     range_plot(mags, args.dtype, path=args.out, log_y=args.log_y)
     print(describe(mags, args.dtype))
     print(f"figure saved to {args.out}", file=sys.stderr)
     return 0
+
+
+_DTYPE_HELP = "the low-precision dtype: bf16 (default) or fp16"
+
+
+def _input_options(p: argparse.ArgumentParser, what: str) -> None:
+    """``--input`` (repeatable) and ``--int-range``."""
+    p.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help=f"{what}, e.g. 8,3,32,32 or 8,128:int64 (repeat for several); float inputs are drawn "
+                        "from a standard normal, integer ones from --int-range")
+    p.add_argument("--int-range", type=parse_int_range, default=(0, 2), metavar="LOW,HIGH",
+                   help="integer inputs are drawn from [LOW, HIGH): for token ids give the vocabulary, e.g. "
+                        "0,30522 (default 0,2)")
 
 
 def _tracer_option(p: argparse.ArgumentParser) -> None:
@@ -240,18 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampfx", description="Automatic mixed precision as a torch.fx graph rewrite.")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="convert the built-in example, show the report, train it side by side")
-    d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
+    d.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
     d.add_argument("--steps", type=_positive, default=200, help="training steps per run (default 200)")
     d.add_argument("--loss-scale-plot", metavar="PNG", help="with --dtype fp16: plot GradScaler's loss scale per step")
+    d.add_argument("--out", metavar="DIR", default="ampfx-demo",
+                   help="directory the full decision log and its HTML page are saved in (default ampfx-demo)")
     d.set_defaults(func=cmd_demo)
     ls = sub.add_parser("lists", help="the effective allow/infer/clear/deny lists after AMPFX_* overrides")
-    ls.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
+    ls.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
     ls.set_defaults(func=cmd_lists)
     e = sub.add_parser("explain", help="convert a model and print the decision log")
     e.add_argument("target", help="module.path:callable or file.py:callable returning the model")
-    e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16)
-    e.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
-                   help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
+    e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
+    _input_options(e, "an example input, run once in float32 to check it (without --input the model is not run)")
     _tracer_option(e)
     e.add_argument("--format", choices=["table", "json", "html"], default="table",
                    help="table (default), json (one record per line) or html (the graph page, to stdout)")
@@ -264,9 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="convert a model, then measure its output and gradient errors against "
                                        "float32 beside torch.autocast's")
     c.add_argument("target", help="module.path:callable or file.py:callable returning the float32 model")
-    c.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help="bf16 (default) or fp16")
-    c.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
-                   help="an input of the batch, e.g. 8,16 or 8,128:int64 (repeat for several)")
+    c.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
+    _input_options(c, "an input of the batch")
     c.add_argument("--top", type=_positive, default=10, help="parameters listed, worst first (default 10)")
     c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     c.add_argument("--seed", type=int, default=0,
@@ -276,9 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
                                      "(needs matplotlib)")
     pl.add_argument("target", help="module.path:callable or file.py:callable returning the float32 model")
-    pl.add_argument("--dtype", type=_dtype_arg, default=torch.float16, help="fp16 (default) or bf16")
-    pl.add_argument("--input", action="append", default=[], metavar="SHAPE[:DTYPE]",
-                    help="an example input, e.g. 8,3,32,32 or 8,128:int64 (repeat for several)")
+    pl.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16,
+                    help=_DTYPE_HELP + " (fp16's narrow range is what the plot is most often for)")
+    _input_options(pl, "an example input")
     pl.add_argument("--loss", choices=["ce", "mse"], default="ce",
                     help="ce: cross-entropy against random labels (classes on dim 1); mse: mean square of the output")
     pl.add_argument("--by", choices=["module", "op"], default="module", help="record leaf modules or every traced op")

@@ -310,10 +310,10 @@ def render(report: Report) -> str:
     low = data["low"]
     lines = [*report.summary().splitlines(), f"  {report.autocast_summary()}"]
     decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", "rule", "reason",
-                        "decided by", "shapes"),
+                        "decided by", "shapes before"),
                        [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-",
                          n["autocast"] or "-", n["rule"], n["reason"], history_text(n["history"]),
-                         " ".join(n["shapes"])) for n in data["nodes"]],
+                         " ".join(n["shapes_before"])) for n in data["nodes"]],
                        "decisions")
     diff = report.autocast_diff()
     differs = _table(("node", "op", "module", "ampfx", "autocast", "rule", "reason"),
@@ -448,8 +448,8 @@ _JS = r"""
     function nodeTip(n) {
       return [n.node, `${n.op} (${n.kind}) in ${n.module || "<root>"}`,
               `${n.category} \u00b7 dtype ${n.dtype || "-"} \u00b7 rule ${n.rule}`, n.reason,
-              n.shapes.length ? `shapes: ${n.shapes.join(", ")}` : "",
-              n.in_shapes.length ? `inputs: ${n.in_shapes.join(", ")}` : ""].filter(Boolean).join("\n");
+              n.shapes_before.length ? `shapes before: ${n.shapes_before.join(", ")}` : "",
+              n.in_shapes_before.length ? `inputs before: ${n.in_shapes_before.join(", ")}` : ""].filter(Boolean).join("\n");
     }
     const castTip = c => `${c.node}: ${c.value} ${c.source} \u2192 ${c.to}${c.weight ? " (weight)" : ""}` +
                          ` for ${c.consumers.join(", ")}: ${c.reason}`;
@@ -603,7 +603,8 @@ _JS = r"""
                     ["category", n.category], ["dtype", n.dtype || "- (left as written)"],
                     ["output dtype", n.out], ["rule", n.rule + (D.rules[n.rule] ? ` \u2014 ${D.rules[n.rule]}` : "")],
                     ["reason", n.reason], ["decided by", n.history.map(h => `${h[0]} (${h[1]})`).join(" \u2192 ")],
-                    ["shapes", n.shapes.join(", ")], ["input shapes", n.in_shapes.join(", ")],
+                    ["shapes before conversion", n.shapes_before.join(", ")],
+                    ["input shapes before conversion", n.in_shapes_before.join(", ")],
                     ["in-place", n.inplace ? "yes" : ""], ["inputs", ins.join(", ")], ["consumers", outs.join(", ")]]);
     }
     function showCasts(cs) {
