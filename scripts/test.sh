@@ -4,7 +4,9 @@
 #   smoke tests, and a headless-Chromium check of the HTML report (chromium installed here if missing).
 #   models: torch 2.14.1 + torchvision + timm + transformers (.venv-models), scripts/test-models.sh.
 #   dgl: torch 2.2.1 + dgl 2.1.0 (.venv-dgl, ~5 GB on first build), scripts/test-dgl.sh.
-# Arguments go to the core lane's pytest; SKIP_LANES="models" (or "models dgl") skips those lanes.
+#   trainers: torch 2.13 + pytorch-lightning 2.6 + accelerate 1.x + transformers 4.57 (.venv-trainers), and the
+#   wheel installed into a fresh venv, scripts/test-trainers.sh.
+# Arguments go to the core lane's pytest; SKIP_LANES="models" (or "models dgl trainers") skips those lanes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,3 +18,4 @@ fi
 .venv/bin/python -m pytest -q ampfx tests "$@"
 bash scripts/test-models.sh
 bash scripts/test-dgl.sh
+bash scripts/test-trainers.sh
