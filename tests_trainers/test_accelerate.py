@@ -136,3 +136,11 @@ def test_save_and_load_state_keep_the_scaler_and_the_policy(tmp_path):
     other.prepare(model(), torch.optim.SGD(model().parameters(), lr=0.1))
     with pytest.raises(PolicyMismatchError, match="fp32_modules"):
         other.load_state(tmp_path / "state")
+
+
+def test_a_module_converted_by_hand_is_refused():
+    """A module that ampfx.convert already made is refused with the fix (give the model itself)."""
+    import ampfx
+
+    with pytest.raises(ArgumentError, match="already a module converted by ampfx.convert"):
+        AmpfxAccelerator("bf16", cpu=True).prepare(ampfx.convert(model(), "bf16"))

@@ -77,6 +77,8 @@ def test_fine_tunes_like_the_trainers_own_bf16_without_autocast(tmp_path, autoca
     report = trainer.ampfx_report
     assert report.dtype == torch.bfloat16 and len(report.low()) > 10
     assert (tmp_path / "ampfx" / "ampfx" / "decisions.jsonl").exists()  # <output_dir>/ampfx
+    metrics = trainer.evaluate(Data(32))  # eval mode, no gradients: the converted model's other mode
+    assert 0 < metrics["eval_loss"] < 1.0 and autocast_spy.entered == 0
 
 
 def test_the_trainers_own_precision_flags_are_refused(tmp_path):

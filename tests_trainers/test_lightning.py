@@ -45,13 +45,13 @@ def data():
     return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
-def fit(tmp_path, epochs=3, model=None, ckpt_path=None, **trainer_kwargs):
+def fit(tmp_path, epochs=3, model=None, ckpt_path=None, val_dataloaders=None, **trainer_kwargs):
     torch.manual_seed(0)
     model = model or Classifier()
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", default_root_dir=tmp_path, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          **trainer_kwargs)
-    trainer.fit(model, data(), ckpt_path=ckpt_path)
+    trainer.fit(model, data(), val_dataloaders, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -171,3 +171,36 @@ def test_float16_checkpoint_keeps_the_scalers_state(tmp_path):
     resumed.load_state_dict(torch.load(ckpt, weights_only=True)["AmpfxPrecision"])
     resumed._scaler_for(torch.ones(1))
     assert resumed.scaler.get_scale() == 2.0 ** 15
+
+
+def test_first_forward_in_the_validation_sanity_check_converts_and_training_follows(tmp_path):
+    """With a validation loader, the first forward runs in eval mode under inference_mode (Lightning's sanity
+    check): that call converts, training then learns as without validation, and trainer.validate runs the
+    converted forward."""
+
+    class Validated(Classifier):
+        def validation_step(self, batch, i):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x), y))
+
+    plain, _ = fit(tmp_path / "plain", plugins=[AmpfxPrecision("bf16")])
+    torch.manual_seed(0)  # the same initial weights as fit's own Classifier()
+    model, trainer = fit(tmp_path / "val", model=Validated(), plugins=[AmpfxPrecision("bf16")],
+                         val_dataloaders=data())
+    assert trainer.sanity_checking is False and trainer.precision_plugin.report is not None
+    assert gap(model.losses, plain.losses) < 1e-3
+    (metrics,) = trainer.validate(model, data(), verbose=False)
+    assert metrics["val_loss"] < model.losses[0]
+
+
+def test_a_module_converted_by_hand_is_refused():
+    """ampfx.convert's result is not a LightningModule; a LightningModule's forward converted twice (two
+    plugins) is refused too, naming the fix."""
+    import ampfx
+
+    model = Classifier()
+    with pytest.raises(ArgumentError, match="LightningModule"):
+        AmpfxPrecision("bf16").convert_module(ampfx.convert(model.net, "bf16"))
+    AmpfxPrecision("bf16").convert_module(model)
+    with pytest.raises(ArgumentError, match="already converted by ampfx at its first call"):
+        AmpfxPrecision("bf16").convert_module(model)

@@ -201,6 +201,10 @@ class FirstCall:
         if isinstance(self.module.__dict__.get("forward"), _Routed):
             raise ArgumentError(f"{self.who}: {type(self.module).__name__} is already converted by ampfx at its first "
                                 "call (given to two trainers or plugins?): give it to one")
+        if getattr(self.module, "ampfx_report", None) is not None:
+            raise ArgumentError(f"{self.who}: {type(self.module).__name__} is already a module converted by "
+                                "ampfx.convert: give the trainer integration the model itself (it converts it at "
+                                "its first call), or train the converted module with the trainer's precision off")
         if "forward" in self.module.__dict__:
             raise ArgumentError(f"{self.who}: {type(self.module).__name__}.forward was replaced on the object (by "
                                 "another wrapper, such as Accelerate's autocast): give ampfx the model before any "
