@@ -83,7 +83,7 @@ def test_decision_log_is_saved_in_the_trainers_log_dir(tmp_path):
 
 def test_float16_uses_a_scaler_that_skips_non_finite_steps(tmp_path):
     """fp16: a GradScaler for the CPU scales the loss; the step whose gradients are infinite is skipped (the
-    weights keep their values) and the scale halves; training goes on and learns."""
+    weights keep their values) and the scale halves, gradient clipping included; training goes on and learns."""
     torch.manual_seed(0)
     model = Classifier(poison_first=True)
     before = model.net[0].weight.detach().clone()
@@ -96,7 +96,7 @@ def test_float16_uses_a_scaler_that_skips_non_finite_steps(tmp_path):
                 seen["weight"] = module.net[0].weight.detach().clone()
                 seen["scale"] = plugin.scaler.get_scale()
 
-    fit(tmp_path, model=model, plugins=[plugin], callbacks=[Watch()])
+    fit(tmp_path, model=model, plugins=[plugin], callbacks=[Watch()], gradient_clip_val=1.0)  # clips unscaled
     assert isinstance(plugin.scaler, torch.amp.GradScaler) and plugin.scaler.is_enabled()
     assert torch.equal(seen["weight"], before)
     assert seen["scale"] == 2.0 ** 16 / 2
