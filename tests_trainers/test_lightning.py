@@ -204,3 +204,13 @@ def test_a_module_converted_by_hand_is_refused():
     AmpfxPrecision("bf16").convert_module(model)
     with pytest.raises(ArgumentError, match="already converted by ampfx at its first call"):
         AmpfxPrecision("bf16").convert_module(model)
+
+
+def test_a_dtype_that_disagrees_with_the_policy_is_an_error():
+    """AmpfxPrecision('bf16', policy=Policy('fp16')) names both; the policy alone sets the dtype."""
+    from ampfx import Policy
+
+    with pytest.raises(ArgumentError, match="disagrees with policy.dtype"):
+        AmpfxPrecision("bf16", policy=Policy("fp16"))
+    assert AmpfxPrecision(policy=Policy("fp16")).precision == "16-mixed"
+    assert AmpfxPrecision().precision == "bf16-mixed"

@@ -40,14 +40,15 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 class AmpfxAccelerator(Accelerator):
     """An ``Accelerator`` that converts each model given to ``prepare()`` with ampfx (at its first call).
 
-    ``dtype``: ``"bf16"`` (default) or ``"fp16"``; ``policy``, or ``ampfx_options``: a dict of the fields of
-    :class:`ampfx.Policy` and ``tracer`` / ``dynamic_dims``, as for :func:`ampfx.convert`; ``report_dir``: where each model's decision log is saved (main process only; default
-    none); every other keyword goes to ``Accelerator``.
+    ``dtype``: ``"bf16"`` (the default, or ``policy.dtype``) or ``"fp16"``; ``policy``, or ``ampfx_options``: a
+    dict of the fields of :class:`ampfx.Policy` and ``tracer`` / ``dynamic_dims``, as for :func:`ampfx.convert`;
+    ``report_dir``: where each model's decision log is saved (main process only; default none); every other
+    keyword goes to ``Accelerator``.
     """
 
-    def __init__(self, dtype: Any = "bf16", *, policy: Policy | None = None, ampfx_options: dict | None = None,
+    def __init__(self, dtype: Any = None, *, policy: Policy | None = None, ampfx_options: dict | None = None,
                  report_dir: str | os.PathLike | None = None, **accelerator_kwargs: Any) -> None:
-        setup = Setup.of("AmpfxAccelerator", dtype if policy is None else None, policy, dict(ampfx_options or {}))
+        setup = Setup.of("AmpfxAccelerator", dtype, policy, dict(ampfx_options or {}))
         name = _NAMES[setup.dtype]
         given = accelerator_kwargs.pop("mixed_precision", None)
         from_env = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -112,8 +113,8 @@ class AmpfxAccelerator(Accelerator):
         if state.get("format") != FORMAT:
             raise ArgumentError(f"AmpfxAccelerator: the saved ampfx state has format {state.get('format')!r}, "
                                 f"expected {FORMAT!r}")
-        self.ampfx_setup.check_state(state, "AmpfxAccelerator",
-                                     "Make the AmpfxAccelerator with the same dtype and options as the run that saved it")
+        self.ampfx_setup.check_state(state, "AmpfxAccelerator", "Make the AmpfxAccelerator with the same dtype and "
+                                     "options as the run that saved it")
         self._resumed = list(state.get("applied") or [])
         for first, saved in zip(self._firsts, self._resumed):
             if first.report is not None:

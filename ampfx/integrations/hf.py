@@ -29,11 +29,11 @@ POLICY_FILE = "ampfx_policy.json"
 
 
 class AmpfxTrainer(Trainer):
-    """``transformers.Trainer`` with ampfx's mixed precision: ``ampfx`` is the dtype (``"bf16"`` or ``"fp16"``),
-    ``ampfx_policy`` / ``ampfx_options`` as for :class:`~ampfx.integrations.accelerate.AmpfxAccelerator`; every
-    other argument is the Trainer's."""
+    """``transformers.Trainer`` with ampfx's mixed precision: ``ampfx`` is the dtype (``"bf16"``, the default, or
+    ``"fp16"``), ``ampfx_policy`` / ``ampfx_options`` as for
+    :class:`~ampfx.integrations.accelerate.AmpfxAccelerator`; every other argument is the Trainer's."""
 
-    def __init__(self, *args: Any, ampfx: Any = "bf16", ampfx_policy: Policy | None = None,
+    def __init__(self, *args: Any, ampfx: Any = None, ampfx_policy: Policy | None = None,
                  ampfx_options: dict | None = None, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and (training_args.bf16 or training_args.fp16):
@@ -41,7 +41,7 @@ class AmpfxTrainer(Trainer):
             raise ArgumentError(f"AmpfxTrainer: TrainingArguments({flag}=True) turns the Trainer's own autocast on; "
                                 f"ampfx does the mixed precision: set {flag}=False and give AmpfxTrainer(..., "
                                 f"ampfx={flag!r})")
-        self._ampfx = dict(dtype=ampfx if ampfx_policy is None else None, policy=ampfx_policy,
+        self._ampfx = dict(dtype=ampfx, policy=ampfx_policy,
                            ampfx_options=ampfx_options)
         super().__init__(*args, **kwargs)
 

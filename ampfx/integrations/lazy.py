@@ -125,7 +125,8 @@ class Setup:
         except PolicyError as e:
             saved, why = None, str(e)
         return {"dtype": dtype_name(self.dtype), "policy": saved, "unsaved": why, "tracer": self.tracer,
-                "dynamic_dims": None if self.dynamic_dims is None else {str(k): v for k, v in self.dynamic_dims.items()}}
+                "dynamic_dims": None if self.dynamic_dims is None else {
+                    str(k): v for k, v in self.dynamic_dims.items()}}
 
     def check_state(self, saved: dict[str, Any], who: str, fix: str) -> None:
         """Raise :class:`PolicyMismatchError` where ``saved`` (:meth:`state` of the run that wrote a

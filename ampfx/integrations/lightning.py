@@ -47,16 +47,17 @@ FORMAT = "ampfx-lightning/1"
 class AmpfxPrecision(Precision):
     """A Lightning precision plugin that converts the LightningModule's forward with ampfx.
 
-    ``dtype``: ``"bf16"`` (default) or ``"fp16"`` (or a torch dtype); ``policy`` or keyword options (the fields
-    of :class:`ampfx.Policy`, ``tracer``, ``dynamic_dims``) as for :func:`ampfx.convert`. ``scaler``: a
-    ``torch.amp.GradScaler`` to use under float16 (default: one made for the loss's device). ``log_dir``: where
-    the decision log goes (default: ``<trainer.log_dir>/ampfx``; ``False``: not saved).
+    ``dtype``: ``"bf16"`` (the default, or ``policy.dtype``) or ``"fp16"`` (or a torch dtype); ``policy`` or
+    keyword options (the fields of :class:`ampfx.Policy`, ``tracer``, ``dynamic_dims``) as for
+    :func:`ampfx.convert`. ``scaler``: a ``torch.amp.GradScaler`` to use under float16 (default: one made for the
+    loss's device). ``log_dir``: where the decision log goes (default: ``<trainer.log_dir>/ampfx``; ``False``: not
+    saved).
     """
 
-    def __init__(self, dtype: Any = "bf16", *, policy: Policy | None = None,
+    def __init__(self, dtype: Any = None, *, policy: Policy | None = None,
                  scaler: torch.amp.GradScaler | None = None, log_dir: str | os.PathLike | bool | None = None,
                  **options: Any) -> None:
-        self.setup = Setup.of("AmpfxPrecision", dtype if policy is None else None, policy, dict(options))
+        self.setup = Setup.of("AmpfxPrecision", dtype, policy, dict(options))
         fp16 = self.setup.dtype == torch.float16
         if scaler is not None and not fp16:
             raise ArgumentError(f"AmpfxPrecision({dtype_name(self.setup.dtype)!r}) uses no GradScaler (bfloat16 has "
@@ -134,14 +135,15 @@ class AmpfxPrecision(Precision):
             self._scaler_state = None
         return self.scaler
 
-    def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor,  # type: ignore[override]
+                     module: "pl.LightningModule") -> torch.Tensor:
         scaler = self._scaler_for(tensor)
         if scaler is not None:
             tensor = scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any],  # type: ignore[override]
-                       **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule",  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         """As Lightning's ``MixedPrecision``: bfloat16 steps as usual; float16 runs the closure, unscales the
         gradients (before clipping and ``on_before_optimizer_step``), then the scaler steps (skipped where a
         gradient is not finite) and updates its scale."""
