@@ -214,3 +214,18 @@ def test_a_dtype_that_disagrees_with_the_policy_is_an_error():
         AmpfxPrecision("bf16", policy=Policy("fp16"))
     assert AmpfxPrecision(policy=Policy("fp16")).precision == "16-mixed"
     assert AmpfxPrecision().precision == "bf16-mixed"
+
+
+def test_resuming_without_the_ampfx_variables_of_the_checkpoints_run_is_an_error(tmp_path, monkeypatch):
+    """An AMPFX_* variable applies on top of the plugin's policy: a run resumed without the one the checkpoint's
+    run had converts with another policy, which raises at its first forward, naming the variable."""
+    monkeypatch.setenv("AMPFX_DENYLIST_ADD", "gelu")
+    monkeypatch.setenv("AMPFX_INFERLIST_REMOVE", "gelu")
+    _, trainer = fit(tmp_path / "a", epochs=1, plugins=[AmpfxPrecision("bf16")])
+    assert trainer.precision_plugin.report.by_node("net_1").dtype == torch.float32
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    monkeypatch.delenv("AMPFX_DENYLIST_ADD")
+    monkeypatch.delenv("AMPFX_INFERLIST_REMOVE")
+    with pytest.raises(PolicyMismatchError, match="AMPFX_DENYLIST_ADD"):
+        fit(tmp_path / "b", epochs=2, plugins=[AmpfxPrecision("bf16")], ckpt_path=ckpt)
