@@ -71,6 +71,17 @@ class NonFiniteError(FloatingPointError):
                          f"produced inf/NaN from finite inputs; input ranges: {'; '.join(inputs) or 'none'}")
 
 
+class AutocastConflictError(RuntimeError):
+    """``torch.autocast`` is on around a forward that ampfx converted (a trainer integration,
+    :mod:`ampfx.integrations.lazy`): the two would both choose dtypes. The message names the model and
+    what turned autocast on (the trainer's own mixed-precision flag, or an autocast block in the training
+    step)."""
+
+
+class PolicyMismatchError(PolicyError):
+    """A trainer checkpoint was written with another policy than the one the resumed run was given."""
+
+
 class CLIError(Exception):
     """A bad command-line argument of the ``ampfx`` command; the message names it."""
 

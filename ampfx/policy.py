@@ -332,6 +332,12 @@ class Policy:
         """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy_file`)."""
         return policy_file.load(path, cls)
 
+    @classmethod
+    def from_json(cls, data: Any, *, where: str = "Policy.from_json") -> "Policy":
+        """The policy of ``data``, the content :meth:`save` writes (:func:`ampfx.policy_file.as_json`), as a
+        trainer's checkpoint keeps it; a bad value is a :class:`PolicyError` naming ``where``."""
+        return policy_file.from_json(data, cls, where=where)
+
     def _torch_op_name(self, ref: custom_ops.OpRef) -> str:
         """A graph's torch op (not in ampfx's tables) by its list name: ``"ns::op.overload"`` when a list
         names that overload, else ``"ns::op"``. A call of the op without overload (``torch.ops.ns.op(x)``

@@ -127,6 +127,11 @@ def _read(path: str | os.PathLike, where: str, cls: type[Policy]) -> dict[str, A
         raise PolicyError(f"{where}: cannot read the policy file {str(path)!r}: {e.strerror or e}") from e
     except json.JSONDecodeError as e:
         raise PolicyError(f"{where}: {str(path)!r} is not a policy file (invalid JSON: {e})") from e
+    return _fields(data, path, where, cls)
+
+
+def _fields(data: Any, path: str | os.PathLike, where: str, cls: type[Policy]) -> dict[str, Any]:
+    """The fields of a file's content ``data``, each checked to be a Policy field (``path`` names it)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise PolicyError(f"{where}: {str(path)!r} is not an ampfx policy file (format {found!r}, expected "
@@ -137,6 +142,17 @@ def _read(path: str | os.PathLike, where: str, cls: type[Policy]) -> dict[str, A
             raise PolicyError(f"{where}: {str(path)!r} sets {key!r}, which is not a Policy field."
                               f"{did_you_mean(key, known)}")
     return {k: v for k, v in data.items() if k != "format"}
+
+
+def from_json(data: Any, cls: type[Policy], *, where: str = "Policy.from_json") -> Policy:
+    """The :class:`~ampfx.policy.Policy` (``cls``) of :func:`as_json`'s content (what a checkpoint keeps of a
+    policy); a bad value is a :class:`PolicyError` naming ``where``.
+
+    >>> import ampfx
+    >>> ampfx.Policy.from_json(as_json(ampfx.Policy("fp16", fp32_modules=("head",)))).fp32_modules
+    ('head',)
+    """
+    return _policy(_fields(data, "(given as data)", where, cls), "(given as data)", where, cls)
 
 
 def _leaf(value: Any) -> Any:

@@ -89,7 +89,7 @@ def policy_of(caller: str, dtype: Any, policy: Policy | None, given: Mapping[str
         check_options(caller, given)
         raise ArgumentError(f"{caller}(): pass either policy= or policy options, not both: {sorted(given)}")
     if dtype is not None and parse_dtype(dtype) != policy.dtype:
-        raise PolicyError(f"{caller}(): dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
+        raise ArgumentError(f"{caller}(): dtype={dtype!r} disagrees with policy.dtype={policy.dtype}; give one of them")
     return policy
 
 

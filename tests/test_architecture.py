@@ -228,6 +228,38 @@ def layer_violations() -> list[str]:
     return sorted(bad)
 
 
+TRAINERS = ("ampfx.integrations.lazy", "ampfx.integrations.lightning", "ampfx.integrations.accelerate",
+            "ampfx.integrations.hf")
+"""The trainer integrations: above the public API (they call ampfx.convert), imported only by one another."""
+TRAINER_LIBRARIES = ("pytorch_lightning", "lightning", "lightning_fabric", "accelerate", "transformers")
+
+
+def trainer_violations() -> list[str]:
+    """Imports of a trainer integration from the rest of ampfx, of a trainer library from the rest of ampfx,
+    and of pass or capture internals from a trainer integration."""
+    known = modules()
+    bad = []
+    for name, path in known.items():
+        edges = _imports(name, path, known)[0]
+        libraries = {a.name.split(".")[0] for n in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(n, ast.Import) for a in n.names}
+        libraries |= {n.module.split(".")[0] for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        if name in TRAINERS:
+            bad += [f"{name} imports {e}" for e in edges if e.startswith(("ampfx.passes", "ampfx.capture", "ampfx.tree",
+                                                                         "ampfx.rewrite", "ampfx.ui"))]
+        else:
+            bad += [f"{name} imports {e}" for e in edges if e in TRAINERS]
+            bad += [f"{name} imports {lib}" for lib in sorted(libraries & set(TRAINER_LIBRARIES))]
+    return sorted(bad)
+
+
+def test_trainer_integrations_sit_above_the_core():
+    """No core module imports a trainer integration or a trainer library (even inside a function); the
+    integrations use the public API, no pass or capture internals."""
+    assert trainer_violations() == []
+
+
 def test_layers_import_only_what_they_may():
     """Passes import no capture or stage module, integrations no pass, ops no integration, nothing the UI."""
     assert layer_violations() == []
@@ -266,9 +298,10 @@ def test_every_pass_has_a_unit_test_file():
 
 
 def test_the_core_imports_no_user_interface_or_integration_library():
-    """``import ampfx`` loads no UI module (rich is imported only when a table is printed) and no DGL."""
-    code = ("import sys, ampfx; bad = [m for m in sys.modules if m.startswith('ampfx.ui') or m == 'dgl' "
-            "or m.startswith('dgl.')]; sys.exit(', '.join(bad) or None)")
+    """``import ampfx`` loads no UI module (rich is imported only when a table is printed), no DGL, and no trainer
+    integration or library."""
+    code = ("import sys, ampfx; bad = [m for m in sys.modules if m.startswith('ampfx.ui') or m.split('.')[0] in "
+            f"{('dgl', *TRAINER_LIBRARIES)!r} or m in {TRAINERS!r}]; sys.exit(', '.join(bad) or None)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

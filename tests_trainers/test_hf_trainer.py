@@ -1,0 +1,110 @@
+"""AmpfxTrainer: HF Trainer fine-tunes a transformers model through ampfx, like its own bf16 mode."""
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from conftest import gap
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+from ampfx.errors import ArgumentError
+from ampfx.integrations.hf import POLICY_FILE, AmpfxTrainer
+from ampfx.errors import PolicyMismatchError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class Data(torch.utils.data.Dataset):
+    """Token sequences labelled by whether token 7 occurs (synthetic, made here)."""
+
+    def __init__(self, n=96, length=12):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 64, (n, length), generator=g)
+        self.labels = (self.ids == 7).any(1).long() | (self.ids[:, 0] > 40).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class Losses(TrainerCallback):
+    def __init__(self):
+        self.losses = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+def bert():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=32, num_labels=2))
+
+
+def train(tmp_path, cls=Trainer, steps=12, resume=None, save=False, **kwargs):
+    flags = {k: kwargs.pop(k) for k in ("bf16", "fp16") if k in kwargs}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=16,
+                             logging_steps=1, learning_rate=2e-3, report_to=[], use_cpu=True, seed=0,
+                             save_strategy="steps" if save else "no", save_steps=steps // 2,
+                             disable_tqdm=True, **flags)
+    losses = Losses()
+    trainer = cls(model=bert(), args=args, train_dataset=Data(), callbacks=[losses], **kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, losses.losses
+
+
+def test_fine_tunes_like_the_trainers_own_bf16_without_autocast(tmp_path, autocast_spy):
+    """The loss curve is as close to TrainingArguments(bf16=True) as that is to float32; no autocast is
+    entered; the report is trainer.ampfx_report and is saved in <output_dir>/ampfx."""
+    _, fp32 = train(tmp_path / "fp32")
+    AcceleratorState._reset_state(True)
+    _, own = train(tmp_path / "own", bf16=True)
+    assert autocast_spy.entered > 0
+    autocast_spy.entered = 0
+    AcceleratorState._reset_state(True)
+    trainer, amp = train(tmp_path / "ampfx", cls=AmpfxTrainer, ampfx="bf16")
+    assert autocast_spy.entered == 0
+    assert gap(amp, own) <= 2 * gap(own, fp32) + 2e-3
+    report = trainer.ampfx_report
+    assert report.dtype == torch.bfloat16 and len(report.low()) > 10
+    assert (tmp_path / "ampfx" / "ampfx" / "decisions.jsonl").exists()  # <output_dir>/ampfx
+    metrics = trainer.evaluate(Data(32))  # eval mode, no gradients: the converted model's other mode
+    assert 0 < metrics["eval_loss"] < 1.0 and autocast_spy.entered == 0
+
+
+def test_the_trainers_own_precision_flags_are_refused(tmp_path):
+    """bf16=True / fp16=True would turn the Trainer's autocast on beside ampfx: an error naming the flag."""
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
+    with pytest.raises(ArgumentError, match="bf16=True"):
+        AmpfxTrainer(model=bert(), args=args, train_dataset=Data(), ampfx="bf16")
+
+
+def test_float16_uses_the_accelerators_scaler(tmp_path):
+    """fp16 through ampfx on the CPU: the Trainer's accelerator holds a GradScaler, which the Trainer uses."""
+    trainer, losses = train(tmp_path, cls=AmpfxTrainer, steps=6, ampfx="fp16")
+    assert isinstance(trainer.accelerator.scaler, torch.amp.GradScaler)
+    assert trainer.accelerator.scaler._scale is not None  # it scaled a loss
+    assert trainer.ampfx_report.dtype == torch.float16 and all(l == l for l in losses)
+
+
+def test_checkpoint_resumes_with_the_same_policy(tmp_path):
+    """Each checkpoint holds the policy; resuming with the same one goes on, with another one raises."""
+    options = {"fp32_modules": ("classifier",)}
+    train(tmp_path, cls=AmpfxTrainer, steps=4, save=True, ampfx_options=options)
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / POLICY_FILE).exists()
+    AcceleratorState._reset_state(True)
+    trainer, _ = train(tmp_path, cls=AmpfxTrainer, steps=4, resume=str(ckpt), ampfx_options=options)
+    assert trainer.state.global_step == 4
+    AcceleratorState._reset_state(True)
+    with pytest.raises(PolicyMismatchError, match="fp32_modules"):
+        train(tmp_path, cls=AmpfxTrainer, steps=4, resume=str(ckpt))
