@@ -16,10 +16,12 @@ from .policy import Policy, PolicyError
 from .register import register_op
 from .report import CastInfo, Decision, Report
 from .tune import TuneError, TuneResult, tune
+from . import weight_cache
+from .weight_cache import attach
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
            "sensitivity", "SensitivityResult", "NodeSensitivity",
-           "tune", "TuneResult", "TuneError", "register_op"]
+           "tune", "TuneResult", "TuneError", "register_op", "attach", "weight_cache"]
 __version__ = "0.1.0"
