@@ -312,3 +312,41 @@ def test_torch_compile_reads_the_masters():
     got = accumulate(compiled, model, 2)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_graph_not_yet_backpropagated_keeps_the_copy_it_was_built_with():
+    """Forward, change the weights in place, forward again, then both backwards: the refresh makes a new copy
+    instead of writing over the one the first graph saved, so the gradients are those of per-call casts (an
+    overwrite would compute the first graph's gradients with the new values)."""
+    model, amp, plain = pair()
+    results = []
+    for m in (amp, plain):
+        torch.manual_seed(0)
+        model.load_state_dict(Net().state_dict())
+        model.zero_grad(set_to_none=True)
+        m(X).sum().backward()  # .grad exists: the second forward's copies come from the refresh, not a cast
+        first = m(X).pow(2).sum()
+        with torch.no_grad():  # the Linear weights: the graph saves only their low copies, never the masters
+            for lin in [mod for mod in model.modules() if isinstance(mod, nn.Linear)]:
+                lin.weight.mul_(0.5)
+        second = m(X).pow(2).sum()
+        first.backward()
+        second.backward()
+        results.append(grads(model))
+    for n in results[1]:
+        torch.testing.assert_close(results[0][n], results[1][n], rtol=1e-5, atol=1e-6)
+
+
+def test_the_cache_lets_its_copies_go_where_it_stands_aside():
+    """A module that starts using the cache and is then run where it stands aside (here: inside a torch.func
+    transform) lets its copies go, and says why in status()."""
+    model, amp, plain = pair()
+    amp(X).sum().backward()
+    assert all(c.nbytes() > 0 for _, c in weight_cache.caches(amp))
+    params = dict(model.named_parameters())
+    out = torch.func.functional_call(amp, params, (X,))
+    torch.testing.assert_close(out, plain(X), rtol=0, atol=0)
+    grads_f = torch.func.grad(lambda p: torch.func.functional_call(amp, p, (X,)).sum())(params)
+    assert set(grads_f) == set(params)
+    assert "inside a torch.func transform" in weight_cache.status(amp)
+    assert all(c.nbytes() == 0 for _, c in weight_cache.caches(amp))
