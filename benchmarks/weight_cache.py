@@ -11,7 +11,11 @@ blocks) and a CNN with batch norm (4 conv / batch-norm / ReLU stages); each with
 with and without activation checkpointing of each block (``checkpoint_wrapper``, non-reentrant).
 "Cache MB" is what the cache holds between steps (2 bytes per cached bf16 element).
 
-    python benchmarks/weight_cache.py [--dtype bf16] [--ks 1,4]
+``--time`` prints median CPU step times instead (one thread, the three runs interleaved, ``--reps`` steps
+each) of the transformer at widths 64 and 512: what the saved casts buy against the Python autograd node the
+cache adds per weight and micro-batch.
+
+    python benchmarks/weight_cache.py [--dtype bf16] [--ks 1,4] [--time [--widths 64,512] [--reps 15]]
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ import argparse
 import contextlib
 import copy
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -140,15 +146,52 @@ def rows(dtype: torch.dtype, ks: list[int]) -> None:
                           f"{written / 2**20:>12.2f}{written / ac[1]:>8.2f}{held / 2**20:>10.3f}", flush=True)
 
 
+def timings(dtype: torch.dtype, ks: list[int], widths: list[int], reps: int) -> None:
+    """``--time``: median CPU step time (one thread, the runs interleaved) of the transformer at each width."""
+    torch.set_num_threads(1)
+    for d in widths:
+        torch.manual_seed(0)
+        base, idx = GPT(d=d, heads=8 if d >= 256 else 4), torch.randint(0, 128, (2, 32))
+        y = torch.roll(idx, -1, 1)
+        for k in ks:
+            steps = {}
+            for how in ("autocast", "ampfx, no cache", "ampfx"):
+                model = copy.deepcopy(base)
+                if how == "autocast":
+                    run, region = model, (lambda: torch.autocast("cpu", dtype))
+                else:
+                    run, region = ampfx.convert(model, dtype, example_inputs=(idx,), weight_cache=how == "ampfx"), \
+                        contextlib.nullcontext
+                steps[how] = step_of(model, run, idx, y, k, region)
+                steps[how]()
+            times: dict[str, list[float]] = {how: [] for how in steps}
+            for _ in range(reps):
+                for how, step in steps.items():
+                    start = time.perf_counter()
+                    step()
+                    times[how].append(time.perf_counter() - start)
+            ac = statistics.median(times["autocast"])
+            for how, t in times.items():
+                print(f"{'transformer d=' + str(d):<18}{k:>3}  {how:<17}{statistics.median(t) * 1e3:>10.1f}"
+                      f"{statistics.median(t) / ac:>8.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--ks", default="1,4", help="micro-batches per optimizer step, comma-separated")
+    ap.add_argument("--time", action="store_true", help="CPU step times of the transformer instead of counts")
+    ap.add_argument("--widths", default="64,512", help="--time: transformer widths")
+    ap.add_argument("--reps", type=int, default=15, help="--time: steps timed per run")
     args = ap.parse_args(argv)
     dtype = ampfx.policy.parse_dtype(args.dtype, where="--dtype")
     ks = [int(k) for k in args.ks.split(",")]
     print(f"weight cache: torch {torch.__version__}, python {platform.python_version()}, ampfx {ampfx.__version__}, "
           f"{platform.machine()} CPU, {str(dtype)[6:]}; per optimizer step (second step)")
+    if args.time:
+        print(f"\n{'model':<18}{'k':>3}  {'run':<17}{'step ms':>10}{'x ac':>8}")
+        timings(dtype, ks, [int(w) for w in args.widths.split(",")], args.reps)
+        return
     print(f"\n{'model':<13}{'ckpt':<7}{'k':>3}  {'run':<17}{'casts':>7}{'x ac':>8}{'written MB':>12}{'x ac':>8}"
           f"{'cache MB':>10}")
     rows(dtype, ks)
