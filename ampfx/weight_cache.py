@@ -37,7 +37,10 @@ float32 temporary), but only where nothing else watches the accumulation: no
 tensor hook or post-accumulate-grad hook on the master, no process group (DDP's
 reducer hooks ``AccumulateGrad``, invisibly from Python), no ``create_graph``,
 not ``autograd.grad`` (which must return the gradient, not accumulate it), not
-under torch.compile. Elsewhere the gradient takes the ordinary path.
+under torch.compile. Elsewhere the gradient takes the ordinary path. A hook put on
+the master's ``AccumulateGrad`` node itself (``p.view_as(p).grad_fn.next_functions[0][0]
+.register_hook``) cannot be seen from Python: in one process, with such a hook, set
+``weight_cache=False``.
 
 The cache stands aside (the graph casts the master per call, as without it) inside
 FSDP2 (a sharded module, or DTensor parameters: FSDP2 owns the low weights with a
