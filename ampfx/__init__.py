@@ -18,10 +18,12 @@ from .register import register_op
 from .report import Report
 from .records import CastInfo, Decision
 from .tune import TuneResult, tune
+from . import weight_cache
+from .weight_cache import attach
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
            "sensitivity", "SensitivityResult", "NodeSensitivity",
-           "tune", "TuneResult", "TuneError", "register_op"]
+           "tune", "TuneResult", "TuneError", "register_op", "attach", "weight_cache"]
 __version__ = "0.1.0"

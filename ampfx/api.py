@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from . import module_match, view
+from . import module_match, view, weight_cache
 from .errors import ArgumentError
 from .decide import check_tuned
 from .follow import follow
@@ -118,7 +118,8 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
     result, views = view.rebase(result, model)
     follower = follow(model, result, views)
     _arm(views, request, follower, model)
-    notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else ())
+    notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else
+                            _cache_weights(result, request.policy))
     if given_a_view:
         notes += ("the module given is a converted module, a view of its model: that model was converted",)
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
@@ -204,6 +205,23 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
         count, nbytes = count + len(copies.entries), nbytes + copies.nbytes()
     return (f"inference mode: {count} weights read from {dtype_name(dtype)} copies made once ({nbytes:,} bytes beside "
             "the model's float32 weights) and made again only when a weight changes",)
+
+
+def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
+    """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.weight_cache`),
+    unless the policy turns that off; the note saying which."""
+    if not policy.weight_cache:
+        return ("weight cache: off (weight_cache=False or AMPFX_WEIGHT_CACHE=0): weights are cast at every forward",)
+    count = numel = 0
+    for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
+        cache = weight_cache.install(gm, policy.dtype)
+        gm._install_dispatch()
+        count += len(cache.entries)
+        numel += sum(e.owner[e.name].numel() for e in cache.entries)
+    nbytes = numel * torch.finfo(policy.dtype).bits // 8
+    return (f"weight cache: on, {count} weights cast to {dtype_name(policy.dtype)} once per change of their float32 "
+            f"masters and reused by every forward, backward and recompute ({nbytes:,} bytes held between steps; "
+            "off inside FSDP2 and torch.compile: ampfx.weight_cache)",)
 
 
 def _policy_log(request: Request) -> dict[str, Any]:

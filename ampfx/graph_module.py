@@ -62,6 +62,8 @@ _LOCAL = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_trace
                     "_replace_hooks", "_deepcopy_hooks", "forward", "graph", "code", *TREE, *HOOKS})
 """``GraphModule``'s own attributes: kept on this module, never written to the model module."""
 _MISSING = object()
+DISPATCHED = frozenset({"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low", "_ampfx_weights"})
+"""What a graph module's call does besides running its graph: any of these installs the dispatch."""
 MADE = ("_ampfx", "_tensor_constant", "_torchbind_obj")
 """Attributes a capture made (constants torch.fx and ampfx set on the traced copy): the graph module's own."""
 
@@ -309,12 +311,16 @@ class AmpGraphModule(fx.GraphModule):
             guard(args, kwargs)
         if low is not None:  # mode="inference": weights changed since their copies were made are copied again
             low.refresh(self)
-        return type(self)._ampfx_graph_forward(self, *args, **kwargs)
+        cache = self.__dict__.get("_ampfx_weights")
+        if cache is None:
+            return type(self)._ampfx_graph_forward(self, *args, **kwargs)
+        with cache.used(self):  # training mode's weight cache (ampfx.weight_cache): copies made again where stale
+            return type(self)._ampfx_graph_forward(self, *args, **kwargs)
 
     def recompile(self) -> Any:
         """``GraphModule.recompile`` (pickling calls it too), keeping the dispatch."""
         code = super().recompile()
-        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low"} & self.__dict__.keys():
+        if DISPATCHED & self.__dict__.keys():
             self._install_dispatch()
         return code
 
@@ -364,7 +370,7 @@ class AmpGraphModule(fx.GraphModule):
             res.view_of(model)
         if "ampfx_report" in self.__dict__:
             res.__dict__["ampfx_report"] = self.ampfx_report  # frozen: safe to share
-        if {"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low"} & res.__dict__.keys():
+        if DISPATCHED & res.__dict__.keys():
             res._install_dispatch()
         return res
 
@@ -471,7 +477,7 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
     rebind, recorded = gm.__dict__.pop("_ampfx_rebind", None), gm.__dict__.get("_ampfx_recorded")
     if rebind is not None and recorded is not None:
         gm.__dict__["_ampfx_fixed"] = recorded.bind(gm, *rebind, low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16))
-    if {"_ampfx_alt", "_ampfx_guard", "_ampfx_low", "_ampfx_fixed"} & gm.__dict__.keys():
+    if DISPATCHED & gm.__dict__.keys():
         gm._install_dispatch()
     return gm
 

@@ -47,7 +47,10 @@ def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        obj = attr_of(gm, str(node.target))
+        try:
+            obj = attr_of(gm, str(node.target))
+        except AttributeError:  # a constant the graph holds outside the module tree (a generator the model owns)
+            continue
         if isinstance(obj, nn.Parameter) and obj.dtype in runtime.CASTABLE:
             low_use = all(u.op == "call_function" and u.target in (runtime.cast, runtime.cast_pad)
                           and u.args[1] == low for u in node.users)

@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 class CastCounter(TorchDispatchMode):
     """Counts ``aten._to_copy`` calls that change dtype (forward and backward,
-    autocast's casts included) and the bytes they write (``bytes``), and the
+    autocast's casts included) and each dtype-changing pair of an
+    ``aten._foreach_copy_`` (the weight cache's refresh), and the bytes they write (``bytes``), and the
     bytes written by every op's tensor outputs, casts included (``written``: a
     measure of the memory traffic a dtype choice causes, views excluded)."""
 
@@ -36,6 +37,14 @@ class CastCounter(TorchDispatchMode):
             if "dtype" in kwargs and kwargs["dtype"] is not None and kwargs["dtype"] != args[0].dtype:
                 self.count += 1
                 self.bytes += out.numel() * out.element_size()
+        if func.overloadpacket is torch.ops.aten._foreach_copy_:  # in place, one launch for many copies
+            for dst, src in zip(args[0], args[1]):
+                nbytes = dst.numel() * dst.element_size()
+                self.written += nbytes
+                if dst.dtype != src.dtype:
+                    self.count += 1
+                    self.bytes += nbytes
+            return out
         if not func.is_view:
             self.written += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out

@@ -114,7 +114,7 @@ RECONVERT_LIMIT = 8
 torch.compile's recompile limit is 8 too. A value that changes at every call (a counter a graph reads)
 reaches it fast, and the error names it."""
 
-_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values")
+_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values", "weight_cache")
 
 
 def _check_fields(p: "Policy") -> None:
@@ -200,6 +200,9 @@ class Policy:
     #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.fixed): each time
     #: costs a conversion; past it the call raises StaleModelError naming the value. 0: raise at once
     reconvert_limit: int = RECONVERT_LIMIT
+    #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
+    #: until its float32 master changes (ampfx.weight_cache; 2 bytes per cached bf16/fp16 element held between steps)
+    weight_cache: bool = True
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = True
@@ -420,6 +423,8 @@ ENV_VARS: dict[str, str] = {
                             f"(default {EXPORT_TIMEOUT:g}; off: no limit)",
     "AMPFX_RECONVERT_LIMIT": "how many times a converted graph is converted again at a call when a value it fixed "
                              "changed (default 8; 0: raise StaleModelError at the first change)",
+    "AMPFX_WEIGHT_CACHE": "0 to cast the float32 weights at every forward in training mode instead of keeping "
+                          "low copies made again only when a weight changes (default 1)",
     "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
     "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
     "AMPFX_FLOAT32_STREAM": "0 to let float32 activations (residual streams, carried state) be cast down "
@@ -433,7 +438,7 @@ ENV_VARS: dict[str, str] = {
                                    "0 or off: no precision check)",
 }
 _BOOL_VARS = {"AMPFX_DISABLE": "disable", "AMPFX_FLOAT32_STREAM": "float32_stream",
-              "AMPFX_FLOAT32_OPERANDS": "float32_operands", "AMPFX_EXACT_VALUES": "exact_values"}
+              "AMPFX_FLOAT32_OPERANDS": "float32_operands", "AMPFX_EXACT_VALUES": "exact_values", "AMPFX_WEIGHT_CACHE": "weight_cache"}
 
 
 def _int_env(var: str, value: str) -> int:

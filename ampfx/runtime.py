@@ -7,6 +7,7 @@ importable.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -15,6 +16,10 @@ from torch.nn.utils import parametrize
 
 CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 """Only these dtypes are ever converted. float64, integers and bool pass through."""
+
+WEIGHTS = threading.local()
+"""``WEIGHTS.active``: the weight caches of the graph modules running in this thread, innermost last
+(:mod:`ampfx.weight_cache`); :func:`cast` takes a cached weight's low copy from the innermost one."""
 
 
 def cast(value: Any, dtype: torch.dtype) -> Any:
@@ -31,7 +36,9 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
         return value.tracer.create_proxy("call_function", cast, (value, dtype), {})
     if isinstance(value, torch.Tensor):
         if value.dtype in CASTABLE and value.dtype != dtype:
-            return value.to(dtype)
+            active = None if torch.compiler.is_compiling() else getattr(WEIGHTS, "active", None)
+            cached = active[-1].low(value, dtype) if active else None  # a weight's copy, made once (weight_cache)
+            return value.to(dtype) if cached is None else cached
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(cast(v, dtype) for v in value)

@@ -7,7 +7,11 @@ One command when a GPU is there: ``python benchmarks/gpu.py`` runs, for bf16 and
    their configurations in this file with random weights (nothing is downloaded), in float32,
    under ``torch.autocast`` and converted by ampfx, eager and with ``torch.compile``: median step
    time of ``--reps`` runs after warm-up, peak memory, and both as ratios to float32 eager;
-2. GEMM padding on odd shapes (vocabulary 50257, hidden 1000 and 3000, sequence 77) and on the
+2. gradient accumulation: an optimizer step of ``--accum`` micro-batches (default 4) of the GPT-2-like
+   LM (or the first model asked for), under ``torch.autocast`` and converted by ampfx with its weight cache
+   (each weight cast once per step, gradients added into ``.grad`` without a cast) and without it
+   (``weight_cache=False``: cast at every micro-batch, as autocast does), eager and compiled;
+3. GEMM padding on odd shapes (vocabulary 50257, hidden 1000 and 3000, sequence 77) and on the
    tensor-core friendly shapes of NVIDIA's guide (multiples of 8/64): ampfx ``pad="never"``,
    ``pad="always"`` and autocast, forward + backward.
 
@@ -18,7 +22,7 @@ figures say nothing about GPU speed. Record GPU figures in docs/benchmarks.md.
 ``--cpu`` times a small transformer and a small CNN on the CPU, eager and compiled (inductor), bf16.
 
     python benchmarks/gpu.py [--smoke | --cpu] [--models gpt2,bert,resnet50,vit] [--dtypes bf16,fp16]
-                             [--no-compile] [--reps 20]
+                             [--no-compile] [--reps 20] [--accum 4]
 """
 from __future__ import annotations
 
@@ -195,6 +199,49 @@ def model_rows(name: str, cfg: dict[str, Any], dtypes: list[torch.dtype], compil
                 print(f"{name:<10}{label:<18}{mode:<9}{seconds * 1e3:>10.2f}{ratio:>9.2f}{mem}", flush=True)
 
 
+def accum_fn(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, dtype: torch.dtype,
+             autocast: bool, k: int) -> Callable[[], None]:
+    """``k`` micro-batches (forward, float32 cross-entropy inside autocast's region, backward), one SGD step;
+    fp16 through a GradScaler."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device) if dtype is torch.float16 and device == "cuda" else None
+
+    def step() -> None:
+        for _ in range(k):
+            with torch.autocast(device, dtype) if autocast else contextlib.nullcontext():
+                out = run(x)
+                loss = F.cross_entropy(out.float().flatten(0, -2), y.flatten()) / k
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def accum_rows(name: str, cfg: dict[str, Any], dtypes: list[torch.dtype], compile_: bool, reps: int, device: str,
+               k: int) -> None:
+    """Step time and peak memory of one optimizer step of ``k`` micro-batches, as ratios to autocast's."""
+    torch.manual_seed(0)
+    model, x, y = build(name, cfg, device)
+    for dtype in dtypes:
+        runs: dict[str, tuple[nn.Module, bool]] = {
+            "autocast": (model, True),
+            "ampfx": (ampfx.convert(model, dtype, example_inputs=(x,)), False),
+            "ampfx no cache": (ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=False), False)}
+        for mode in ("eager", "compile") if compile_ else ("eager",):
+            base = None
+            for how, (run, autocast) in runs.items():
+                module = torch.compile(run) if mode == "compile" else run
+                seconds, peak = measure(accum_fn(model, module, x, y, device, dtype, autocast, k), reps, device)
+                base = base or (seconds, peak)
+                mem = f"{peak:>10.0f}{peak / base[1]:>9.2f}" if peak is not None and base[1] else f"{'-':>10}{'-':>9}"
+                print(f"{'accum ' + name:<16}{k:>3}  {how + ' ' + str(dtype)[6:]:<24}{mode:<9}{seconds * 1e3:>10.2f}"
+                      f"{seconds / base[0]:>9.2f}{mem}", flush=True)
+
+
 def gemm_rows(shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype], reps: int, device: str) -> None:
     for m, k, n in shapes:
         for dtype in dtypes:
@@ -231,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step in the gradient "
+                                                        "accumulation table (0: skip it)")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda"
     configs = CPU if args.cpu else SMOKE if args.smoke or device == "cpu" else FULL
@@ -246,6 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         if name not in configs:
             ap.error(f"--models: unknown model {name!r}; choose from {', '.join(configs)}")
         model_rows(name, configs[name], dtypes, compile_, reps, device)
+    if args.accum:
+        name = "gpt2" if "gpt2" in args.models.split(",") else args.models.split(",")[0]
+        print(f"\n{'accumulation':<16}{'k':>3}  {'run':<24}{'mode':<9}{'step ms':>10}{'x ac':>9}{'peak MB':>10}"
+              f"{'x ac':>9}")
+        accum_rows(name, configs[name], dtypes, compile_, reps, device, args.accum)
     if not args.cpu:
         print(f"\n{'GEMM M x K -> N':<22}{'dtype':<10}{'friendly':<10}{'never ms':>10}{'always ms':>11}"
               f"{'autocast ms':>13}{'alw/nev':>9}{'ac/nev':>9}")

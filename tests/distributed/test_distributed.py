@@ -40,6 +40,9 @@ def test_gradients_equal_the_single_process_run(how, reference):
         _close(r["grads"], grads, 2e-2)  # bf16: the ranks' sums round differently than one batch's
         assert r["fired"] >= 1  # a forward hook on a kept block fires under every wrapper
         assert r["masters"] == {torch.float32}
+        # the weight cache: used under DDP (its gradients take the ordinary path), off where FSDP2 shards
+        assert len(r["cache"]) == 5 and all((": on," in line) == (how != "fsdp") for line in r["cache"]), r["cache"]
+        assert how != "fsdp" or all("off: FSDP2" in line for line in r["cache"])
 
 
 def test_fsdp_mixed_precision_gathers_half_the_bytes(reference):
@@ -50,6 +53,7 @@ def test_fsdp_mixed_precision_gathers_half_the_bytes(reference):
         assert abs(r["loss"] - loss) < 2e-2 * max(1.0, abs(loss))
         _close(r["grads"], grads, 5e-2)
         assert r["masters"] == {torch.float32} and r["grad_dtypes"] == {"torch.float32"}
+        assert all("off: FSDP2 shards the module" in line for line in r["cache"]), r["cache"]
     ratio = mixed[0]["gathered"] / full[0]["gathered"]
     assert 0.45 < ratio < 0.55, ratio  # bfloat16 parameters all-gathered: half of float32's bytes
     assert mixed[0]["scattered"] == full[0]["scattered"]  # gradients reduced in float32 both ways
