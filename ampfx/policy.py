@@ -154,6 +154,12 @@ def _check_fields(p: "Policy") -> None:
             raise PolicyError(f"leaf_modules: {leaf!r} is neither a module name nor a module type")
 
 
+def _env(var: str, kind: str, help: str, **more: Any) -> dict[str, Any]:
+    """A Policy field's environment variable: its name, how its value is read (:data:`ENV_KINDS`) and its help
+    text (``ampfx lists`` and docs/policy.md show it). The one place an option's variable is defined."""
+    return {"env": var, "kind": kind, "help": help, **more}
+
+
 @dataclass(frozen=True)
 class Policy:
     """How to convert: the low dtype, list edits, modules kept float32.
@@ -174,44 +180,70 @@ class Policy:
     denylist_add: tuple = ()
     denylist_remove: tuple = ()
     #: modules kept float32: names, globs ("head.*"), module classes, predicates (ampfx.module_match)
-    fp32_modules: tuple = ()
-    leaf_modules: tuple = ()
+    fp32_modules: tuple = field(default=(), metadata=_env(
+        "AMPFX_FP32_MODULES", "append", "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) "
+        "or module classes (LayerNorm, mypkg.blocks.Attn)"))
+    leaf_modules: tuple = field(default=(), metadata=_env(
+        "AMPFX_LEAF_MODULES", "append_leaves", "comma-separated module names or module types traced as opaque leaves"))
     #: modules kept as real module boundaries, each converted on its own (its forward runs: hooks, FSDP2's
     #: fully_shard, checkpoint wrappers and torch.compile see it): "auto" (repeated blocks, modules carrying hooks
     #: or wrappers: ampfx.module_match.auto_kept), names, globs, classes, predicates; () keeps none
-    keep_modules: tuple = ("auto",)
+    keep_modules: tuple = field(default=("auto",), metadata=_env(
+        "AMPFX_KEEP_MODULES", "keep", "comma-separated modules kept as module boundaries, each converted on its own "
+        "(replaces the default 'auto': repeated blocks and modules carrying hooks or wrappers); names, globs, classes, "
+        "'auto'; 'none' keeps none"))
     keep_output_dtype: bool = True
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
-    reduction_threshold: int = 65536
+    reduction_threshold: int = field(default=65536, metadata=_env(
+        "AMPFX_REDUCTION_THRESHOLD", "int", "reductions over more elements than this stay float32 (default 65536)"))
     #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
-    pad: str = "auto"
-    pad_multiple: int | None = None
+    pad: str = field(default="auto", metadata=_env(
+        "AMPFX_PAD", "word", "GEMM padding to multiples of 8: auto (CUDA only, default), always, never"))
+    pad_multiple: int | None = field(default=None, metadata=_env(
+        "AMPFX_PAD_MULTIPLE", "int", "the multiple GEMM dimensions are padded to (default 8)"))
     #: calibration keeps float32 the nodes whose values exceed the dtype's max divided by this
     calibration_margin: float = 2.0
     #: calibration keeps float32 the nodes whose rounding alone moves the output or a parameter gradient
     #: by more than this relative error (ampfx.passes.sensitivity); 0 or None: off
-    sensitivity_threshold: float | None = SENSITIVITY_THRESHOLD
+    sensitivity_threshold: float | None = field(default=SENSITIVITY_THRESHOLD, metadata=_env(
+        "AMPFX_SENSITIVITY_THRESHOLD", "number_or_off", "calibration keeps float32 the nodes whose rounding alone moves "
+        f"the output or a gradient by more than this relative error (default {SENSITIVITY_THRESHOLD:g}; 0 or off: no "
+        "precision check)", example="0.05"))
     probe: bool = True
     #: seconds torch.export may take to capture one module (its tries together) before the capture takes
     #: the next rung (a torch.fx graph with leaves, or the module's own Python with its children converted);
     #: None or 0: no limit
-    export_timeout: float | None = EXPORT_TIMEOUT
+    export_timeout: float | None = field(default=EXPORT_TIMEOUT, metadata=_env(
+        "AMPFX_EXPORT_TIMEOUT", "number_or_off", "seconds torch.export may take on one module before the capture "
+        f"takes the next rung (default {EXPORT_TIMEOUT:g}; off: no limit)", example="60"))
     #: after conversion, how many times a converted graph is converted again at a call because a value it
     #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.fixed): each time
     #: costs a conversion; past it the call raises StaleModelError naming the value. 0: raise at once
-    reconvert_limit: int = RECONVERT_LIMIT
+    reconvert_limit: int = field(default=RECONVERT_LIMIT, metadata=_env(
+        "AMPFX_RECONVERT_LIMIT", "int", "how many times a converted graph is converted again at a call when a value "
+        f"it fixed changed (default {RECONVERT_LIMIT}; 0: raise StaleModelError at the first change)"))
     #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
     #: until its float32 master changes (ampfx.weight_cache; 2 bytes per cached bf16/fp16 element held between steps)
-    weight_cache: bool = True
+    weight_cache: bool = field(default=True, metadata=_env(
+        "AMPFX_WEIGHT_CACHE", "bool", "0 to cast the float32 weights at every forward in training mode instead of "
+        "keeping low copies made again only when a weight changes (default 1)"))
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
-    float32_stream: bool = True
-    float32_operands: bool = True
-    exact_values: bool = True
+    float32_stream: bool = field(default=True, metadata=_env(
+        "AMPFX_FLOAT32_STREAM", "bool", "0 to let float32 activations (residual streams, carried state) be cast down "
+        "(rule fidelity:stream; default 1)"))
+    float32_operands: bool = field(default=True, metadata=_env(
+        "AMPFX_FLOAT32_OPERANDS", "bool", "0 to let add/sub cast float32 parameters, buffers and factory values down "
+        "(rule fidelity:operand; default 1)"))
+    exact_values: bool = field(default=True, metadata=_env(
+        "AMPFX_EXACT_VALUES", "bool", "0 to let values that reach integer conversions or comparisons be rounded "
+        "(rule fidelity:exact; default 1)"))
     #: nodes ampfx.tune keeps float32: (node key, reason) pairs (Decision.key: "module:node"; rule "tune")
     tuned: tuple[tuple[str, str], ...] = ()
-    log_path: str | None = None
-    disable: bool = False
+    log_path: str | None = field(default=None, metadata=_env(
+        "AMPFX_LOG_PATH", "path", "directory where the report is saved at convert()"))
+    disable: bool = field(default=False, metadata=_env(
+        "AMPFX_DISABLE", "bool", "1 to return an unconverted copy (the report says so)"))
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
     #: where each list entry came from: ((field, op name), rule) pairs; Rule.ARGUMENT unless an env var
     origins: tuple[tuple[tuple[str, str], Rule], ...] = ()
@@ -406,39 +438,54 @@ class Resolved:
 # ---------------------------------------------------------------------- environment
 _LIST_VARS = {f"{ENV_PREFIX}{LIST_NAMES[c].upper()}_{a.upper()}": f"{LIST_NAMES[c]}_{a}"
               for c in LISTS for a in ("add", "remove")}
+ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in dataclasses.fields(Policy) if "env" in f.metadata}
+"""Each Policy field's environment variable (the field's metadata: :func:`_env`), by variable name."""
+
 ENV_VARS: dict[str, str] = {
     **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
-    "AMPFX_FP32_MODULES": "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) or "
-                          "module classes (LayerNorm, mypkg.blocks.Attn)",
-    "AMPFX_LEAF_MODULES": "comma-separated module names or module types traced as opaque leaves",
-    "AMPFX_KEEP_MODULES": "comma-separated modules kept as module boundaries, each converted on its own (replaces "
-                          "the default 'auto': repeated blocks and modules carrying hooks or wrappers); names, globs, "
-                          "classes, 'auto'; 'none' keeps none",
     "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tune) merged into convert()'s policy before the other "
                          "variables: list edits and tuned nodes added, unset fields taken from it",
-    "AMPFX_LOG_PATH": "directory where the report is saved at convert()",
-    "AMPFX_DISABLE": "1 to return an unconverted copy (the report says so)",
-    "AMPFX_REDUCTION_THRESHOLD": "reductions over more elements than this stay float32 (default 65536)",
-    "AMPFX_EXPORT_TIMEOUT": "seconds torch.export may take on one module before the capture takes the next rung "
-                            f"(default {EXPORT_TIMEOUT:g}; off: no limit)",
-    "AMPFX_RECONVERT_LIMIT": "how many times a converted graph is converted again at a call when a value it fixed "
-                             "changed (default 8; 0: raise StaleModelError at the first change)",
-    "AMPFX_WEIGHT_CACHE": "0 to cast the float32 weights at every forward in training mode instead of keeping "
-                          "low copies made again only when a weight changes (default 1)",
-    "AMPFX_PAD": "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
-    "AMPFX_PAD_MULTIPLE": "the multiple GEMM dimensions are padded to (default 8)",
-    "AMPFX_FLOAT32_STREAM": "0 to let float32 activations (residual streams, carried state) be cast down "
-                            "(rule fidelity:stream; default 1)",
-    "AMPFX_FLOAT32_OPERANDS": "0 to let add/sub cast float32 parameters, buffers and factory values down "
-                              "(rule fidelity:operand; default 1)",
-    "AMPFX_EXACT_VALUES": "0 to let values that reach integer conversions or comparisons be rounded "
-                          "(rule fidelity:exact; default 1)",
-    "AMPFX_SENSITIVITY_THRESHOLD": "calibration keeps float32 the nodes whose rounding alone moves the output or a "
-                                   f"gradient by more than this relative error (default {SENSITIVITY_THRESHOLD:g}; "
-                                   "0 or off: no precision check)",
+    **{var: f.metadata["help"] for var, f in ENV_FIELDS.items()},
 }
-_BOOL_VARS = {"AMPFX_DISABLE": "disable", "AMPFX_FLOAT32_STREAM": "float32_stream",
-              "AMPFX_FLOAT32_OPERANDS": "float32_operands", "AMPFX_EXACT_VALUES": "exact_values", "AMPFX_WEIGHT_CACHE": "weight_cache"}
+"""Every ``AMPFX_*`` variable with its help text: the op lists', the policy file's, and the fields' own."""
+
+
+def _bool_env(var: str, value: str, default: bool) -> bool:
+    flag = value.strip().lower()
+    if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise PolicyError(f"{var}={value!r}: use 1 or 0 (true/false, yes/no also work)")
+    return flag in ("1", "true", "yes") if flag else default
+
+
+def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
+    """The value of field ``f`` that ``var=value`` asks for (``current``: the field's value before), by the
+    kind its metadata names (:data:`ENV_KINDS`)."""
+    kind = f.metadata["kind"]
+    if kind == "bool":
+        return _bool_env(var, value, f.default)
+    if kind == "int":
+        return _int_env(var, value)
+    if kind == "number_or_off":
+        return _number_or_off(var, value, f.metadata["example"])
+    if kind == "word":
+        return value.strip().lower()
+    if kind == "path":
+        return value or None
+    if kind == "append":
+        return current + _split(var, value)
+    if kind == "keep":
+        given = _split(var, value)
+        return () if tuple(g.lower() for g in given) in ((), ("none",)) else given
+    if kind == "append_leaves":  # an importable class name is the class
+        extra = [import_object(spec) if "." in spec else None for spec in _split(var, value)]
+        return current + tuple(obj if isinstance(obj, type) else spec
+                               for obj, spec in zip(extra, _split(var, value)))
+    raise AssertionError(f"{f.name}: unknown environment kind {kind!r}")
+
+
+ENV_KINDS = ("bool", "int", "number_or_off", "word", "path", "append", "keep", "append_leaves")
+"""How a field's variable is read: a flag, a whole number, a number or ``off``, a lower-cased word, a path
+(empty: none), names added to the field's, names replacing it (``none``: none), leaf names or classes added."""
 
 
 def _int_env(var: str, value: str) -> int:
@@ -501,38 +548,9 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
                 names.append(name)
                 origins[(fname, name)] = Rule.env(var)
             changes[fname] = tuple(getattr(base, fname)) + tuple(names)
-    if "AMPFX_FP32_MODULES" in seen:
-        changes["fp32_modules"] = base.fp32_modules + _split("AMPFX_FP32_MODULES", seen["AMPFX_FP32_MODULES"])
-    if "AMPFX_KEEP_MODULES" in seen:
-        given = _split("AMPFX_KEEP_MODULES", seen["AMPFX_KEEP_MODULES"])
-        changes["keep_modules"] = () if tuple(g.lower() for g in given) in ((), ("none",)) else given
-    if "AMPFX_LEAF_MODULES" in seen:
-        extra = []
-        for spec in _split("AMPFX_LEAF_MODULES", seen["AMPFX_LEAF_MODULES"]):
-            obj = import_object(spec) if "." in spec else None
-            extra.append(obj if isinstance(obj, type) else spec)
-        changes["leaf_modules"] = base.leaf_modules + tuple(extra)
-    if "AMPFX_LOG_PATH" in seen:
-        changes["log_path"] = seen["AMPFX_LOG_PATH"] or None
-    if "AMPFX_REDUCTION_THRESHOLD" in seen:
-        changes["reduction_threshold"] = _int_env("AMPFX_REDUCTION_THRESHOLD", seen["AMPFX_REDUCTION_THRESHOLD"])
-    if "AMPFX_PAD_MULTIPLE" in seen:
-        changes["pad_multiple"] = _int_env("AMPFX_PAD_MULTIPLE", seen["AMPFX_PAD_MULTIPLE"])
-    if "AMPFX_SENSITIVITY_THRESHOLD" in seen:
-        changes["sensitivity_threshold"] = _number_or_off("AMPFX_SENSITIVITY_THRESHOLD", seen["AMPFX_SENSITIVITY_THRESHOLD"],
-                                                          "0.05")
-    if "AMPFX_EXPORT_TIMEOUT" in seen:
-        changes["export_timeout"] = _number_or_off("AMPFX_EXPORT_TIMEOUT", seen["AMPFX_EXPORT_TIMEOUT"], "60")
-    if "AMPFX_RECONVERT_LIMIT" in seen:
-        changes["reconvert_limit"] = _int_env("AMPFX_RECONVERT_LIMIT", seen["AMPFX_RECONVERT_LIMIT"])
-    if "AMPFX_PAD" in seen:
-        changes["pad"] = seen["AMPFX_PAD"].strip().lower()
-    for var, fname in _BOOL_VARS.items():
+    for var, f in ENV_FIELDS.items():
         if var in seen:
-            flag = seen[var].strip().lower()
-            if flag not in ("", "0", "1", "true", "false", "yes", "no"):
-                raise PolicyError(f"{var}={seen[var]!r}: use 1 or 0 (true/false, yes/no also work)")
-            changes[fname] = flag in ("1", "true", "yes") if flag else getattr(Policy, fname)
+            changes[f.name] = _env_value(var, seen[var], f, getattr(base, f.name))
     try:
         return dataclasses.replace(base, origins=tuple(origins.items()), env=tuple(sorted(seen.items())),
                                    user_ops=base.user_ops, **changes)

@@ -203,3 +203,22 @@ def test_a_module_glob_matches_one_segment_as_fnmatch_does(pattern, name):
 def test_a_glob_star_and_negated_set_stay_within_a_segment():
     assert not glob_regex("a*").fullmatch("ab.c") and glob_regex("a**").fullmatch("ab.c")
     assert not glob_regex("a[!x]b").fullmatch("a.b") and glob_regex("a[.]b").fullmatch("a.b")
+
+
+def test_each_fields_variable_is_defined_once_on_the_field():
+    """A field's AMPFX_* variable, its help text and how it is read are the field's metadata (ENV_VARS is built
+    from them: an option added with its variable needs no second edit); setting each variable changes its field
+    and nothing else."""
+    from ampfx.policy import ENV_FIELDS, ENV_VARS
+
+    assert {f.name for f in ENV_FIELDS.values()} >= {"weight_cache", "pad", "log_path", "fp32_modules", "disable"}
+    samples = {"int": "7", "number_or_off": "off", "word": "never", "path": "/tmp/ampfx-log", "append": "head",
+               "keep": "none", "append_leaves": "head"}
+    base = Policy()
+    for var, f in ENV_FIELDS.items():
+        assert ENV_VARS[var] == f.metadata["help"] and var.startswith("AMPFX_")
+        value = ("0" if f.default else "1") if f.metadata["kind"] == "bool" else samples[f.metadata["kind"]]
+        got = from_env(base, {var: value})
+        changed = [g.name for g in dataclasses.fields(Policy)
+                   if g.name not in ("env",) and getattr(got, g.name) != getattr(base, g.name)]
+        assert changed == [f.name], (var, changed)
