@@ -514,7 +514,7 @@ def _nodes(model: nn.Module, amp: nn.Module, batch: tuple[Any, ExampleInputs], l
     """The nodes ``ampfx.sensitivity(amp, batch, loss_fn=, top=)`` finds most responsible (worst
     first, records with ``node, op, module, out_err, grad_err``), where this ampfx has it."""
     given, inputs = batch
-    sensitivity = getattr(importlib.import_module(__package__), "sensitivity", None)
+    sensitivity = getattr(importlib.import_module(__name__.split(".")[0]), "sensitivity", None)  # the ampfx package
     if sensitivity is None:
         return (), ("nodes most responsible: not measured (this ampfx has no ampfx.sensitivity)",)
     try:
