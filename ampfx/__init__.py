@@ -6,20 +6,20 @@
 torch.bfloat16
 """
 from . import integrations  # noqa: F401 - registers other libraries' op tables (imports no library)
-from .debug import debug
+from .tools.debug import debug
 from .errors import NonFiniteError, PolicyError, TuneError
-from .measure import count_casts
+from .tools.measure import count_casts
 from .api import convert
-from .compare import Comparison, ParamError, compare
-from .numerics import NodeSensitivity, SensitivityResult, sensitivity
+from .tools.compare import Comparison, ParamError, compare
+from .tools.numerics import NodeSensitivity, SensitivityResult, sensitivity
 from .ops import Category
 from .policy import Policy
-from .register import register_op
+from .ops.registration import register_op
 from .report import Report
-from .records import CastInfo, Decision
-from .tune import TuneResult, tune
-from . import weight_cache
-from .weight_cache import attach
+from .report.records import CastInfo, Decision
+from .tools.tune import TuneResult, tune
+from .runtime import weight_cache
+from .runtime.weight_cache import attach
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",

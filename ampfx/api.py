@@ -18,16 +18,17 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from . import module_match, view, weight_cache
+from .policy import module_match
+from .runtime import view, weight_cache
 from .errors import ArgumentError
-from .decide import check_tuned
-from .follow import follow
-from .graph_module import AmpGraphModule
-from .inference import store_low
+from .policy.decide import check_tuned
+from .runtime.follow import follow
+from .runtime.graph_module import AmpGraphModule
+from .runtime.inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy
 from .report import Report
-from .records import dtype_name
+from .report.records import dtype_name
 from .request import Request, build, resolve
 from .state import copy_tree, one_thread, untouched
 from .tree import convert_module, convert_tree
@@ -64,7 +65,7 @@ def convert(
     its graph does not reproduce the model's outputs on ``example_inputs``.
     Whatever captures nothing falls back to converting the children.
     ``mode="inference"`` reads the weights of low-precision ops from low copies
-    made once, and again only when a weight changes (see :mod:`ampfx.inference`);
+    made once, and again only when a weight changes (see :mod:`ampfx.runtime.inference`);
     ``mode="train"`` (default) casts the float32 masters per op.
     ``calibrate`` (a few batches, each given like ``example_inputs``) runs the
     float32 model forward and backward first; nodes whose outputs or gradients
@@ -79,13 +80,13 @@ def convert(
     The model is not changed, nor is the global random state: every run made
     during conversion is undone (parameter and buffer values, attributes set
     in ``forward``, the CPU, CUDA, Python and numpy random state, generators the
-    model holds). The result is a view of the model (:mod:`ampfx.view`): its
+    model holds). The result is a view of the model (:mod:`ampfx.runtime.view`): its
     parameters, buffers, ``state_dict()``, hooks, modes and attributes are the
     model's (float32 master weights: an optimizer on either trains both), and it
     carries the log as ``result.ampfx_report``. What a change to the model or to
     the result does afterwards shows through: where a graph fixed a changed value
     while tracing, that graph's module is converted again at the next call
-    (:mod:`ampfx.fixed`, bounded by ``reconvert_limit``); a change that cannot be
+    (:mod:`ampfx.runtime.fixed`, bounded by ``reconvert_limit``); a change that cannot be
     followed makes the next call raise :class:`ampfx.errors.StaleModelError`
     naming it. Giving a converted module converts the model it is a view of.
 
@@ -131,7 +132,7 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
 
 def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -> None:
     """Give every graph module of the converted tree the means to convert its model module again when
-    what its graph fixed changes (:class:`ampfx.view.Reconvert`); what those conversions depend on is
+    what its graph fixed changes (:class:`ampfx.runtime.view.Reconvert`); what those conversions depend on is
     added to what ``follower`` watches. The modules the policy names are found again in ``model`` as it
     is then (a module that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it).
     The example inputs are not held: a conversion made again uses the inputs of the call that needs it."""
@@ -196,7 +197,7 @@ def _disabled_copy(model: nn.Module, request: Request) -> nn.Module:
 
 
 def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """``mode="inference"``: the weights of low-precision ops read from low copies (:mod:`ampfx.inference`);
+    """``mode="inference"``: the weights of low-precision ops read from low copies (:mod:`ampfx.runtime.inference`);
     the note saying so."""
     count = nbytes = 0
     for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
@@ -208,7 +209,7 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
 
 
 def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
-    """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.weight_cache`),
+    """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`),
     unless the policy turns that off; the note saying which."""
     if not policy.weight_cache:
         return ("weight cache: off (weight_cache=False or AMPFX_WEIGHT_CACHE=0): weights are cast at every forward",)
@@ -221,7 +222,7 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
     nbytes = numel * torch.finfo(policy.dtype).bits // 8
     return (f"weight cache: on, {count} weights cast to {dtype_name(policy.dtype)} once per change of their float32 "
             f"masters and reused by every forward, backward and recompute ({nbytes:,} bytes held between steps; "
-            "off inside FSDP2 and torch.compile: ampfx.weight_cache)",)
+            "off inside FSDP2 and torch.compile: ampfx.runtime.weight_cache)",)
 
 
 def _policy_log(request: Request) -> dict[str, Any]:

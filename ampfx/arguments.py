@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from .errors import ArgumentError
 from .inputs import ExampleInputs
-from .names import did_you_mean
+from .policy.names import did_you_mean
 
 _PLAIN = (str, bytes, int, float, bool, type(None))  # leaves that cannot be (or hold) model data
 

@@ -41,7 +41,7 @@ class ArgumentError(PolicyError, TypeError):
 
 class GuardError(ValueError):
     """A converted module was called with inputs outside what it was converted for (structure,
-    tensor kind, rank, a specialised size or a value fixed while tracing): see :mod:`ampfx.guards`.
+    tensor kind, rank, a specialised size or a value fixed while tracing): see :mod:`ampfx.runtime.guards`.
     The message names the input, what it was converted for, what it got, and the fix."""
 
 
@@ -61,7 +61,7 @@ class TuneError(RuntimeError):
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised by a debugged module (:func:`ampfx.debug`) at the first non-finite value; says where and why."""
+    """Raised by a debugged module (:func:`ampfx.tools.debug`) at the first non-finite value; says where and why."""
 
     def __init__(self, node: str, op: str, module: str, dtype: Any, inputs: list[str], phase: str) -> None:
         self.node, self.op, self.module, self.dtype, self.inputs, self.phase = node, op, module, dtype, inputs, phase

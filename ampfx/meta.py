@@ -3,8 +3,8 @@
 One module owns every key, so writer and reader cannot drift apart. Values
 stored under them are immutable (``node_copy`` copies meta shallowly):
 
-- ``RECORD`` (``node.meta['ampfx']``): the node's :class:`~ampfx.records.Decision`,
-  or a :class:`~ampfx.records.CastInfo` for a cast ampfx inserted;
+- ``RECORD`` (``node.meta['ampfx']``): the node's :class:`~ampfx.report.records.Decision`,
+  or a :class:`~ampfx.report.records.CastInfo` for a cast ampfx inserted;
 - ``OUT_INFOS``: a tuple of :class:`~ampfx.passes.shapes.TensorInfo`, the dtype and
   sizes of each tensor the node produced before conversion (shape propagation);
 - ``CALIB``: what calibration saw of the node's output and gradient;

@@ -9,7 +9,7 @@ history: which pass decided first, which one overrode it), and, when the report 
 
 >>> import torch, torch.fx as fx
 >>> from ampfx.meta import RECORD
->>> from ampfx.records import Decision
+>>> from ampfx.report.records import Decision
 >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
 >>> def paint_it(gm):
 ...     for n in gm.graph.nodes:
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .meta import RECORD, record
-from .records import Decision
+from .report.records import Decision
 
 log = logging.getLogger(__name__)
 

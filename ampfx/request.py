@@ -1,6 +1,6 @@
 """One request: what a caller of ampfx asked for, checked once, and what ``convert`` resolved of it.
 
-Every entry point that converts (:func:`ampfx.convert`, :func:`ampfx.tune`, :func:`ampfx.compare`, the
+Every entry point that converts (:func:`ampfx.convert`, :func:`ampfx.tools.tune`, :func:`ampfx.tools.compare`, the
 ``ampfx`` command) builds its policy with :func:`policy_of` and its request with :func:`build`, so the same
 mistake gets the same error, with the same suggestion, wherever it is made:
 
@@ -14,7 +14,7 @@ ampfx.errors.ArgumentError: tune() got an unknown option fp32_modulez=('head',).
 Three records, each with one owner:
 
 - :class:`~ampfx.policy.Policy`: what the user asked for (arguments, then the ``AMPFX_*`` environment),
-  frozen and never changed afterwards; it can be saved and loaded (:mod:`ampfx.policy_file`);
+  frozen and never changed afterwards; it can be saved and loaded (:mod:`ampfx.policy.policy_file`);
 - :class:`~ampfx.policy.Resolved`: what ``convert`` found that policy to mean in one model (the modules
   ``fp32_modules`` and ``keep_modules`` match there, the modules ``module_filter_fn`` rejects);
 - :class:`Request`: both, with the checked example inputs, tracer, mode and calibration batches.
@@ -33,11 +33,13 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
-from . import guards, integrations, module_match
+from . import integrations
+from .runtime import guards
+from .policy import module_match
 from .capture import export
 from .errors import ArgumentError, PolicyError, UninitializedModelError
 from .inputs import ExampleInputs
-from .names import did_you_mean, parse_dtype
+from .policy.names import did_you_mean, parse_dtype
 from .policy import Policy, Resolved, from_env
 
 
@@ -133,8 +135,8 @@ def build(model: nn.Module, dtype: Any = None, example_inputs: Any = None, polic
 
 def resolve(model: nn.Module, policy: Policy) -> Resolved:
     """What ``policy`` means in ``model`` (see :class:`Resolved`): ``fp32_modules`` and ``keep_modules``
-    resolved once (:func:`ampfx.module_match.resolve`: an entry that matches nothing is an error),
-    ``module_filter_fn`` asked once about every module (:func:`ampfx.module_match.filter_rejected`, so it
+    resolved once (:func:`ampfx.policy.module_match.resolve`: an entry that matches nothing is an error),
+    ``module_filter_fn`` asked once about every module (:func:`ampfx.policy.module_match.filter_rejected`, so it
     also holds inside modules converted on their own under a rejected parent), and every name in
     ``leaf_modules`` checked to be a module of ``model`` and found under all its names."""
     named = list(model.named_modules(remove_duplicate=False))
@@ -172,7 +174,7 @@ def _check_initialised(model: nn.Module) -> None:
 
 def _check_unwrapped(model: nn.Module) -> None:
     """A model already sharded, wrapped for data parallelism or compiled cannot be converted inside
-    (:func:`ampfx.module_match.wrapped_first`): the error names the module and the order that works."""
+    (:func:`ampfx.policy.module_match.wrapped_first`): the error names the module and the order that works."""
     found = module_match.wrapped_first(model)
     if found is None:
         return

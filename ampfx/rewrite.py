@@ -24,11 +24,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import fixed, guards
+from .runtime import fixed, guards
 from .errors import NotReproduced
 from .capture.base import Capture
 from .capture.tracer import inlined
-from .graph_module import MADE, AmpGraphModule, graph_module
+from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
@@ -37,8 +37,8 @@ from .passes.context import PassContext
 from .policy import Policy, Resolved
 from .request import Request
 from .report import Report
-from .records import COMPUTE, CastInfo, Decision, Region
-from .module_match import TRACED_PRE_HOOKS
+from .report.records import COMPUTE, CastInfo, Decision, Region
+from .policy.module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 
 NO_SHAPES = Report.__dataclass_fields__["shapes"].default
@@ -58,7 +58,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                   arrive: torch.dtype | None = None) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
     ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
-    observed of their leaves (:mod:`ampfx.observe`); ``arrive``: ``work`` is a kept module whose
+    observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
     :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
@@ -90,8 +90,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
 
 def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,
              arrive: torch.dtype | None) -> None:
-    """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.view`): what its
-    graph fixed of ``work``'s Python (:func:`ampfx.fixed.record`), where it sits, its boundary dtype, and
+    """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.runtime.view`): what its
+    graph fixed of ``work``'s Python (:func:`ampfx.runtime.fixed.record`), where it sits, its boundary dtype, and
     whether it keeps its own copies of ``work``'s hooks (torch.export traced a pruning pre-hook in)."""
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))

@@ -18,7 +18,7 @@ would: a captured module whose graph depends on the mode
 other mode (:func:`ampfx.state.copy_tree`: the same parameters and buffers),
 converted by this same loop (capture ladder, verification, regions). The
 graph module runs that twin whenever it is in that mode
-(:meth:`ampfx.graph_module.AmpGraphModule.set_mode_graph`); a twin whose root
+(:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_mode_graph`); a twin whose root
 keeps its Python runs that Python. Inside a module that switches so, nothing
 converts a second mode again.
 """
@@ -31,19 +31,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import integrations, module_match, ops, runtime
+from . import integrations, ops, runtime
+from .policy import module_match
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured, short
 from .capture.tracer import AmpTracer, reads_mode
-from .graph_module import AmpGraphModule, ModeUnavailable
+from .runtime.graph_module import AmpGraphModule, ModeUnavailable
 from .inputs import ExampleInputs
 from .report import Report
-from .records import Region, dtype_name
+from .report.records import Region, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of
 from .meta import record
-from .observe import Observation, observe
+from .capture.observe import Observation, observe
 from .policy import Resolved
 from .state import HOOK_DICTS, copy_tree, kept_requires_grad
 
@@ -93,7 +94,7 @@ def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | No
                    arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
     """Convert ``work`` (a private copy of the model's module at ``where``) on its own, in its current
     training mode only: what a converted graph module makes again at a call when a value its graph fixed
-    changed (:class:`ampfx.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`."""
+    changed (:class:`ampfx.runtime.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`."""
     return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive, memo=Memo())
 
 
@@ -261,7 +262,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
 
 
 class _Observed:
-    """What the one real run of the model shows (:func:`ampfx.observe.observe`), run the first
+    """What the one real run of the model shows (:func:`ampfx.capture.observe.observe`), run the first
     time a job asks: what submodules receive first, and what other libraries' leaves see.
 
     The first ask always comes from the root's job, before any module of the tree has been

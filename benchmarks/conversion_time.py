@@ -33,7 +33,7 @@ STAGES = {
     "verify": ("ampfx/capture/verify.py", "reproduces"),
     "shapes": ("passes/shapes.py", "propagate"),
     "passes": ("ampfx/rewrite.py", "run_passes"),
-    "guards": ("ampfx/guards.py", "attach"),
+    "guards": ("ampfx/runtime/guards.py", "attach"),
 }
 
 

@@ -203,7 +203,7 @@ def call(m, inp):
 def run_case(name, dt):
     import torch
     import ampfx
-    from ampfx.measure import measure_step, saved_bytes
+    from ampfx.tools.measure import measure_step, saved_bytes
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]

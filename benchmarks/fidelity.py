@@ -14,7 +14,7 @@ indices than autocast.
   worst parameter (named); parameters whose float32 gradient is zero are left out;
 - wrong idx: entries of integer outputs (indices after ``.long()``) that differ from float32's;
 - casts, cast MB, MB written: one forward + backward on the first batch
-  (``ampfx.measure.measure_step``: dtype-changing copies, the model's own ``.long()`` included, which
+  (``ampfx.tools.measure.measure_step``: dtype-changing copies, the model's own ``.long()`` included, which
   is float32's one cast on the positions model; the bytes they write; the bytes every op writes).
 
 The reference is CPU autocast, as measured on this torch: it runs ``layer_norm`` and

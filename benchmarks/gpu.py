@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu:
         args.models = ",".join(m for m in args.models.split(",") if m in CPU)
         args.dtypes = "bf16" if args.dtypes == ap.get_default("dtypes") else args.dtypes
-    dtypes = [ampfx.names.parse_dtype(d, where="--dtypes") for d in args.dtypes.split(",")]
+    dtypes = [ampfx.policy.names.parse_dtype(d, where="--dtypes") for d in args.dtypes.split(",")]
     compile_ = not (args.smoke or args.no_compile)
     header(device, args.smoke)
     print(f"\n{'model':<10}{'run':<18}{'mode':<9}{'step ms':>10}{'x fp32':>9}{'peak MB':>10}{'x fp32':>9}")

@@ -2,9 +2,9 @@
 
 Every call of a converted graph module checks, before its graph runs:
 
-- the **input guard** (:mod:`ampfx.guards`): the call's inputs against what the module was converted for;
-- the **structure check** (:mod:`ampfx.follow`): changes torch announced for the model's modules;
-- the **fixed values** (:mod:`ampfx.fixed`): what its graph fixed of the model's Python (training flags,
+- the **input guard** (:mod:`ampfx.runtime.guards`): the call's inputs against what the module was converted for;
+- the **structure check** (:mod:`ampfx.runtime.follow`): changes torch announced for the model's modules;
+- the **fixed values** (:mod:`ampfx.runtime.fixed`): what its graph fixed of the model's Python (training flags,
   attributes, globals, hooks of the modules it traced through; dtype and device of the tensors it reads).
 
 Each is timed alone (its own call, best of ``--repeats`` runs of ``--calls`` calls), and the whole
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.guards import ATTR
+from ampfx.runtime.guards import ATTR
 
 
 class ListMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""How many metric evaluations ``ampfx.tune`` spends as the graph grows (docs/tuning.md).
+"""How many metric evaluations ``ampfx.tools.tune`` spends as the graph grows (docs/tuning.md).
 
 Deep MLPs of growing depth whose outputs carry one or two precision-critical accumulations,
 ``(head(h) + c) - c`` with a large ``c``: everything else is fine in bfloat16. For each size the

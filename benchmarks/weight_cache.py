@@ -2,7 +2,7 @@
 against ``torch.autocast`` (not a test: prints figures for docs/benchmarks.md).
 
 One optimizer step is ``k`` micro-batches (forward, float32 cross-entropy, backward), an SGD step and
-``zero_grad(set_to_none=True)``, counted at the ATen level with :class:`ampfx.measure.CastCounter`: the
+``zero_grad(set_to_none=True)``, counted at the ATen level with :class:`ampfx.tools.measure.CastCounter`: the
 dtype-changing copies (``_to_copy``, and each pair of the cache's ``_foreach_copy_``) and the bytes every op
 writes. The second step is counted (the first fills the cache; the second pays the refresh after the first
 step's update, as every later step does). The loss is computed the same way for every run: the output in
@@ -37,8 +37,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_a
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ampfx  # noqa: E402
-from ampfx import weight_cache  # noqa: E402
-from ampfx.measure import CastCounter  # noqa: E402
+from ampfx.runtime import weight_cache  # noqa: E402
+from ampfx.tools.measure import CastCounter  # noqa: E402
 
 
 class Block(nn.Module):

@@ -1,6 +1,6 @@
 """One layer of this model overflows float16 (its pre-activation reaches ~1e5 > 65504).
 
-Plain conversion and torch.autocast both produce inf; ampfx.debug names the layer;
+Plain conversion and torch.autocast both produce inf; ampfx.tools.debug names the layer;
 conversion with a few calibration batches keeps that layer float32 and gives
 loss-scale advice, and the float16 forward/backward is finite and close to FP32.
 
@@ -57,7 +57,7 @@ def main() -> dict:
     try:
         ampfx.debug(plain)(x)
     except ampfx.NonFiniteError as e:
-        print(f"ampfx.debug on the plain conversion: {str(e).splitlines()[0]}")
+        print(f"ampfx.tools.debug on the plain conversion: {str(e).splitlines()[0]}")
     print(calibrated.ampfx_report.summary())
     return results
 

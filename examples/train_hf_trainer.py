@@ -3,7 +3,7 @@ fine-tuned with the Trainer's own ``bf16=True`` (autocast) and with ``AmpfxTrain
 
 Prints the ampfx report summary, both loss curves (and float32's), and what one training step costs in each
 mode: dtype-changing copies (casts) and the bytes they write, and the bytes every op writes, counted at the
-ATen level (:mod:`ampfx.measure`) on the same batch, the loss computed by the model as the Trainer does
+ATen level (:mod:`ampfx.tools.measure`) on the same batch, the loss computed by the model as the Trainer does
 (``model(**batch).loss``, inside the Trainer's own autocast context for ``bf16=True``).
 
     pip install 'ampfx[hf]'
@@ -26,7 +26,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ampfx.integrations.hf import AmpfxTrainer  # noqa: E402
-from ampfx.measure import measure_step  # noqa: E402
+from ampfx.tools.measure import measure_step  # noqa: E402
 
 VOCAB, LENGTH = 128, 32
 

@@ -3,7 +3,7 @@
 
 Prints the ampfx report summary, both loss curves (and float32's), and what one training step costs in each
 mode: dtype-changing copies (casts) and the bytes they write, and the bytes every op writes, counted at the
-ATen level (:mod:`ampfx.measure`) on the same batch, loss computed the same way (``training_step``).
+ATen level (:mod:`ampfx.tools.measure`) on the same batch, loss computed the same way (``training_step``).
 
     pip install 'ampfx[lightning]'
     python examples/train_lightning.py [--epochs 3] [--dtype bf16|fp16]
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampfx.integrations.lightning import AmpfxPrecision
-from ampfx.measure import measure_step
+from ampfx.tools.measure import measure_step
 
 VOCAB, LENGTH, CLASSES = 64, 16, 4
 

@@ -7,7 +7,7 @@ Every step that runs on a captured graph, in order, is listed here: first
 run only with example inputs, calibration batches or a ``sensitivity_threshold``,
 see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, each step under a
 :class:`ampfx.observer.Observer` that times it, logs it, records which step set
-each node's :class:`~ampfx.records.Decision` (``Decision.history``) and, with
+each node's :class:`~ampfx.report.records.Decision` (``Decision.history``) and, with
 ``AMPFX_LOG_PATH``, keeps the graph after it. Then one lint and one recompile.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.decide_reductions,  # reductions by size: small ones follow their inputs, large ones float32
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
-    tuned.keep_tuned,  # nodes ampfx.tune kept float32 (Policy.tuned): float32 (no-op without them)
+    tuned.keep_tuned,  # nodes ampfx.tools.tune kept float32 (Policy.tuned): float32 (no-op without them)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted

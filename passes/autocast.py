@@ -4,7 +4,7 @@ where ampfx differs from autocast and why. It decides nothing.
 :func:`annotate_autocast`, the pipeline's first step, runs on the captured graph before the passes insert casts. It walks the graph as the
 model would run under ``torch.autocast(ctx.device, dtype=ctx.policy.dtype)``: graph inputs, parameters and
 buffers keep their dtype (float32 without example inputs); an op autocast lists runs as its list says
-(:mod:`ampfx.autocast_lists`: the low dtype, float32, or the widest input); every other op gives what its
+(:mod:`ampfx.ops.autocast_lists`: the low dtype, float32, or the widest input); every other op gives what its
 inputs give it under type promotion (0-dim tensors do not decide against tensors with dimensions), a
 normalisation its data input's dtype, an explicit cast its target. Non-float values get ``None``; what
 cannot be known (an opaque user leaf or function, a region that runs eagerly, a recurrent module, an op
@@ -35,10 +35,11 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from .. import autocast_lists, ops
-from ..autocast_lists import Cast
+from .. import ops
+from ..ops import autocast_lists
+from ..ops.autocast_lists import Cast
 from ..meta import AUTOCAST, RECORD, out_infos, record, user_float32
-from ..records import Decision, Rule
+from ..report.records import Decision, Rule
 from .classify import DYNAMIC, attr_of, op_key, pass_result, selects_float
 from .context import PassContext
 

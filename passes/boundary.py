@@ -6,7 +6,7 @@ import torch.fx as fx
 
 from .. import runtime
 from ..meta import RECORD, record
-from ..records import CastInfo, Decision
+from ..report.records import CastInfo, Decision
 from .context import PassContext
 
 

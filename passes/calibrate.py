@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from ..ops import Category
 from .. import meta
 from ..inputs import ExampleInputs
-from ..records import Decision, Rule, dtype_name
+from ..report.records import Decision, Rule, dtype_name
 from ..state import kept_attributes, kept_buffers, kept_rng
 from .context import PassContext
 

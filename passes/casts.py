@@ -45,10 +45,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import integrations, ops, probes, runtime
+from .. import integrations, ops, runtime
+from ..ops import probes
 from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
 from ..ops import Category
-from ..records import COMPUTE, CastInfo, Decision, Rule, dtype_name
+from ..report.records import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .classify import attr_of, original_dtype, view_group, written
@@ -269,7 +270,7 @@ def _float32_copy_read_low(node: fx.Node, d: Decision, ctx: PassContext) -> bool
 
 def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
     """A float32 ``writes_low`` op (softmax) of a low value whose consumers all read it in that dtype
-    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.probes.rounds_once`),
+    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.ops.probes.rounds_once`),
     the value every consumer would have read after a cast. Recorded on ``node`` (``out`` low, rule
     ``cost:write-low``); ``False`` (nothing changed) otherwise."""
     low = _out(node.args[0])

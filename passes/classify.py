@@ -1,5 +1,5 @@
 """Pass: give every node a category from the op tables, the policy, module
-names and device probes, as a :class:`~ampfx.records.Decision` in
+names and device probes, as a :class:`~ampfx.report.records.Decision` in
 ``node.meta['ampfx']`` (dtype still unset for the four paintable lists).
 
 Before::
@@ -14,7 +14,7 @@ After (meta only, the graph is unchanged)::
 
 Precedence is documented in :mod:`ampfx.policy`; its module and list part
 (``fp32_modules`` / ``module_filter_fn``, unlisted, listed) is
-:mod:`ampfx.decide`, which the eager-leaf path of :mod:`ampfx.integrations`
+:mod:`ampfx.policy.decide`, which the eager-leaf path of :mod:`ampfx.integrations`
 shares. :func:`_verdict` is the whole chain for one node.
 """
 from __future__ import annotations
@@ -26,11 +26,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import custom_ops, decide, integrations, ops, probes
+from .. import integrations, ops
+from ..ops import custom_ops, probes
+from ..policy import decide
 from ..meta import RECORD, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
-from ..records import Decision, Rule, dtype_name
+from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 
@@ -255,7 +257,7 @@ def attr_of(gm: fx.GraphModule, target: str) -> Any:
 
 
 def _probe_variant(kind: str, node: fx.Node, gm: fx.GraphModule) -> probes.Variant:
-    """Which kernel of probe ``kind`` the node runs (dimensions, mode): see :func:`ampfx.probes.variant_of`."""
+    """Which kernel of probe ``kind`` the node runs (dimensions, mode): see :func:`ampfx.ops.probes.variant_of`."""
     module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
     target = type(module).__name__ if module is not None else target_str(node)
     first = next(iter(node.all_input_nodes), None)

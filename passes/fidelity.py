@@ -42,7 +42,7 @@ from .. import ops
 from ..meta import decision, out_infos
 from ..ops import Category, Result
 from ..policy import Policy
-from ..records import Decision, Rule
+from ..report.records import Decision, Rule
 from .casts import fp32_slot_inputs
 from .classify import carries_float, original_dtype, pass_result
 

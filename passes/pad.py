@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from .. import ops, runtime
 from ..meta import OUT_INFOS, RECORD, decision, out_infos, record
-from ..records import CastInfo, Decision, Rule
+from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
 from .classify import attr_of
 

@@ -44,7 +44,7 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, decision, out_infos
 from ..ops import Category, Result
-from ..records import Decision, Rule, dtype_name
+from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity

@@ -33,7 +33,7 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, out_infos, record
 from ..ops import Category
-from ..records import Decision, Rule
+from ..report.records import Decision, Rule
 from .context import PassContext
 
 

@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_leaves
 from .. import integrations
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
-from ..records import dtype_name
-from ..shape_memo import ShapeMemo
+from ..report.records import dtype_name
+from ..ops.shape_memo import ShapeMemo
 from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, modes
 
 
@@ -166,7 +166,7 @@ class _MetaProp(fx.Interpreter):
         return self._memo_call(target, args, kwargs, super().call_method)
 
     def _memo_call(self, target: Any, args: Any, kwargs: Any, run: Any) -> Any:
-        """A repeated call with the same sizes reuses its result (:class:`~ampfx.shape_memo.ShapeMemo`)."""
+        """A repeated call with the same sizes reuses its result (:class:`~ampfx.ops.shape_memo.ShapeMemo`)."""
         key = self.memo.key_of_call(target, args, kwargs)
         found = self.memo.find(key)
         if found is None:

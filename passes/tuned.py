@@ -1,7 +1,7 @@
-"""Tuned nodes: the nodes :func:`ampfx.tune` chose to keep float32 compute in float32.
+"""Tuned nodes: the nodes :func:`ampfx.tools.tune` chose to keep float32 compute in float32.
 
 ``Policy.tuned`` holds ``(key, reason)`` pairs, a key naming a node across the
-whole conversion (:attr:`ampfx.records.Decision.key`: ``module:node``, or the
+whole conversion (:attr:`ampfx.report.records.Decision.key`: ``module:node``, or the
 node's name at the root). A node whose key is there and which the passes so
 far left free to be low (allow, infer or clear) becomes DENY float32, rule
 ``tune``, with the reason tuning wrote (the metric before and after): as
@@ -9,7 +9,7 @@ DENY, float32 also flows forward through the infer/clear ops after it, the
 same as for a node calibration keeps float32. A node already float32 for
 another reason keeps that reason. A key that names no node of the conversion
 is an error raised once the whole model is converted
-(:func:`ampfx.decide.check_tuned`): the model changed since it was tuned.
+(:func:`ampfx.policy.decide.check_tuned`): the model changed since it was tuned.
 
 Before: ``add_3`` Decision(category=INFER, rule='table'); Policy(tuned=(("add_3", "metric -0.31 -> -0.12"),))
 After:  Decision(category=DENY, dtype=float32, rule='tune', reason='metric -0.31 -> -0.12')
@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..ops import Category
-from ..records import Decision, Rule
+from ..report.records import Decision, Rule
 from .context import PassContext
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 import ampfx
-from ampfx.measure import measure_step
+from ampfx.tools.measure import measure_step
 from ampfx.state import kept_buffers
 
 WEIGHT_SEED = 0
@@ -391,7 +391,7 @@ class Fidelity:
     parameter (``grad_param``); parameters whose float32 gradient is zero or absent are left out, and
     a missing gradient counts as error 1. ``wrong``: entries of integer outputs (indices) that differ
     from float32's, over all batches. ``casts``, ``cast_mb``, ``mb_written``: one forward + backward
-    (:func:`ampfx.measure.measure_step`). ``failed``: the exception, when the variant could not run.
+    (:func:`ampfx.tools.measure.measure_step`). ``failed``: the exception, when the variant could not run.
     """
 
     family: str

@@ -551,7 +551,7 @@ class _Recorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         from ampfx import meta
         from ampfx.ops import Category
-        from ampfx.records import COMPUTE, CastInfo, Decision
+        from ampfx.report.records import COMPUTE, CastInfo, Decision
 
         out = super().run_node(n)
         r, floats = meta.record(n), _floats(out)

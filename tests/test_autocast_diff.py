@@ -1,6 +1,6 @@
 """What torch.autocast would do, on every record (Decision.autocast), and Report.autocast_diff().
 
-Three layers: the table (ampfx.autocast_lists) against the installed torch (its dispatcher, and each op
+Three layers: the table (ampfx.ops.autocast_lists) against the installed torch (its dispatcher, and each op
 run under real CPU autocast and CUDA autocast on fake CUDA tensors); the analysis (passes/autocast.py)
 against the captured graph run node by node under real CPU autocast; the report's views of it.
 """
@@ -20,16 +20,17 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 import ampfx
-from ampfx import autocast_lists, ops
-from ampfx.autocast_lists import AMBIGUOUS, COMPOSITE, FLOAT32_KINDS, LISTS, Cast
+from ampfx import ops
+from ampfx.ops import autocast_lists
+from ampfx.ops.autocast_lists import AMBIGUOUS, COMPOSITE, FLOAT32_KINDS, LISTS, Cast
 from ampfx.capture import ladder
-from ampfx.graph_module import graph_module
+from ampfx.runtime.graph_module import graph_module
 from ampfx.inputs import ExampleInputs
 from ampfx.meta import AUTOCAST
 from ampfx.passes import autocast as ac_pass
 from ampfx.passes import shapes
 from ampfx.passes.context import PassContext
-from ampfx.records import AutocastDiff, computes_in, dtype_name
+from ampfx.report.records import AutocastDiff, computes_in, dtype_name
 from conftest import DTYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,7 +140,7 @@ CASES: dict[str, Callable[..., Any]] = {
 
 
 CASE_ATEN = {"avg_pool": "avg_pool2d", "max_pool": "max_pool2d"}
-"""The ATen op a case of an op :func:`~ampfx.autocast_lists.kind_of_op` calls ambiguous runs."""
+"""The ATen op a case of an op :func:`~ampfx.ops.autocast_lists.kind_of_op` calls ambiguous runs."""
 
 
 def _makers(dtype: torch.dtype, mode: FakeTensorMode | None) -> tuple[Callable, Callable]:

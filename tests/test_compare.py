@@ -1,4 +1,4 @@
-"""ampfx.compare and `ampfx compare`: ampfx and torch.autocast measured against float32 on one batch."""
+"""ampfx.tools.compare and `ampfx compare`: ampfx and torch.autocast measured against float32 on one batch."""
 import importlib
 import json
 import math
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-from ampfx.compare import NOISE, Comparison, ParamError, _autocast_on
+from ampfx.tools.compare import NOISE, Comparison, ParamError, _autocast_on
 from ampfx.errors import ArgumentError, ExampleInputsError
 from ampfx.ui.cli import main
 from models import MLP  # tests/models.py: 12 -> 32 -> 32 -> 5, gelu, a tanh residual
@@ -180,7 +180,7 @@ def test_a_device_whose_dropout_masks_differ_by_dtype_gets_a_note(monkeypatch):
     """Where dropout would draw other masks in the low dtype (checked on the device), a model that
     draws random numbers gets a note saying its errors include different masks; one that draws
     none gets no such note."""
-    compare_module = importlib.import_module("ampfx.compare")  # ampfx.compare is the function
+    compare_module = importlib.import_module("ampfx.tools.compare")  # ampfx.tools.compare is the function
     assert compare_module._dropout_masks_match("cpu", torch.bfloat16)  # CPU: same masks
     monkeypatch.setattr(compare_module, "_dropout_masks_match", lambda device, dtype: False)
     torch.manual_seed(4)

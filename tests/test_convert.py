@@ -218,9 +218,9 @@ def test_a_region_whose_consumers_want_fp32_moves_to_fp32_when_it_needs_fewer_ca
     assert not [c for c in amp.ampfx_report.casts if c.value in ("scale", mul.node)]
     torch.testing.assert_close(amp(x), m(x), rtol=0.02, atol=0)
     with torch.autocast("cpu", torch.bfloat16):
-        autocast = ampfx.measure.measure_step(lambda: m(x).backward())
+        autocast = ampfx.tools.measure.measure_step(lambda: m(x).backward())
     m.zero_grad(set_to_none=True)  # else the second step also writes its gradient accumulation
-    ours = ampfx.measure.measure_step(lambda: amp(x).backward())
+    ours = ampfx.tools.measure.measure_step(lambda: amp(x).backward())
     assert ours.count <= autocast.count and ours.written <= autocast.written  # autocast's own plan here
 
 

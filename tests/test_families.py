@@ -12,7 +12,7 @@ import torch
 
 import ampfx
 import family_models as fm
-from ampfx.measure import measure_step, saved_bytes
+from ampfx.tools.measure import measure_step, saved_bytes
 from conftest import DTYPES
 
 def _steps(name: str, dtype: torch.dtype):

@@ -1,4 +1,4 @@
-"""The HTML picture of the decision log (ampfx.ui.html): structure, edges, size, and a real browser."""
+"""The HTML picture of the decision log (ampfx.report.html): structure, edges, size, and a real browser."""
 from __future__ import annotations
 
 import json
@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.ui.html import COLLAPSE_ABOVE, graph, render
+from ampfx.report.html import COLLAPSE_ABOVE, graph, render
 from ampfx.ops import Category
 from ampfx.report import Report
-from ampfx.records import CastInfo, Decision, dtype_name
+from ampfx.report.records import CastInfo, Decision, dtype_name
 from models import Root, build
 
 

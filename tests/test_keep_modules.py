@@ -11,8 +11,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_a
 
 import ampfx
 from ampfx.errors import ArgumentError
-from ampfx.graph_module import AmpGraphModule
-from ampfx.measure import count_casts
+from ampfx.runtime.graph_module import AmpGraphModule
+from ampfx.tools.measure import count_casts
 from ampfx.errors import PolicyError
 
 

@@ -1,4 +1,4 @@
-"""ampfx.module_match: which modules fp32_modules / keep_modules entries name (names, globs, classes,
+"""ampfx.policy.module_match: which modules fp32_modules / keep_modules entries name (names, globs, classes,
 predicates), and the errors for entries that cannot name one. Each test names the defect it caught."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import PolicyError
-from ampfx.module_match import resolve
+from ampfx.policy.module_match import resolve
 
 @pytest.mark.usefixtures("one_thread")
 def test_glob_character_ranges_match_as_fnmatch_does():

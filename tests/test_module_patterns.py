@@ -1,4 +1,4 @@
-"""fp32_modules by name, glob, class and predicate (ampfx.module_match), from code and AMPFX_FP32_MODULES."""
+"""fp32_modules by name, glob, class and predicate (ampfx.policy.module_match), from code and AMPFX_FP32_MODULES."""
 import json
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.records import Rule
+from ampfx.report.records import Rule
 
 
 class MyNorm(nn.LayerNorm):
@@ -245,7 +245,7 @@ def _outer() -> nn.Module:
 
 def test_a_policy_not_resolved_against_a_model_refuses_what_only_a_model_resolves():
     """Called without convert() (pass-level use), a class, glob or predicate was silently ignored."""
-    from ampfx.decide import decide_module
+    from ampfx.policy.decide import decide_module
     net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
     assert decide_module(ampfx.Policy(fp32_modules=("1",)), net, "1")[0] == Rule.FP32_MODULES
     for entry in (nn.LayerNorm, "1*", lambda m, fqn: True):

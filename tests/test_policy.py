@@ -12,7 +12,7 @@ import ampfx
 import tests_helpers_ops
 from tests_helpers_ops import scaled_tanh
 from ampfx import Category, Policy, PolicyError
-from ampfx.names import glob_regex
+from ampfx.policy.names import glob_regex
 from ampfx.policy import from_env
 
 

@@ -5,9 +5,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-from ampfx import Category, probes
+from ampfx import Category
+from ampfx.ops import probes
 from ampfx.ops import ENTRIES
-from ampfx.probes import Variant
+from ampfx.ops.probes import Variant
 from conftest import DTYPES
 
 
@@ -161,7 +162,7 @@ def test_rounds_once_tells_a_float32_inside_kernel_from_a_low_accumulating_one(m
     """softmax's CPU kernels compute in float32 and round once; a kernel that rounds its partial sums
     to the low dtype (stood in for by a patched softmax) is told apart; unknown ops and absent devices are False."""
     import torch.nn.functional as F
-    from ampfx import probes
+    from ampfx.ops import probes
     assert probes.rounds_once("softmax", torch.bfloat16, "cpu") and probes.rounds_once("softmin", torch.float16, "cpu")
     assert not probes.rounds_once("log_softmax", torch.bfloat16, "cpu")
     assert not probes.rounds_once("softmax", torch.bfloat16, "no-such-device")

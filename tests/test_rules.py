@@ -1,4 +1,4 @@
-"""The vocabulary of decision rules (``ampfx.records.Rule``) and the per-op facts the passes read."""
+"""The vocabulary of decision rules (``ampfx.report.records.Rule``) and the per-op facts the passes read."""
 import json
 import pickle
 import re
@@ -9,7 +9,7 @@ import torch
 
 from ampfx import ops
 from ampfx.ops import Category
-from ampfx.records import Decision, Rule, dtype_name
+from ampfx.report.records import Decision, Rule, dtype_name
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -7,7 +7,7 @@ import ampfx
 from ampfx.capture import ladder
 from ampfx.capture.base import Capture, Uncaptured
 from ampfx.inputs import ExampleInputs
-from ampfx.observe import observe
+from ampfx.capture.observe import observe
 
 RUNS: list[str] = []
 

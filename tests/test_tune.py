@@ -1,4 +1,4 @@
-"""ampfx.tune: the nodes a metric needs kept float32, found in O(log n) metric evaluations; policy files."""
+"""ampfx.tools.tune: the nodes a metric needs kept float32, found in O(log n) metric evaluations; policy files."""
 import datetime
 import json
 import math
@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import ArgumentError
-from ampfx.records import Rule
+from ampfx.report.records import Rule
 from models import Offsets  # tests/models.py: a deep MLP with precision-critical (y + c) - c adds
 
 
@@ -85,7 +85,7 @@ def test_progress_is_printed_per_evaluation(capsys):
     model, x, metric = _setup()
     ampfx.tune(model, "bf16", example_inputs=(x,), metric=metric, tolerance=1e-4)
     err = capsys.readouterr().err
-    assert err.count("ampfx.tune evaluation") == metric.calls and "meets" in err and "below" in err
+    assert err.count("ampfx.tools.tune evaluation") == metric.calls and "meets" in err and "below" in err
 
 
 def test_a_metric_no_plan_can_meet_is_a_tune_error():

@@ -1,4 +1,4 @@
-"""Training mode's weight cache (ampfx.weight_cache): each weight a low op reads is cast once and reused by
+"""Training mode's weight cache (ampfx.runtime.weight_cache): each weight a low op reads is cast once and reused by
 every micro-batch and recompute until its float32 master changes; never stale; gradients as without it."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_a
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import ampfx
-from ampfx import weight_cache
-from ampfx.measure import CastCounter
+from ampfx.runtime import weight_cache
+from ampfx.tools.measure import CastCounter
 from models import build
 
 

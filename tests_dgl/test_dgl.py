@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-from ampfx import probes
+from ampfx.ops import probes
 from ampfx.integrations import dgl as integ
 from ampfx.ops import Category
 from ampfx.errors import PolicyError
@@ -556,7 +556,7 @@ class Stacked(nn.Module):
 
 def test_eager_leaves_follow_the_same_module_rules_as_traced_leaves():
     """A DGL module called from eager code is decided by the same chain as a traced leaf
-    (ampfx.decide.decide_leaf): module_filter_fn rejecting a *parent* ('convs') keeps both convolutions
+    (ampfx.policy.decide.decide_leaf): module_filter_fn rejecting a *parent* ('convs') keeps both convolutions
     float32, as it would inside a traced graph; without the filter they run in bf16."""
     g, x = graph(), torch.randn(40, 8)
     model = Stacked()
@@ -578,7 +578,7 @@ def test_observe_reports_each_leaf_and_leaves_the_model_as_it_was():
     nothing to watch for a dtype whose rules need no values (bf16)."""
     from ampfx import integrations
     from ampfx.inputs import ExampleInputs
-    from ampfx.observe import observe
+    from ampfx.capture.observe import observe
 
     def facts(wrapper, inputs, dtype):
         watch = integrations.watched(wrapper, dtype)

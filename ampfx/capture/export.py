@@ -60,7 +60,7 @@ import torch.nn as nn
 from ..errors import ExportFailed, Unfaithful
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
-from ..module_match import TRACED_PRE_HOOKS
+from ..policy.module_match import TRACED_PRE_HOOKS
 from ..state import kept_attributes, kept_random, untouched, without_hooks
 from .base import Capture, short
 from .semantics import Dropped, Watch, python_changes
@@ -377,7 +377,7 @@ def install_constants(root: nn.Module, constants: dict[str, Any], graph: fx.Grap
     """Make each ``get_attr`` target in ``constants`` resolvable under ``root`` (a private copy of the
     model's module): each becomes a plain attribute ``_ampfx_const<i>`` of ``root``, and the graph's
     ``get_attr`` nodes read it by that name. Neither the model's tree nor its ``state_dict()``,
-    ``buffers()`` or ``modules()`` gain anything (a change of device converts again: :mod:`ampfx.fixed`)."""
+    ``buffers()`` or ``modules()`` gain anything (a change of device converts again: :mod:`ampfx.runtime.fixed`)."""
     names = {target: f"_ampfx_const{i}" for i, target in enumerate(constants)}
     for node in graph.nodes:
         if node.op == "get_attr" and str(node.target) in names:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from ..graph_module import graph_module
+from ..runtime.graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..state import kept_random

@@ -2,7 +2,7 @@
 
 ``x / self.temperature``, ``drop_path(x, self.drop_prob, ...)``, ``F.layer_norm(..., eps=self.eps)``:
 torch.fx records the float's value in the graph, and a schedule that changes it after conversion
-would need a new conversion each time (:mod:`ampfx.fixed` notices the change). While
+would need a new conversion each time (:mod:`ampfx.runtime.fixed` notices the change). While
 :class:`Lifting` is active (around one ``torch.fx`` trace), every read of a float attribute of a
 module of the traced tree (outside torch) that the low dtype can hold returns a :class:`Tagged` float (a ``float`` that remembers where it was
 read and notices any Python use of it: arithmetic, comparisons, ``bool``, formatting).
@@ -10,7 +10,7 @@ read and notices any Python use of it: arithmetic, comparisons, ``bool``, format
 node reading the attribute at call time. An attribute is *lifted* when every read of it reached
 the graph that way and none was used in Python (where its value would have decided a branch or
 been folded into another constant); lifted attributes need no guard. Every other read stays a
-constant in the graph, and :mod:`ampfx.fixed` guards it.
+constant in the graph, and :mod:`ampfx.runtime.fixed` guards it.
 
 >>> import torch, torch.nn as nn, torch.fx as fx
 >>> class Scaled(nn.Module):

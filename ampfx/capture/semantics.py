@@ -56,7 +56,7 @@ from torch.autograd import grad_mode
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..meta import USER_FLOAT32
-from ..module_match import TRACED_PRE_HOOKS
+from ..policy.module_match import TRACED_PRE_HOOKS
 from ..state import refill
 
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .. import integrations, ops, runtime
 from ..errors import RootUntraceable
-from ..fixed import reads_training
+from ..runtime.fixed import reads_training
 from ..policy import Policy
 from .base import Capture, short
 from .lift import Lifting, Tagged
@@ -268,7 +268,7 @@ def _unflatten_fixed(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     default (``x, flag_1 = False, ... = tree_flatten_spec(...)``) and takes an extra argument
     when ``forward``'s first parameter is not called ``self``. The traced code reads the fixed
     values themselves, so the leaf placeholders feed only fx's per-leaf asserts; ampfx's guard
-    checks the whole value at call time (:mod:`ampfx.guards`), so they go::
+    checks the whole value at call time (:mod:`ampfx.runtime.guards`), so they go::
 
         before: mix_1 = placeholder(); eq_1 = mix_1 == 0.5; _assert(eq_1, ...); mix_2 = ...
         after:  mix = placeholder(default=(0.5, 0.5))

@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import ExampleInputsError
-from ..graph_module import graph_module
+from ..runtime.graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..state import keep_hooks, kept_attributes, kept_buffers, kept_rng
 from .base import short
@@ -19,7 +19,7 @@ from .semantics import python_changes
 def reproduces(model: nn.Module, graph: fx.Graph | fx.GraphModule, inputs: ExampleInputs,
                rtol: float = 1e-4, seen: dict[str, tuple[str, ...]] | None = None) -> str | None:
     """``None`` if ``graph`` does what ``model`` does on ``inputs``, else why not. ``graph`` may be the
-    graph module :func:`~ampfx.graph_module.graph_module` made of it over ``model`` (the conversion then
+    graph module :func:`~ampfx.runtime.graph_module.graph_module` made of it over ``model`` (the conversion then
     goes on with it rather than generate the same code again).
 
     Both run in float32 in the model's current mode (the mode being captured),

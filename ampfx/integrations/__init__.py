@@ -15,7 +15,7 @@ it imports no library) provides:
   :class:`LeafFacts`;
 - ``needs_run(dtype)``, ``observe_call(module, args, kwargs)`` and
   ``observation(calls, example_inputs)``: what the one observation run of the
-  model (:mod:`ampfx.observe`, with :func:`watched`'s hooks) makes of a leaf on
+  model (:mod:`ampfx.capture.observe`, with :func:`watched`'s hooks) makes of a leaf on
   the example inputs (``facts.observed``, through :func:`leaf_facts`);
 - ``runner(module)`` / ``RUNNERS``: the function the rewritten graph calls to
   run a leaf in low precision, ``eager_leaf(module, dtype)``: the module that
@@ -34,11 +34,12 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from .. import decide, ops
+from .. import ops
+from ..policy import decide
 from ..inputs import ExampleInputs
 from ..policy import Policy, Resolved
 from ..report import Report
-from ..records import Region, dtype_name
+from ..report.records import Region, dtype_name
 from . import dgl
 
 LIBRARIES: dict[str, Any] = {
@@ -82,7 +83,7 @@ def refine(decision: Any, module: Any, facts: LeafFacts) -> Any:
 def watched(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Callable[..., Any]]:
     """Module path -> the function that observes one call of that library leaf, for the leaves whose
     library reads values seen on the example inputs under ``dtype`` (``None``: any); see
-    :func:`ampfx.observe.observe`."""
+    :func:`ampfx.capture.observe.observe`."""
     return {path: lib.observe_call for path, m in model.named_modules()
             if path and (lib := library_of(m)) is not None and lib.needs_run(dtype)}
 
@@ -115,7 +116,7 @@ def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, observed: Any
     ``path`` is the module's path under ``root``, which sits at ``prefix`` in the user's model;
     ``observed`` is what its library made of its calls on the example inputs (:func:`facts_of`;
     ``None`` without example inputs). The decision is the traced leaf's: the module rules and
-    the lists (:func:`ampfx.decide.decide_leaf`, parents included), then the library's
+    the lists (:func:`ampfx.policy.decide.decide_leaf`, parents included), then the library's
     :func:`refine`. A low result is the library's ``eager_leaf``, a float32 one the module unchanged.
     """
     module = root.get_submodule(path)

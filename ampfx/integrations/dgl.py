@@ -65,9 +65,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.func import functional_call
 
-from .. import probes
+from ..ops import probes
 from ..ops import Category
-from ..records import Rule, dtype_name
+from ..report.records import Rule, dtype_name
 
 LIBRARY = "DGL"
 FP16_MAX = 65504.0
@@ -283,7 +283,7 @@ def refine(decision: Any, module: Any, facts: Any) -> Any:
 
     >>> import torch
     >>> from ampfx.integrations import LeafFacts
-    >>> from ampfx.decide import Verdict
+    >>> from ampfx.policy.decide import Verdict
     >>> allowed = Verdict(Category.ALLOW, None, "table", "GEMMs")
     >>> facts = LeafFacts("conv", "cpu", torch.float16, Observed(coo_only=True))
     >>> refine(allowed, None, facts).rule, refine(allowed, None, facts).dtype
@@ -338,7 +338,7 @@ class EagerLeaf(torch.nn.Module):
         return super().train(mode)
 
     def _ampfx_rebase(self, model: torch.nn.Module, view: Any) -> None:
-        """Stand for the model's own DGL module (:func:`ampfx.view.rebase`): run it, with its tensors and
+        """Stand for the model's own DGL module (:func:`ampfx.runtime.view.rebase`): run it, with its tensors and
         children (``view(child, model_child, path)`` gives each child's place in the converted tree)."""
         self.__dict__["leaf"] = model
         self._parameters, self._buffers = model._parameters, model._buffers

@@ -34,12 +34,12 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from .. import policy_file
+from ..policy import policy_file
 from ..errors import ArgumentError, AutocastConflictError, PolicyMismatchError
 from ..errors import PolicyError
 from ..policy import Policy
 from ..request import policy_of
-from ..records import dtype_name
+from ..report.records import dtype_name
 from ..report import Report
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from torch.optim import LBFGS
 
 from ..errors import ArgumentError
 from ..policy import Policy
-from ..records import dtype_name
+from ..report.records import dtype_name
 from ..report import Report
 from .lazy import FirstCall, Setup, applied_policy, check_applied
 

@@ -29,10 +29,10 @@ from typing import Any, Sequence
 import torch
 
 from ..api import convert
-from ..compare import compare
+from ..tools.compare import compare
 from ..errors import CLIError, PolicyError
 from ..ops import LISTS
-from ..names import LIST_NAMES, parse_dtype
+from ..policy.names import LIST_NAMES, parse_dtype
 from ..policy import Policy, from_env
 
 _TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
@@ -227,7 +227,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Convert the model and print :func:`ampfx.compare`'s tables (and write them as JSON)."""
+    """Convert the model and print :func:`ampfx.tools.compare`'s tables (and write them as JSON)."""
     if not args.input:
         raise CLIError("compare runs the model: give at least one --input, e.g. --input 8,16")
     _check_writable(args.json, "--json")

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..measure import count_casts
+from ..tools.measure import count_casts
 from ..api import convert
-from ..records import dtype_name
+from ..report.records import dtype_name
 
 
 class DemoClassifier(nn.Module):

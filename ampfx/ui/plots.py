@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..names import parse_dtype
-from ..records import dtype_name
+from ..policy.names import parse_dtype
+from ..report.records import dtype_name
 
 #: Histogram bins are integer log2 exponents: bin ``e`` counts values in ``[2**e, 2**(e+1))``.
 #: The range covers every float32 value (smallest subnormal 2**-149, max < 2**128);

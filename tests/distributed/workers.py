@@ -137,6 +137,6 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
     dist.all_reduce(loss := loss.detach())
     masters = {n: p.dtype for n, p in model.named_parameters()}
     return {"loss": loss.item() / world, "grads": full_grads(model), "fired": len(fired),
-            "cache": ampfx.weight_cache.status(amp).splitlines(),
+            "cache": ampfx.runtime.weight_cache.status(amp).splitlines(),
             "gathered": traffic.gathered, "scattered": traffic.scattered, "masters": set(masters.values()),
             "grad_dtypes": {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}}

@@ -205,11 +205,11 @@ def test_a_value_that_keeps_changing_raises_at_the_limit_naming_it():
 
 
 def test_a_conversion_made_again_is_logged_with_the_change(caplog):
-    """Converting again costs a conversion: it is logged (logger ampfx.graph_module, INFO) with what changed."""
+    """Converting again costs a conversion: it is logged (logger ampfx.runtime.graph_module, INFO) with what changed."""
     model = Valued()
     amp = ampfx.convert(model, example_inputs=(X,))
     model.flag = False
-    with caplog.at_level(logging.INFO, logger="ampfx.graph_module"):
+    with caplog.at_level(logging.INFO, logger="ampfx.runtime.graph_module"):
         amp(X)
     assert "model.flag is False, the graph was converted with True" in caplog.text
     assert "converting it again (1 of at most 8)" in caplog.text
@@ -608,9 +608,9 @@ def test_the_example_inputs_are_not_kept_alive():
 
 
 def test_fixed_values_are_checked_the_same_way_without_the_generated_expression(monkeypatch):
-    """A graph with more fixed values than ampfx.fixed.COMPILED_SLOTS checks them in loops (compiling one
+    """A graph with more fixed values than ampfx.runtime.fixed.COMPILED_SLOTS checks them in loops (compiling one
     expression of thousands of terms took seconds): the same changes are seen."""
-    from ampfx import fixed
+    from ampfx.runtime import fixed
     monkeypatch.setattr(fixed, "COMPILED_SLOTS", 0)
     model = Valued()
     amp = ampfx.convert(model, example_inputs=(X,), tracer="export")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import ampfx
 from ampfx.errors import TrainingModeError
-from ampfx.graph_module import AmpGraphModule, ModeUnavailable
+from ampfx.runtime.graph_module import AmpGraphModule, ModeUnavailable
 from conftest import rel_err
 
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-from ampfx.graph_module import AmpGraphModule
-from ampfx.records import Decision, Rule
+from ampfx.runtime.graph_module import AmpGraphModule
+from ampfx.report.records import Decision, Rule
 
 
 def _runtime_dtypes(amp: nn.Module, *inputs: torch.Tensor) -> dict[str, torch.dtype]:

@@ -16,7 +16,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrizations
 
 import ampfx
-from ampfx import follow
+from ampfx.runtime import follow
 from ampfx import state
 from ampfx.errors import StaleModelError, UninitializedModelError
 from conftest import rel

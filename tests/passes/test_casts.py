@@ -248,7 +248,7 @@ def test_a_softmax_with_a_float32_consumer_still_writes_float32():
 
 def test_a_softmax_whose_low_kernel_does_not_round_once_writes_float32(monkeypatch):
     """Where the probe finds the low kernel accumulates low (another device), nothing changes."""
-    from ampfx import probes
+    from ampfx.ops import probes
     monkeypatch.setattr(probes, "rounds_once", lambda op, dtype, device: False)
     _, gm, _ = converted(_attention, x=torch.randn(6, 4), probe=True)
     assert node(gm, "softmax").kwargs["dtype"] == torch.float32 and len(casts_of(gm, "softmax")) == 1

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.passes import tuned
-from ampfx.records import Rule
+from ampfx.report.records import Rule
 
 
 def _net():
@@ -53,7 +53,7 @@ def test_keys_name_the_module_so_a_node_of_a_region_graph_is_reached():
 
 
 def test_a_key_that_names_no_node_is_an_error_with_a_close_match():
-    with pytest.raises(ampfx.PolicyError, match=r"'0:linear_9'.*Did you mean '0:linear'.*ampfx.tune again"):
+    with pytest.raises(ampfx.PolicyError, match=r"'0:linear_9'.*Did you mean '0:linear'.*ampfx.tools.tune again"):
         ampfx.convert(_net(), "bf16", tuned={"0:linear_9": "tuned"})
 
 

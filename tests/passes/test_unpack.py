@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-from ampfx.measure import measure_step
+from ampfx.tools.measure import measure_step
 from ampfx.passes import unpack
 
 from .helpers import run

@@ -1,4 +1,4 @@
-"""``ampfx.tune``: keep float32 the few nodes a metric needs, found in O(log n) metric evaluations.
+"""``ampfx.tools.tune``: keep float32 the few nodes a metric needs, found in O(log n) metric evaluations.
 
 Convert with the default plan; if ``metric(converted)`` (higher is better) is
 within ``tolerance`` of ``metric(model)`` (the float32 model), that is the
@@ -52,13 +52,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .api import convert
-from .errors import ArgumentError, TuneError
+from ..api import convert
+from ..errors import ArgumentError, TuneError
 from .numerics import sensitivity
-from .policy import Policy
-from .request import policy_of
-from .records import dtype_name
-from .state import kept_buffers, kept_parameters, kept_rng
+from ..policy import Policy
+from ..request import policy_of
+from ..report.records import dtype_name
+from ..state import kept_buffers, kept_parameters, kept_rng
 
 CANDIDATES = 32
 """How many nodes the sensitivity search ranks by default; the rest follow in graph order."""
@@ -95,7 +95,7 @@ class TuneResult:
 
     def __str__(self) -> str:
         state = "" if self.complete else " (budget spent: the set may not be the smallest)"
-        return (f"ampfx.tune ({dtype_name(self.dtype)}): metric float32 {self.metric_float32:.6g}, default plan "
+        return (f"ampfx.tools.tune ({dtype_name(self.dtype)}): metric float32 {self.metric_float32:.6g}, default plan "
                 f"{self.metric_default:.6g}, tuned {self.metric_tuned:.6g} (tolerance {self.tolerance:g}); "
                 f"{len(self.kept)} of {self.candidates} low-precision nodes kept float32 in {self.evaluations} metric "
                 f"evaluations and {self.sensitivity_evaluations} sensitivity runs{state}"
@@ -215,7 +215,7 @@ class _Search:
 
     # ------------------------------------------------------------------ conversions and measurements
     def _convert(self, kept: tuple[str, ...], reasons: Mapping[str, str] | None = None) -> nn.Module:
-        extra = tuple((k, (reasons or {}).get(k, "ampfx.tune: trial")) for k in kept)
+        extra = tuple((k, (reasons or {}).get(k, "ampfx.tools.tune: trial")) for k in kept)
         policy = dataclasses.replace(self.base, tuned=self.base.tuned + extra)
         return convert(self.model, example_inputs=self.inputs, policy=policy, environ=self.environ)
 
@@ -235,7 +235,7 @@ class _Search:
 
     def _finish(self, module: nn.Module | None, kept: tuple[str, ...], m32: float, m0: float, mt: float,
                 n: int, runs: int) -> nn.Module:
-        reason = (f"ampfx.tune kept this node float32: metric {m0:.6g} with the default plan -> {mt:.6g} with "
+        reason = (f"ampfx.tools.tune kept this node float32: metric {m0:.6g} with the default plan -> {mt:.6g} with "
                   f"{len(kept)} node(s) float32 (float32 model {m32:.6g}, tolerance {self.tolerance:g})")
         reasons = {k: reason + self._without(k, kept) for k in kept}
         if module is None:
@@ -255,7 +255,7 @@ class _Search:
 
 
 def _key(module: str, node: str) -> str:
-    """:attr:`ampfx.records.Decision.key` from a record's module and node names."""
+    """:attr:`ampfx.report.records.Decision.key` from a record's module and node names."""
     return f"{module}:{node}" if module else node
 
 
@@ -272,7 +272,7 @@ def _print(i: int, what: str, value: float, target: float | None) -> None:
     """One line per evaluation, on stderr: what was kept float32, the metric, whether it meets the target."""
     from rich.console import Console
     mark = "" if target is None else ("[green]meets[/]" if value >= target else "[red]below[/]") + f" {target:.6g}"
-    Console(stderr=True).print(f"[bold]ampfx.tune[/] evaluation {i}: {what}: metric {value:.6g} {mark}",
+    Console(stderr=True).print(f"[bold]ampfx.tools.tune[/] evaluation {i}: {what}: metric {value:.6g} {mark}",
                                highlight=False, soft_wrap=True)
 
 

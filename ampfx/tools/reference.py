@@ -1,14 +1,14 @@
 """The op-table reference page, generated from :mod:`ampfx.ops` (never hand-copied).
 
-``python -m ampfx.reference > docs/op-tables.md`` rewrites it; a test fails when the
+``python -m ampfx.tools.reference > docs/op-tables.md`` rewrites it; a test fails when the
 committed page differs from what the tables generate.
 """
 from __future__ import annotations
 
 import torch
 
-from . import ops
-from .ops import Category
+from .. import ops
+from ..ops import Category
 
 
 def _key_text(key: object) -> str:
@@ -27,7 +27,7 @@ def markdown() -> str:
     lines = [
         "# Op tables",
         "",
-        "Generated from `ampfx/ops.py` by `python -m ampfx.reference > docs/op-tables.md`; do not edit by hand",
+        "Generated from `ampfx/ops.py` by `python -m ampfx.tools.reference > docs/op-tables.md`; do not edit by hand",
         "(a test fails when this page is stale). Each op has one canonical name, used in `AMPFX_*` variables,",
         "`Policy` list arguments and the report; the forms column lists every function, `Tensor` method,",
         "module type and ATen op that maps to it. `fp16` / `bf16` columns differ where range matters.",

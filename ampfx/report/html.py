@@ -53,10 +53,10 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from ..records import SHORT_NAMES, Decision, Rule, dtype_name
+from .records import SHORT_NAMES, Decision, Rule, dtype_name
 
 if TYPE_CHECKING:  # the report renders itself through this module (Report.html)
-    from ..report import Report
+    from . import Report
 
 COLLAPSE_ABOVE = 200
 """Records above which every module group starts collapsed."""

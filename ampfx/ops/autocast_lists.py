@@ -10,7 +10,7 @@ the ops ampfx knows under real CPU autocast (and CUDA autocast on fake CUDA tens
 
 Every op not listed for a device runs, under autocast, in whatever dtype its inputs give it.
 
->>> from ampfx.autocast_lists import Cast, kind_of_aten, kind_of_op
+>>> from ampfx.ops.autocast_lists import Cast, kind_of_aten, kind_of_op
 >>> kind_of_aten("cpu", "linear"), kind_of_aten("cuda", "softmax", "int"), kind_of_aten("cpu", "softmax")
 (<Cast.LOWER: 'lower_precision_fp'>, <Cast.FP32_SET_OPT_DTYPE: 'fp32_set_opt_dtype'>, None)
 >>> kind_of_op("cuda", "layer_norm"), kind_of_op("cpu", "mse_loss"), kind_of_op("cpu", "gelu")
@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from . import ops
+from .. import ops
 
 
 class Cast(str, enum.Enum):

@@ -15,9 +15,9 @@
 
 Its children are the model's own modules, except where a child is converted too (a
 kept block: another :class:`AmpGraphModule`) or keeps its Python around converted
-children (a :class:`~ampfx.view.Mirror`). What the graph fixed about the model's Python
+children (a :class:`~ampfx.runtime.view.Mirror`). What the graph fixed about the model's Python
 (training flags, attributes, globals, hooks of the modules it traced through, the dtype
-and device of the tensors it reads: :mod:`ampfx.fixed`) is checked before each call; when
+and device of the tensors it reads: :mod:`ampfx.runtime.fixed`) is checked before each call; when
 it no longer holds, the module runs a conversion that does (the other training mode's,
 or one made again at the call: :meth:`AmpGraphModule.set_mode_graph`,
 :meth:`AmpGraphModule.set_reconvert`), or raises
@@ -48,8 +48,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.graph_module import _CodeOnlyModule
 
-from .errors import StaleModelError, TrainingModeError
-from .state import TORCH_KEYS
+from ..errors import StaleModelError, TrainingModeError
+from ..state import TORCH_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -210,25 +210,25 @@ class AmpGraphModule(fx.GraphModule):
         self._install_dispatch()
 
     def set_fixed(self, fixed: Any) -> None:
-        """Check ``fixed`` (:class:`ampfx.fixed.Fixed`) before the graph runs: what it fixed of the model's
+        """Check ``fixed`` (:class:`ampfx.runtime.fixed.Fixed`) before the graph runs: what it fixed of the model's
         Python still holds, or another conversion runs."""
         self.__dict__["_ampfx_fixed"] = fixed
         self._install_dispatch()
 
     def set_reconvert(self, reconvert: Callable[..., nn.Module] | None) -> None:
         """``reconvert(self, args, kwargs, changes)`` converts the model module again when neither this
-        graph nor another conversion holds (:class:`ampfx.view.Reconvert`); ``None``: raise instead."""
+        graph nor another conversion holds (:class:`ampfx.runtime.view.Reconvert`); ``None``: raise instead."""
         self.__dict__["_ampfx_reconvert"] = reconvert
 
     def set_guard(self, guard: Any) -> None:
-        """Call ``guard(args, kwargs)`` (:mod:`ampfx.guards`) before this module's own graph runs: after
+        """Call ``guard(args, kwargs)`` (:mod:`ampfx.runtime.guards`) before this module's own graph runs: after
         the choice of conversion, so a call in the other training mode is checked by that mode's
         conversion alone (it may accept what this graph would not)."""
         self.__dict__["_ampfx_guard"] = guard
         self._install_dispatch()
 
     def set_check(self, check: Any) -> None:
-        """Call ``check(self)`` before every call (:mod:`ampfx.follow`: the model's structure); a copy or
+        """Call ``check(self)`` before every call (:mod:`ampfx.runtime.follow`: the model's structure); a copy or
         an unpickled module has none."""
         self.__dict__["_ampfx_check"] = check
         self._install_dispatch()
@@ -314,7 +314,7 @@ class AmpGraphModule(fx.GraphModule):
         cache = self.__dict__.get("_ampfx_weights")
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
-        with cache.used(self):  # training mode's weight cache (ampfx.weight_cache): copies made again where stale
+        with cache.used(self):  # training mode's weight cache (ampfx.runtime.weight_cache): copies made again where stale
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
 
     def recompile(self) -> Any:

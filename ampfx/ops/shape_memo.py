@@ -32,8 +32,8 @@ from typing import Any, Hashable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import ops
-from .state import TORCH_KEYS
+from .. import ops
+from ..state import TORCH_KEYS
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout,
           type(Ellipsis))

@@ -12,7 +12,7 @@ Precedence, lowest first (each record in the report names the rule that won):
 2. ``argument``: list edits given as ``Policy(...)`` arguments;
 3. ``env:AMPFX_...``: list edits from the environment, applied after the arguments;
 4. ``fp32_modules`` / ``module_filter_fn``: modules kept float32 by name, glob, class or predicate
-   (:mod:`ampfx.module_match`; either one is enough, and the report names the first entry that
+   (:mod:`ampfx.policy.module_match`; either one is enough, and the report names the first entry that
    matched);
 5. ``probe``: a kernel that cannot run in the low dtype on this device;
 6. structural facts: non-float values, in-place ops.
@@ -27,6 +27,11 @@ that come straight from the table.
 >>> p = ampfx.Policy("fp16", denylist_add=("gelu",), inferlist_remove=("gelu",))
 >>> p.dtype, p.category_of("gelu")
 (torch.float16, (<Category.DENY: 'deny'>, 'argument', 'named in denylist_add'))
+
+The package holds what a policy is made of: :mod:`~ampfx.policy.names` (the names users write and the
+"did you mean" every unknown one gets), :mod:`~ampfx.policy.policy_file` (policies saved and loaded),
+:mod:`~ampfx.policy.module_match` (module entries) and :mod:`~ampfx.policy.decide` (the module and list part of
+the precedence chain).
 """
 from __future__ import annotations
 
@@ -38,14 +43,16 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import custom_ops, ops, policy_file
-from .errors import PolicyError
+from .. import ops
+from ..ops import custom_ops
+from . import policy_file
+from ..errors import PolicyError
 from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, glob_regex, import_object, is_glob, parse_dtype, resolve_op
-from .ops import LISTS, Category
-from .records import Rule
+from ..ops import LISTS, Category
+from ..report.records import Rule
 
 def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
-    """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see :mod:`ampfx.module_match`);
+    """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see :mod:`ampfx.policy.module_match`);
     a bad entry is a :class:`PolicyError`.
 
     >>> _module_entries("head"), _module_entries((torch.nn.LayerNorm, " enc.* "))
@@ -82,20 +89,20 @@ def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
 
 def _tuned_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """``tuned`` as ``((key, reason), ...)``: a mapping or pairs; a key is a node's
-    :attr:`~ampfx.records.Decision.key` (``module:node``, or the node at the root).
+    :attr:`~ampfx.report.records.Decision.key` (``module:node``, or the node at the root).
 
     >>> _tuned_pairs({"head:linear": "tuned"})
     (('head:linear', 'tuned'),)
     """
     pairs = tuple(value.items()) if isinstance(value, Mapping) else value
     if isinstance(pairs, str) or not isinstance(pairs, Iterable):
-        raise PolicyError(f"tuned={value!r}: give (node key, reason) pairs or a dict, as ampfx.tune writes them")
+        raise PolicyError(f"tuned={value!r}: give (node key, reason) pairs or a dict, as ampfx.tools.tune writes them")
     out: dict[str, str] = {}
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
                 and pair[0].strip()):
             raise PolicyError(f"tuned: {pair!r} is not a (node key, reason) pair of strings, e.g. "
-                              "('encoder.layers.0:add_3', 'kept float32 by ampfx.tune')")
+                              "('encoder.layers.0:add_3', 'kept float32 by ampfx.tools.tune')")
         out[pair[0].strip()] = pair[1]
     return tuple(out.items())
 
@@ -179,7 +186,7 @@ class Policy:
     clearlist_remove: tuple = ()
     denylist_add: tuple = ()
     denylist_remove: tuple = ()
-    #: modules kept float32: names, globs ("head.*"), module classes, predicates (ampfx.module_match)
+    #: modules kept float32: names, globs ("head.*"), module classes, predicates (ampfx.policy.module_match)
     fp32_modules: tuple = field(default=(), metadata=_env(
         "AMPFX_FP32_MODULES", "append", "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) "
         "or module classes (LayerNorm, mypkg.blocks.Attn)"))
@@ -187,7 +194,7 @@ class Policy:
         "AMPFX_LEAF_MODULES", "append_leaves", "comma-separated module names or module types traced as opaque leaves"))
     #: modules kept as real module boundaries, each converted on its own (its forward runs: hooks, FSDP2's
     #: fully_shard, checkpoint wrappers and torch.compile see it): "auto" (repeated blocks, modules carrying hooks
-    #: or wrappers: ampfx.module_match.auto_kept), names, globs, classes, predicates; () keeps none
+    #: or wrappers: ampfx.policy.module_match.auto_kept), names, globs, classes, predicates; () keeps none
     keep_modules: tuple = field(default=("auto",), metadata=_env(
         "AMPFX_KEEP_MODULES", "keep", "comma-separated modules kept as module boundaries, each converted on its own "
         "(replaces the default 'auto': repeated blocks and modules carrying hooks or wrappers); names, globs, classes, "
@@ -217,13 +224,13 @@ class Policy:
         "AMPFX_EXPORT_TIMEOUT", "number_or_off", "seconds torch.export may take on one module before the capture "
         f"takes the next rung (default {EXPORT_TIMEOUT:g}; off: no limit)", example="60"))
     #: after conversion, how many times a converted graph is converted again at a call because a value it
-    #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.fixed): each time
+    #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.runtime.fixed): each time
     #: costs a conversion; past it the call raises StaleModelError naming the value. 0: raise at once
     reconvert_limit: int = field(default=RECONVERT_LIMIT, metadata=_env(
         "AMPFX_RECONVERT_LIMIT", "int", "how many times a converted graph is converted again at a call when a value "
         f"it fixed changed (default {RECONVERT_LIMIT}; 0: raise StaleModelError at the first change)"))
     #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
-    #: until its float32 master changes (ampfx.weight_cache; 2 bytes per cached bf16/fp16 element held between steps)
+    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held between steps)
     weight_cache: bool = field(default=True, metadata=_env(
         "AMPFX_WEIGHT_CACHE", "bool", "0 to cast the float32 weights at every forward in training mode instead of "
         "keeping low copies made again only when a weight changes (default 1)"))
@@ -238,7 +245,7 @@ class Policy:
     exact_values: bool = field(default=True, metadata=_env(
         "AMPFX_EXACT_VALUES", "bool", "0 to let values that reach integer conversions or comparisons be rounded "
         "(rule fidelity:exact; default 1)"))
-    #: nodes ampfx.tune keeps float32: (node key, reason) pairs (Decision.key: "module:node"; rule "tune")
+    #: nodes ampfx.tools.tune keeps float32: (node key, reason) pairs (Decision.key: "module:node"; rule "tune")
     tuned: tuple[tuple[str, str], ...] = ()
     log_path: str | None = field(default=None, metadata=_env(
         "AMPFX_LOG_PATH", "path", "directory where the report is saved at convert()"))
@@ -286,7 +293,7 @@ class Policy:
 
     def lists(self) -> dict[str, tuple[Category, Rule, str]]:
         """The effective lists: op name -> ``(category, source, reason)``; the
-        source is the :class:`~ampfx.records.Rule` a record names.
+        source is the :class:`~ampfx.report.records.Rule` a record names.
 
         Ops on no list are absent (they stay float32, counted as unlisted).
         Raises :class:`PolicyError` when an edit leaves an op on two lists or
@@ -358,18 +365,18 @@ class Policy:
         return None
 
     def save(self, path: str | os.PathLike) -> Any:
-        """Write this policy to ``path`` as JSON (:mod:`ampfx.policy_file`), to load with
+        """Write this policy to ``path`` as JSON (:mod:`ampfx.policy.policy_file`), to load with
         :meth:`from_file` or ``AMPFX_POLICY_FILE``; returns the path."""
         return policy_file.save(self, path)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Policy":
-        """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy_file`)."""
+        """The policy :meth:`save` wrote to ``path`` (:mod:`ampfx.policy.policy_file`)."""
         return policy_file.load(path, cls)
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "Policy.from_json") -> "Policy":
-        """The policy of ``data``, the content :meth:`save` writes (:func:`ampfx.policy_file.as_json`), as a
+        """The policy of ``data``, the content :meth:`save` writes (:func:`ampfx.policy.policy_file.as_json`), as a
         trainer's checkpoint keeps it; a bad value is a :class:`PolicyError` naming ``where``."""
         return policy_file.from_json(data, cls, where=where)
 
@@ -409,7 +416,7 @@ class Resolved:
     """What :func:`ampfx.request.resolve` found a :class:`~ampfx.policy.Policy` to mean in one model.
 
     ``fp32_matched``: the module paths ``fp32_modules`` keeps float32, each with the words the report
-    uses (:func:`ampfx.module_match.resolve`); ``keep_matched``: the paths ``keep_modules`` keeps as
+    uses (:func:`ampfx.policy.module_match.resolve`); ``keep_matched``: the paths ``keep_modules`` keeps as
     boundaries, each with why (``None``: not resolved, and passes run on their own keep nothing);
     ``filter_rejected``: every name of the modules ``module_filter_fn`` rejects (``None``: not resolved,
     the filter is asked during classification); ``leaf_names``: every name of the modules ``leaf_modules``
@@ -443,7 +450,7 @@ ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in datacl
 
 ENV_VARS: dict[str, str] = {
     **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
-    "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tune) merged into convert()'s policy before the other "
+    "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tools.tune) merged into convert()'s policy before the other "
                          "variables: list edits and tuned nodes added, unset fields taken from it",
     **{var: f.metadata["help"] for var, f in ENV_FIELDS.items()},
 }
@@ -521,7 +528,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
     """``base`` with the ``AMPFX_*`` variables of ``environ`` applied on top.
 
     Unknown ``AMPFX_*`` variables are an error (a typo must not be ignored). ``AMPFX_POLICY_FILE``
-    is merged first (:func:`ampfx.policy_file.merge`; ``dtype_given``: the call named a dtype,
+    is merged first (:func:`ampfx.policy.policy_file.merge`; ``dtype_given``: the call named a dtype,
     which the file's must then equal).
 
     >>> p = from_env(Policy(), {"AMPFX_DENYLIST_ADD": "gelu", "AMPFX_INFERLIST_REMOVE": "gelu"})

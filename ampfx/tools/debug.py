@@ -26,10 +26,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from .errors import NonFiniteError
-from .inputs import ExampleInputs
-from .meta import record
-from .records import Decision, dtype_name
+from ..errors import NonFiniteError
+from ..inputs import ExampleInputs
+from ..meta import record
+from ..report.records import Decision, dtype_name
 
 
 def _finite(value: Any) -> bool:
@@ -82,6 +82,6 @@ class Debugged(torch.nn.Module):
 def debug(amp: torch.nn.Module) -> Debugged:
     """Wrap a converted module (the result of :func:`ampfx.convert`) for overflow hunting."""
     if not isinstance(amp, fx.GraphModule):
-        raise TypeError(f"ampfx.debug takes a module returned by ampfx.convert that is one graph; got "
+        raise TypeError(f"ampfx.tools.debug takes a module returned by ampfx.convert that is one graph; got "
                         f"{type(amp).__name__} (converted region by region: debug its GraphModule children)")
     return Debugged(amp)

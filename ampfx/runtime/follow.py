@@ -1,9 +1,9 @@
 """Structure changes to the model after conversion: shown through, or an error at the next call.
 
-The converted module is a view of the model (:mod:`ampfx.view`): the model's own modules,
+The converted module is a view of the model (:mod:`ampfx.runtime.view`): the model's own modules,
 parameter and buffer dicts, flags, attributes and hooks, so most changes need nothing to
 be seen. What a graph fixed of the model's values is checked at every call
-(:mod:`ampfx.fixed`). What remains is the model's *structure* where the converted tree
+(:mod:`ampfx.runtime.fixed`). What remains is the model's *structure* where the converted tree
 holds its own: torch announces every ``setattr`` of a module, parameter or buffer through
 its global registration hooks
 (``torch.nn.modules.module.register_module_{parameter,buffer,module}_registration_hook``,
@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
-from .errors import StaleModelError
+from ..errors import StaleModelError
 
 _TRACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model module -> WeakSet of followers
 _HANDLES: list[Any] = []  # the three global hooks while a follower lives
@@ -102,7 +102,7 @@ def _ref(value: Any) -> Any:
 class Follower:
     """Settles the structure changes torch announced for the model's modules (see the module
     docstring). Called with the converted module before each of its calls. ``views``
-    (:class:`ampfx.view.Views`) says what the converted tree holds of the model."""
+    (:class:`ampfx.runtime.view.Views`) says what the converted tree holds of the model."""
 
     def __init__(self, model: nn.Module, views: Any) -> None:
         self.pending: list[tuple[Any, str, str]] = []
@@ -131,7 +131,7 @@ class Follower:
         weakref.finalize(self, _release)
 
     def watch(self, views: Any) -> None:
-        """Depend on what ``views`` (:class:`ampfx.view.Views`: the converted tree, or a conversion made again at
+        """Depend on what ``views`` (:class:`ampfx.runtime.view.Views`: the converted tree, or a conversion made again at
         a call) holds of the model: stand-ins keeping their own submodules (weakly), modules graphs traced
         through, tensors graphs read by name."""
         for key, stand_ins in views.holders.items():
@@ -218,7 +218,7 @@ _FLOATS = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 def _meta(t: Any) -> tuple | None:
     """What a graph reading ``t`` by name depends on: its shape, kind of dtype and device (``None``: no tensor).
     A float32 weight replaced by a float16 or bfloat16 one is cast by the graph as before (FSDP2's
-    ``MixedPrecisionPolicy`` gathers weights low; :mod:`ampfx.fixed` checks the dtype against the conversion's)."""
+    ``MixedPrecisionPolicy`` gathers weights low; :mod:`ampfx.runtime.fixed` checks the dtype against the conversion's)."""
     return None if t is None else (tuple(t.shape), _FLOATS.get(t.dtype, t.dtype), t.device)
 
 

@@ -30,16 +30,16 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import integrations, runtime
-from .api import convert
-from .errors import ArgumentError
-from .graph_module import AmpGraphModule
-from .inputs import ExampleInputs
-from .meta import record
-from .passes import sensitivity as sens
-from .names import parse_dtype
-from .policy import SENSITIVITY_THRESHOLD
-from .records import COMPUTE, CastInfo, Decision, dtype_name
+from .. import integrations, runtime
+from ..api import convert
+from ..errors import ArgumentError
+from ..runtime.graph_module import AmpGraphModule
+from ..inputs import ExampleInputs
+from ..meta import record
+from ..passes import sensitivity as sens
+from ..policy.names import parse_dtype
+from ..policy import SENSITIVITY_THRESHOLD
+from ..report.records import COMPUTE, CastInfo, Decision, dtype_name
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 The generated code of a converted module calls these by their qualified
 names, so a converted module pickles and reloads as long as ``ampfx`` is
 importable.
+
+The package holds the converted module at run time: :mod:`~ampfx.runtime.graph_module`,
+:mod:`~ampfx.runtime.view` (a view of the model), :mod:`~ampfx.runtime.fixed` (what a graph fixed, checked per
+call), :mod:`~ampfx.runtime.follow`, :mod:`~ampfx.runtime.guards`, :mod:`~ampfx.runtime.inference` and
+:mod:`~ampfx.runtime.weight_cache`; this module imports none of them.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 WEIGHTS = threading.local()
 """``WEIGHTS.active``: the weight caches of the graph modules running in this thread, innermost last
-(:mod:`ampfx.weight_cache`); :func:`cast` takes a cached weight's low copy from the innermost one."""
+(:mod:`ampfx.runtime.weight_cache`); :func:`cast` takes a cached weight's low copy from the innermost one."""
 
 
 def cast(value: Any, dtype: torch.dtype) -> Any:

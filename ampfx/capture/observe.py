@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .inputs import ExampleInputs
-from .state import kept_attributes, kept_buffers, kept_rng, modes
+from ..inputs import ExampleInputs
+from ..state import kept_attributes, kept_buffers, kept_rng, modes
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The names a user writes at ampfx's string boundary (environment variables, the command line, policy
 files) and how they are resolved: dtypes, ops, list names, importable objects, globs, and the
 "did you mean" suggestion every unknown name gets. Used by :mod:`ampfx.policy` and by what reads and
-writes policies (:mod:`ampfx.policy_file`, :mod:`ampfx.module_match`), none of which it imports.
+writes policies (:mod:`ampfx.policy.policy_file`, :mod:`ampfx.policy.module_match`), none of which it imports.
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from typing import Any, Iterable
 
 import torch
 
-from . import custom_ops, ops
-from .errors import PolicyError
-from .ops import Category
+from .. import ops
+from ..ops import custom_ops
+from ..errors import PolicyError
+from ..ops import Category
 
 ENV_PREFIX = "AMPFX_"
 LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",

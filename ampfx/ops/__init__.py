@@ -17,6 +17,10 @@ and the same policy).
 ('softmax', 'softmax', 'softmax')
 >>> ENTRIES["softmax"].category
 <Category.DENY: 'deny'>
+
+The package holds the other op facts beside the tables: :mod:`~ampfx.ops.autocast_lists` (torch.autocast's own
+lists), :mod:`~ampfx.ops.custom_ops` (``torch.library`` ops), :mod:`~ampfx.ops.registration` (``register_op``),
+:mod:`~ampfx.ops.probes` (kernels tried on the device) and :mod:`~ampfx.ops.shape_memo`.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import runtime
+from .. import runtime
 
 
 class Category(str, enum.Enum):
@@ -97,7 +101,7 @@ class OpEntry:
     bfloat16 (float32's range) even a large reduction may follow its inputs. ``writes_low``: a float32
     op (softmax) whose low-precision kernel computes in float32 inside and rounds its result once; where
     every consumer reads its result low, it reads and writes the low dtype instead of writing float32 for a
-    cast (the same values; :func:`ampfx.probes.rounds_once` checks the kernel). ``split_bias``: the op's third argument (or
+    cast (the same values; :func:`ampfx.ops.probes.rounds_once` checks the kernel). ``split_bias``: the op's third argument (or
     ``bias=``) is a bias added last (``linear(x, w, b) == linear(x, w) + b``),
     so a low-precision call whose consumers all want float32 can leave it out
     and add it after the float32 cast. For a ``"cast"`` op, ``cast_to`` names
@@ -605,7 +609,7 @@ def lookup_name(key: Any) -> str | None:
     if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         packet = key.overloadpacket if isinstance(key, torch._ops.OpOverload) else key
         namespace, _, name = packet._qualified_op_name.partition("::")
-        if namespace != "aten":  # mylib::relu is not aten's relu (custom ops: ampfx.custom_ops)
+        if namespace != "aten":  # mylib::relu is not aten's relu (custom ops: ampfx.ops.custom_ops)
             return None
         return _ALIASES.get(f"aten::{name}") or _ALIASES.get(f"aten::{name.rstrip('_')}")
     try:

@@ -13,13 +13,13 @@ the same with a :class:`Fixed` per graph:
    code reads (plain values only: numbers, strings, tuples, plain containers), whether
    it has hooks, and the dtype and device of each parameter and buffer the graph reads;
 2. :meth:`Recorded.bind` (when the converted module becomes a view of the model,
-   :mod:`ampfx.view`) points each entry at the model's own module;
+   :mod:`ampfx.runtime.view`) points each entry at the model's own module;
 3. :meth:`Fixed.holds` runs before every call of the graph: list compares over
    those slots (flags, attributes, globals), identity for tensors and objects, one
    global counter for hooks (``RemovableHandle.next_id``: a hook registered anywhere
    moves it), dtype and device of the tensors. When it fails, the converted module
    runs another conversion that holds (the other training mode, an earlier
-   re-conversion) or converts again (:mod:`ampfx.graph_module`); :meth:`Fixed.changes`
+   re-conversion) or converts again (:mod:`ampfx.runtime.graph_module`); :meth:`Fixed.changes`
    says what changed.
 
 Leaves (``nn.Dropout``, ``nn.BatchNorm2d``, modules that keep their Python) are the
@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .state import TORCH_KEYS
+from ..state import TORCH_KEYS
 
 _MISSING = object()
 
@@ -544,7 +544,7 @@ def _compile(fixed: Fixed) -> Any:
               f"    def values_hold():\n        return {' and '.join(terms) or 'True'}\n"
               f"    return values_hold\n")
     space: dict[str, Any] = {}
-    exec(compile(source, "<ampfx.fixed>", "exec"), space)  # noqa: S102 - code made from slot indices only
+    exec(compile(source, "<ampfx.runtime.fixed>", "exec"), space)  # noqa: S102 - code made from slot indices only
     return space["make"](**names)
 
 

@@ -36,9 +36,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import runtime
-from .errors import StaleModelError
-from .passes.classify import attr_of
+from .. import runtime
+from ..errors import StaleModelError
+from ..passes.classify import attr_of
 
 
 def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:

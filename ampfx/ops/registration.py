@@ -21,10 +21,11 @@ import inspect
 import types
 from typing import Any
 
-from . import custom_ops, ops
-from .errors import OpRegistrationError
-from .ops import LISTS, Category
-from .names import did_you_mean
+from .. import ops
+from . import custom_ops
+from ..errors import OpRegistrationError
+from . import LISTS, Category
+from ..policy.names import did_you_mean
 
 _CATEGORIES = {c.value: c for c in LISTS}
 

@@ -1,6 +1,6 @@
 """Policy files: a :class:`~ampfx.policy.Policy` saved as JSON and read back.
 
-:func:`ampfx.tune` runs once; training runs many times. The tuned policy is
+:func:`ampfx.tools.tune` runs once; training runs many times. The tuned policy is
 saved (``Policy.save(path)``) and loaded again, in code
 (``Policy.from_file(path)``) or without code edits (``AMPFX_POLICY_FILE=path``).
 A file holds the fields that differ from their defaults, plus the dtype;
@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the class is given to the functions that make one: policy imports this module
-    from .policy import Policy
+    from . import Policy
 
-from . import ops
-from .errors import PolicyError
+from .. import ops
+from ..errors import PolicyError
 from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, import_object, resolve_op
-from .ops import LISTS
-from .records import Rule, dtype_name
+from ..ops import LISTS
+from ..report.records import Rule, dtype_name
 
 FORMAT = "ampfx-policy/1"
 VAR = f"{ENV_PREFIX}POLICY_FILE"

@@ -6,7 +6,7 @@ called from eager code (its parent could not be traced). Both ask this module
 the same two questions, in this order (the full chain is in :mod:`ampfx.policy`):
 
 1. :func:`decide_module`: is the code inside a module named in
-   ``fp32_modules`` (by name, glob, class or predicate: :mod:`ampfx.module_match`; or under
+   ``fp32_modules`` (by name, glob, class or predicate: :mod:`ampfx.policy.module_match`; or under
    one), or a module that ``module_filter_fn``
    rejects, checked on the module and on each of its parents up to the model's
    root (asked once per module by :func:`ampfx.convert`)? Then it stays float32 (rule ``fp32_modules`` /
@@ -38,12 +38,12 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from . import ops
-from .ops import Category
-from .errors import PolicyError
+from .. import ops
+from ..ops import Category
+from ..errors import PolicyError
 from .names import did_you_mean, is_glob
-from .policy import Policy, Resolved
-from .records import Decision, Rule
+from . import Policy, Resolved
+from ..report.records import Decision, Rule
 
 FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
                          Rule.USER_FLOAT32, Rule.OTHER_FLOAT})
@@ -61,7 +61,7 @@ class Verdict:
     reason: str
 
     def decision(self, **where: Any) -> Decision:
-        """The :class:`~ampfx.records.Decision` for one node (``where``: its name, op, module, shapes, ...)."""
+        """The :class:`~ampfx.report.records.Decision` for one node (``where``: its name, op, module, shapes, ...)."""
         return Decision(category=self.category, dtype=self.dtype, rule=self.rule, reason=self.reason, **where)
 
 
@@ -103,7 +103,7 @@ def _fp32_module(policy: Policy, resolved: Resolved, full: str) -> str | None:
         unresolved = [e for e in policy.fp32_modules if not isinstance(e, str) or is_glob(e)]
         if unresolved:
             raise PolicyError(f"fp32_modules entries {unresolved!r} are resolved against the model by ampfx.convert "
-                              "(ampfx.module_match.resolve); this policy was not: convert with it, or name modules")
+                              "(ampfx.policy.module_match.resolve); this policy was not: convert with it, or name modules")
         matched = tuple((e, "named in fp32_modules") for e in policy.fp32_modules)
     if not matched:
         return None
@@ -161,5 +161,5 @@ def check_tuned(policy: Policy, records: Iterable[Decision]) -> None:
         raise PolicyError(
             f"Policy.tuned / the policy file names {len(missing)} node(s) that this conversion does not have: "
             f"{', '.join(repr(k) for k in missing[:5])}{' ...' if len(missing) > 5 else ''}."
-            f"{did_you_mean(missing[0], keys)} The model (or its capture) changed since ampfx.tune chose them: "
-            "run ampfx.tune again, or drop `tuned` from the policy.")
+            f"{did_you_mean(missing[0], keys)} The model (or its capture) changed since ampfx.tools.tune chose them: "
+            "run ampfx.tools.tune again, or drop `tuned` from the policy.")

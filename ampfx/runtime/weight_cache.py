@@ -47,7 +47,7 @@ FSDP2 (a sharded module, or DTensor parameters: FSDP2 owns the low weights with 
 ``MixedPrecisionPolicy``, and cached unsharded copies would undo its sharding) and
 while torch.compile traces the module (inductor fuses the casts into the graph),
 and under ``torch.inference_mode`` (a copy made there could not serve autograd later).
-``mode="inference"`` keeps its own low copies (:mod:`ampfx.inference`) and no cache.
+``mode="inference"`` keeps its own low copies (:mod:`ampfx.runtime.inference`) and no cache.
 Memory: 2 bytes per cached bfloat16/float16 element, held between steps
 (:func:`status` says how much each graph module holds).
 
@@ -74,8 +74,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import runtime
-from .errors import StaleModelError
+from .. import runtime
+from ..errors import StaleModelError
 
 
 class _CachedCast(torch.autograd.Function):
@@ -312,7 +312,7 @@ def status(module: nn.Module) -> str:
     >>> import torch, ampfx
     >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16")
     >>> _ = amp(torch.ones(1, 4))
-    >>> print(ampfx.weight_cache.status(amp))
+    >>> print(ampfx.runtime.weight_cache.status(amp))
     <root>: on, 1 weights, 16 bytes
     """
     found = caches(module)
@@ -332,7 +332,7 @@ def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
     >>> opt = torch.optim.SGD(amp.parameters(), lr=0.1)
     >>> handle = ampfx.attach(opt, amp)
     >>> amp(torch.ones(1, 4)).sum().backward(); opt.step()
-    >>> [c.refresh() for _, c in ampfx.weight_cache.caches(amp)]   # refreshed by the step already
+    >>> [c.refresh() for _, c in ampfx.runtime.weight_cache.caches(amp)]   # refreshed by the step already
     [0]
     """
     if not isinstance(optimizer, torch.optim.Optimizer):

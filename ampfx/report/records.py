@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .ops import Category
+from ..ops import Category
 
 COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -144,7 +144,7 @@ class Rule(str, enum.Enum):
         "calibration saw that rounding this node's result alone to the low dtype moves the output or a parameter "
         "gradient by more than sensitivity_threshold", word="precision-sensitive")
     TUNE = "tune", _about(
-        "ampfx.tune found that keeping this node float32 brings the user's metric within tolerance of the float32 "
+        "ampfx.tools.tune found that keeping this node float32 brings the user's metric within tolerance of the float32 "
         "model's (Policy.tuned, or a policy file)", word="tuned")
     PAD = "pad", _about("a node ampfx added to slice a padded GEMM's output back", inserted=True)
     INPLACE = "inplace", _about("an in-place op keeps the dtype of the tensor it mutates", word="in-place")

@@ -1,8 +1,8 @@
-"""The report built from the decision records (:mod:`ampfx.records`).
+"""The report built from the decision records (:mod:`ampfx.report.records`).
 
 Every node of a converted graph carries a frozen record in
-``node.meta['ampfx']``: a :class:`~ampfx.records.Decision` for the model's own nodes, a
-:class:`~ampfx.records.CastInfo` for each cast ampfx inserted. The :class:`Report` attached
+``node.meta['ampfx']``: a :class:`~ampfx.report.records.Decision` for the model's own nodes, a
+:class:`~ampfx.report.records.CastInfo` for each cast ampfx inserted. The :class:`Report` attached
 to a converted module as ``ampfx_report`` is built from those records (never
 kept in a side table) and holds no reference to the graph, so it pickles.
 
@@ -24,7 +24,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .ops import Category
+from ..ops import Category
+from .html import render
 from .records import COMPUTE, dtype_name, Rule, Decision, CastInfo, Region, AutocastDiff, computes_in
 
 @dataclass(frozen=True)
@@ -233,9 +234,7 @@ class Report:
     def html(self) -> str:
         """One self-contained HTML page showing the rewritten graph: nodes coloured
         by dtype, the casts ampfx inserted, modules that collapse and expand
-        (see :mod:`ampfx.ui.html`)."""
-        from .ui.html import render
-
+        (see :mod:`ampfx.report.html`)."""
         return render(self)
 
     @staticmethod

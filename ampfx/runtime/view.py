@@ -7,7 +7,7 @@ path by path against the model:
 - a copy the conversion left as it was (a leaf such as ``nn.Dropout`` or ``nn.BatchNorm2d``,
   a module a graph calls, a subtree nothing converted) is replaced by **the model's own
   module**: its flags, attributes, hooks, parameters and Python state are the model's;
-- a converted graph (:class:`~ampfx.graph_module.AmpGraphModule`) becomes a view of the
+- a converted graph (:class:`~ampfx.runtime.graph_module.AmpGraphModule`) becomes a view of the
   model's module at its path (its parameter, buffer and hook dicts, its flag and attributes);
 - a module whose Python runs around converted children (a region's parent, a ``ModuleList``
   holding a converted block) becomes a :class:`Mirror`: an object of the model module's class
@@ -17,7 +17,7 @@ path by path against the model:
 So ``parameters()``, ``state_dict()`` and ``buffers()`` are the model's in the model's order,
 ``amp.train()`` runs the model's own ``train()``, a hook on the model's module fires, and
 ``self.attn_map = ...`` in a forward lands on the model's module. What a graph fixed of the
-model's Python is checked at every call (:mod:`ampfx.fixed`); a change converts that module
+model's Python is checked at every call (:mod:`ampfx.runtime.fixed`); a change converts that module
 again (:class:`Reconvert`) or raises.
 
 >>> import torch, torch.nn as nn, ampfx
@@ -39,10 +39,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from . import runtime
-from .errors import StaleModelError
+from .. import runtime
+from ..errors import StaleModelError
 from .graph_module import HOOKS, AmpGraphModule
-from .state import CONTAINERS, origin_of, same_contents
+from ..state import CONTAINERS, origin_of, same_contents
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ def _unchanged(r: nn.Module, m: nn.Module) -> bool:
 @dataclasses.dataclass
 class Reconvert:
     """Converts a graph module's model module again, with the values it has now, on the inputs of the call
-    that found its graph's fixed values changed (:meth:`ampfx.graph_module.AmpGraphModule.set_reconvert`).
+    that found its graph's fixed values changed (:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_reconvert`).
     At most ``limit`` times per module (``Policy.reconvert_limit``)."""
 
     convert: Callable[[nn.Module, Any, str, Any], tuple[nn.Module, Any]]  # (model module, call, path, arrive)

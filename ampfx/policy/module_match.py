@@ -35,8 +35,8 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from . import ops
-from .errors import PolicyError
+from .. import ops
+from ..errors import PolicyError
 from .names import did_you_mean, glob_regex, import_object, is_glob
 
 

@@ -44,10 +44,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from . import runtime
-from .errors import GuardError, PolicyError
-from .inputs import ExampleInputs
-from .state import kept_buffers
+from .. import runtime
+from ..errors import GuardError, PolicyError
+from ..inputs import ExampleInputs
+from ..state import kept_buffers
 
 ATTR = "_ampfx_guard"
 """The converted graph module's attribute holding its :class:`Guard` (read on every call)."""

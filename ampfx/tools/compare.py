@@ -42,16 +42,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from .api import convert_request
-from .arguments import check_inputs
-from .errors import ArgumentError, ExampleInputsError
-from .inputs import ExampleInputs
-from .passes.calibrate import default_loss
-from .policy import Policy
-from .report import Report
-from .records import dtype_name
-from .request import build, check_options
-from .state import kept_random, kept_rng, untouched
+from ..api import convert_request
+from ..arguments import check_inputs
+from ..errors import ArgumentError, ExampleInputsError
+from ..inputs import ExampleInputs
+from ..passes.calibrate import default_loss
+from ..policy import Policy
+from ..report import Report
+from ..report.records import dtype_name
+from ..request import build, check_options
+from ..state import kept_random, kept_rng, untouched
 
 
 @dataclass(frozen=True)
