@@ -93,7 +93,11 @@ def step_cost(trainer: Trainer, batch: dict) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: the models are tiny, and more threads than idle cores slow "
+                        "them down many times over)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     data = Data()
     batch = {"input_ids": data.ids[:32], "labels": data.labels[:32]}

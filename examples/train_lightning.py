@@ -6,7 +6,7 @@ mode: dtype-changing copies (casts) and the bytes they write, and the bytes ever
 ATen level (:mod:`ampfx.tools.measure`) on the same batch, loss computed the same way (``training_step``).
 
     pip install 'ampfx[lightning]'
-    python examples/train_lightning.py [--epochs 3] [--dtype bf16|fp16]
+    python examples/train_lightning.py [--epochs 3] [--dtype bf16|fp16] [--threads 1]
 
 Runs on a CPU in well under a minute. Data are synthetic (made here); nothing is downloaded.
 """
@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: the models are tiny, and more threads than idle cores slow "
+                        "them down many times over)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     own_flag = "bf16-mixed" if args.dtype == "bf16" else "16-mixed"
     with tempfile.TemporaryDirectory() as root:

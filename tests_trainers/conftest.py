@@ -40,6 +40,15 @@ def _clean_env(monkeypatch):
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread (two on a busy two-core machine make these steps many times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def gap(a, b):
     """Largest absolute difference of two loss curves of the same length."""
     assert len(a) == len(b) and len(a) > 0
