@@ -1,7 +1,22 @@
-"""Collection of ``ampfx/`` (doctests): the trainer integrations import their library at module level, so they
+"""The one conftest every lane shares (tests/, tests_models/, tests_dgl/, tests_trainers/ and the doctests of
+``ampfx/``): no ``AMPFX_*`` variable of the shell reaches a test (convert() reads os.environ; tests set the ones
+they need). The lanes' own conftests hold only what their lane needs.
+
+Collection of ``ampfx/`` (doctests): the trainer integrations import their library at module level, so they
 are left out where it is not installed (the core lane); the trainers lane (scripts/test-trainers.sh) tests them."""
 import importlib.util
+import os
+
+import pytest
 
 _NEEDS = {"ampfx/integrations/lightning.py": "pytorch_lightning", "ampfx/integrations/accelerate.py": "accelerate",
           "ampfx/integrations/hf.py": "transformers"}
 collect_ignore = [path for path, library in _NEEDS.items() if importlib.util.find_spec(library) is None]
+
+
+@pytest.fixture(autouse=True)
+def _no_ampfx_env(monkeypatch):
+    """Tests control the AMPFX_* variables themselves (convert reads os.environ)."""
+    for key in list(os.environ):
+        if key.startswith("AMPFX_"):
+            monkeypatch.delenv(key)

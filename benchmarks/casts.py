@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import ampfx  # noqa: E402
-from models import build  # noqa: E402
+from support.models import build  # noqa: E402
 
-ROWS = [  # (tests/models.py name, label, dtype)
+ROWS = [  # (tests/support/models.py name, label, dtype)
     ("mlp", "MLP (3 linear, gelu, tanh, residual)", torch.bfloat16),
     ("cnn", "CNN (2 conv + BN, max-pool, head)", torch.bfloat16),
     ("transformer", "2-layer transformer classifier", torch.bfloat16),
@@ -43,7 +43,7 @@ def counts(name: str, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def table() -> str:
-    lines = ["| model (tests/models.py)                 | dtype | ampfx | autocast |",
+    lines = ["| model (tests/support/models.py)                 | dtype | ampfx | autocast |",
              "|-----------------------------------------|-------|------:|---------:|"]
     for name, label, dtype in ROWS:
         ours, theirs = counts(name, dtype)

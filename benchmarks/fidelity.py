@@ -1,6 +1,6 @@
 """Fidelity against float32, ampfx vs torch.autocast: ``python benchmarks/fidelity.py [--batches 5]``.
 
-For each model of tests/fidelity_models.py (pre-LN GPT, post-LN encoder, ResNet blocks,
+For each model of tests/support/fidelity_models.py (pre-LN GPT, post-LN encoder, ResNet blocks,
 iterative refinement with grid_sample, SSM scan, positions into ``.long()``, a LayerNorm over 3
 features) and each dtype (bf16, fp16), on the same weights and batches as the float32 model, one
 training step (forward + backward, training mode) per batch for: ampfx by default, ampfx with each
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import fidelity_models as fm  # noqa: E402
+from support import fidelity_models as fm  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEADER = ("| model | dtype | variant | out err | worst grad err (param) | wrong idx | casts | cast MB | MB written |\n"

@@ -1,6 +1,6 @@
 """The long fuzz run: ``python benchmarks/fuzz.py --n 2000 [--seed S]``.
 
-Runs :func:`fuzzgraphs.run_case` (tests/fuzzgraphs.py, the generator and checks of
+Runs :func:`fuzzgraphs.run_case` (tests/support/fuzzgraphs.py, the generator and checks of
 tests/test_fuzz.py) on seeds ``S .. S+n-1`` and prints, at the end, what was generated,
 how many cases passed each check, every failure counted by check and class, the seeds that
 failed with their first failure, and how ampfx's error compares with autocast's. Record the figures in
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import fuzzgraphs as fg  # noqa: E402
+from support import fuzzgraphs as fg  # noqa: E402
 
 
 def _quantiles(values: list[float], qs: tuple[float, ...] = (0.5, 0.9, 0.99, 1.0)) -> str:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import ampfx  # noqa: E402
-from models import Offsets  # noqa: E402 - tests/models.py, the model tests/test_tune.py tunes
+from support.models import Offsets  # noqa: E402 - tests/support/models.py, the model tests/test_tune.py tunes
 
 
 def row(depth: int, offsets: tuple[float, ...]) -> str:

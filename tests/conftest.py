@@ -20,11 +20,8 @@ def rel_err(got, want):
 
 
 @pytest.fixture(autouse=True)
-def _no_ampfx_env(monkeypatch):
-    """Tests control the AMPFX_* variables themselves (convert reads os.environ)."""
-    for k in list(os.environ):
-        if k.startswith("AMPFX_"):
-            monkeypatch.delenv(k)
+def _seeded():
+    """Every test starts from the same random state (the AMPFX_* variables are cleared by the root conftest)."""
     torch.manual_seed(0)
 
 

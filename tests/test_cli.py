@@ -27,7 +27,7 @@ def test_demo_fp16_plots_the_loss_scale(capsys, tmp_path):
 
 
 def test_explain_html_to_stdout(capsys):
-    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--format", "html"]) == 0
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "4,12", "--format", "html"]) == 0
     page = capsys.readouterr().out
     assert page.lstrip().lower().startswith("<!doctype html") and "gelu" in page
 
@@ -42,20 +42,20 @@ def test_lists_show_entries_with_sources_and_env_overrides(capsys, monkeypatch):
 
 
 def test_explain_prints_the_table_and_json(capsys, tmp_path):
-    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--dtype", "fp16",
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "4,12", "--dtype", "fp16",
                  "--out", str(tmp_path), "--html", str(tmp_path / "mlp.html")]) == 0
     assert "gelu" in capsys.readouterr().out and (tmp_path / "decisions.jsonl").exists()
     assert "gelu" in (tmp_path / "mlp.html").read_text() and (tmp_path / "report.html").exists()
-    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--format", "json"]) == 0
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "4,12", "--format", "json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert any(r["op"] == "linear" and r["dtype"] == "bfloat16" for r in rows)
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["explain", "nope.nothing:build"], "cannot import nope.nothing"),
-    (["explain", "tests/models.py:Missing"], "has no attribute 'Missing'"),
-    (["explain", "tests/models.py:MLP", "--input", "4,x"], "--input '4,x'"),
-    (["explain", "tests/models.py:MLP", "--input", "4,12:complex"], "unknown dtype 'complex'"),
+    (["explain", "tests/support/models.py:Missing"], "has no attribute 'Missing'"),
+    (["explain", "tests/support/models.py:MLP", "--input", "4,x"], "--input '4,x'"),
+    (["explain", "tests/support/models.py:MLP", "--input", "4,12:complex"], "unknown dtype 'complex'"),
 ])
 def test_errors_name_the_bad_argument(capsys, argv, needle):
     assert main(argv) == 2
@@ -75,7 +75,7 @@ def test_a_model_that_cannot_run_on_its_inputs_is_one_line_exit_2(capsys, tmp_pa
     cannot run)."""
     if command == "plot":
         pytest.importorskip("matplotlib")
-    argv = [command, "tests/cli_models.py:AlwaysRaises", "--input", "2,4"]
+    argv = [command, "tests/support/cli_models.py:AlwaysRaises", "--input", "2,4"]
     assert main(argv + (["--out", str(tmp_path / "p.png")] if command == "plot" else [])) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -85,7 +85,7 @@ def test_a_model_that_cannot_run_on_its_inputs_is_one_line_exit_2(capsys, tmp_pa
 def test_a_model_that_converts_nothing_without_inputs_is_an_error(capsys):
     """Without --input nothing is run; a model torch.fx cannot trace, with nothing else to convert, is
     an error asking for --input rather than an empty report and exit 0."""
-    assert main(["explain", "tests/cli_models.py:BareRaises"]) == 2
+    assert main(["explain", "tests/support/cli_models.py:BareRaises"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nothing was converted" in err and "give --input" in err
 
@@ -98,16 +98,16 @@ def test_int_range_sets_the_integer_inputs(capsys):
     ids = parse_input("64,32:int64", (0, 100))
     assert ids.min() >= 0 and ids.max() < 100 and len(ids.unique()) > 50
     assert set(parse_input("64,32:int64").unique().tolist()) == {0, 1}
-    assert main(["explain", "tests/cli_models.py:Embed", "--input", "8,5:int64", "--int-range", "0,100"]) == 0
+    assert main(["explain", "tests/support/cli_models.py:Embed", "--input", "8,5:int64", "--int-range", "0,100"]) == 0
     capsys.readouterr()
-    assert main(["explain", "tests/cli_models.py:Embed", "--input", "8,50:int64", "--int-range", "0,1000"]) == 2
+    assert main(["explain", "tests/support/cli_models.py:Embed", "--input", "8,50:int64", "--int-range", "0,1000"]) == 2
     assert "IndexError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["5,5", "0", "a,b"])
 def test_a_bad_int_range_is_rejected_by_the_parser(capsys, value):
     with pytest.raises(SystemExit) as exit_:
-        main(["explain", "tests/models.py:MLP", "--int-range", value])
+        main(["explain", "tests/support/models.py:MLP", "--int-range", value])
     assert exit_.value.code == 2 and "--int-range" in capsys.readouterr().err
 
 

@@ -12,7 +12,7 @@ import ampfx
 from ampfx.tools.compare import NOISE, Comparison, ParamError, _autocast_on
 from ampfx.errors import ArgumentError, ExampleInputsError
 from ampfx.ui.cli import main
-from models import MLP  # tests/models.py: 12 -> 32 -> 32 -> 5, gelu, a tanh residual
+from support.models import MLP  # tests/support/models.py: 12 -> 32 -> 32 -> 5, gelu, a tanh residual
 
 
 
@@ -351,19 +351,19 @@ def test_comparison_records_are_public():
 def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     """`ampfx compare` converts, prints both tables and writes the figures as JSON."""
     out = tmp_path / "cmp.json"
-    assert main(["compare", "tests/models.py:MLP", "--input", "4,12", "--top", "2", "--json", str(out)]) == 0
+    assert main(["compare", "tests/support/models.py:MLP", "--input", "4,12", "--top", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "gradient error vs float32" in printed and "autocast (cpu)" in printed and "fc" in printed
     data = json.loads(out.read_text())
     assert data["dtype"] == "bfloat16" and len(data["params"]) == 2 and data["n_params"] == 6
-    assert main(["compare", "tests/models.py:MLP", "--input", "4,12", "--top", "2", "--json", str(out)]) == 0
+    assert main(["compare", "tests/support/models.py:MLP", "--input", "4,12", "--top", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text()) == data  # seeded: the same model and inputs
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["compare", "tests/models.py:MLP"], "give at least one --input"),
-    (["compare", "tests/models.py:MLP", "--input", "4,13"], "does not run"),
-    (["compare", "tests/models.py:Missing", "--input", "4,12"], "has no attribute 'Missing'"),
+    (["compare", "tests/support/models.py:MLP"], "give at least one --input"),
+    (["compare", "tests/support/models.py:MLP", "--input", "4,13"], "does not run"),
+    (["compare", "tests/support/models.py:Missing", "--input", "4,12"], "has no attribute 'Missing'"),
 ])
 def test_cli_errors_name_the_bad_argument(capsys, argv, needle):
     assert main(argv) == 2

@@ -14,7 +14,7 @@ import ampfx
 from ampfx import CastInfo, Category, Decision
 from ampfx.runtime import cast as runtime_cast
 from conftest import DTYPES
-from models import MODELS, Branchy, Outer, Root, build
+from support.models import MODELS, Branchy, Outer, Root, build
 
 
 def casts_in(gm):
@@ -588,7 +588,7 @@ def test_converted_module_works_under_torch_compile(name):
 
 def test_other_libraries_ops_are_matched_by_qualified_name():
     """torchvision's stochastic_depth is dropout: neutral, low precision between low ops."""
-    import tests_helpers_ops as lib  # called as lib.stochastic_depth, the way torchvision's own modules call it
+    from support import helper_ops as lib  # called as lib.stochastic_depth, the way torchvision's own modules call it
 
     class Block(nn.Module):
         def __init__(self):

@@ -15,7 +15,7 @@ from ampfx import Category, ops
 from ampfx.capture.export import unavailable
 from ampfx.runtime import cast as runtime_cast
 from conftest import rel_err
-from models import Outer
+from support.models import Outer
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 aten = torch.ops.aten
@@ -396,13 +396,13 @@ def test_unknown_tracer_is_rejected():
 
 
 def test_export_page_prints_what_it_shows():
-    """docs/export.md's examples run and print their text blocks (refresh: python tests/doccheck.py --fill)."""
+    """docs/export.md's examples run and print their text blocks (refresh: python tests/support/doccheck.py --fill)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, str(root / "tests" / "doccheck.py"), str(root / "docs" / "export.md")],
+    run = subprocess.run([sys.executable, str(root / "tests" / "support" / "doccheck.py"), str(root / "docs" / "export.md")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
@@ -450,7 +450,7 @@ def test_cli_explain_takes_a_tracer(capsys):
 
     from ampfx.ui.cli import main
 
-    assert main(["explain", "tests/models.py:MLP", "--input", "4,12", "--tracer", "export", "--format", "json"]) == 0
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "4,12", "--tracer", "export", "--format", "json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert any(r["op"] == "linear" and r["target"] == "aten.linear.default" and r["module"] == "fc1" for r in rows)
 

@@ -1,6 +1,6 @@
 """Casts and activation memory against autocast, per model family (issue #15).
 
-The families a held-out set found ampfx worse than autocast on, built small (tests/family_models.py):
+The families a held-out set found ampfx worse than autocast on, built small (tests/support/family_models.py):
 one training step (forward + backward, the loss inside the autocast region), counted at the ATen
 level. The plan must make no more dtype-changing copies than CPU autocast, and autograd must save no
 more bytes for backward; the bytes every op writes may be at most 1% more.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ampfx
-import family_models as fm
+from support import family_models as fm
 from ampfx.tools.measure import measure_step, saved_bytes
 from conftest import DTYPES
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ampfx
-import fidelity_models as fm
+from support import fidelity_models as fm
 from conftest import DTYPES
 
 BATCHES = 3

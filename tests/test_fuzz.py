@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
-import fuzzgraphs as fg
+from support import fuzzgraphs as fg
 
 N_CI = 200
 

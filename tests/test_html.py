@@ -19,7 +19,7 @@ from ampfx.report.html import COLLAPSE_ABOVE, graph, render
 from ampfx.ops import Category
 from ampfx.report import Report
 from ampfx.report.records import CastInfo, Decision, dtype_name
-from models import Root, build
+from support.models import Root, build
 
 
 class Tags(HTMLParser):

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from models import MODELS, build
+from support.models import MODELS, build
 
 
 @pytest.mark.parametrize("name", MODELS)

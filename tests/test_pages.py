@@ -17,15 +17,15 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 def test_readme_code_prints_what_the_readme_shows():
     """README's ```python blocks run as pasted, in order, from an empty namespace in an empty directory,
-    and each prints exactly the ```text block after it (refresh: python tests/doccheck.py --fill README.md)."""
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "doccheck.py"), str(README)],
+    and each prints exactly the ```text block after it (refresh: python tests/support/doccheck.py --fill README.md)."""
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "doccheck.py"), str(README)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
 def test_every_readme_output_block_follows_the_code_that_prints_it():
     """An output shown in README is a ```text block right after the ```python block that prints it (the
-    one shape tests/doccheck.py checks); no python block shows its output in comments, and the first
+    one shape tests/support/doccheck.py checks); no python block shows its output in comments, and the first
     block of all is python, printing the summary."""
     blocks = [(m.group(1).strip(), m.group(2), m.start(), m.end()) for m in FENCE.finditer(README.read_text())]
     assert blocks[0][0] == "python" and "print(amp.ampfx_report.summary())" in blocks[0][1]

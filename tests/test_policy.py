@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import ampfx
-import tests_helpers_ops
-from tests_helpers_ops import scaled_tanh
+from support import helper_ops
+from support.helper_ops import scaled_tanh
 from ampfx import Category, Policy, PolicyError
 from ampfx.policy.names import glob_regex
 from ampfx.policy import from_env
@@ -90,8 +90,8 @@ def test_env_is_read_from_os_environ_at_convert(monkeypatch):
 
 def test_user_functions_by_qualified_name():
     """Functions and module types of the user's own code can be put on a list by qualified name."""
-    p = from_env(Policy(), {"AMPFX_ALLOWLIST_ADD": "tests_helpers_ops.scaled_tanh"})
-    assert p.category_of("tests_helpers_ops.scaled_tanh")[0] is Category.ALLOW
+    p = from_env(Policy(), {"AMPFX_ALLOWLIST_ADD": "support.helper_ops.scaled_tanh"})
+    assert p.category_of("support.helper_ops.scaled_tanh")[0] is Category.ALLOW
 
 
 def test_fp32_modules_beat_the_lists():
@@ -120,7 +120,7 @@ class ViaModule(nn.Module):
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
-        return tests_helpers_ops.scaled_tanh(self.fc(x))
+        return helper_ops.scaled_tanh(self.fc(x))
 
 
 class ViaGlobal(ViaModule):
@@ -131,13 +131,13 @@ class ViaGlobal(ViaModule):
 @pytest.mark.parametrize("cls", [ViaModule, ViaGlobal])
 def test_user_function_on_a_list_is_one_node_with_that_category(cls):
     """A user function named by qualified name is traced as one op and takes its list's category."""
-    name = "tests_helpers_ops.scaled_tanh"
+    name = "support.helper_ops.scaled_tanh"
     plain = ampfx.convert(cls(), "fp16").ampfx_report
     assert not [r for r in plain.records if r.op == name]
     rep = ampfx.convert(cls(), "fp16", environ={"AMPFX_DENYLIST_ADD": name}).ampfx_report
     r = [r for r in rep.records if r.op == name][0]
     assert (r.category, r.dtype, r.rule) == (Category.DENY, torch.float32, "env:AMPFX_DENYLIST_ADD")
-    assert tests_helpers_ops.scaled_tanh is scaled_tanh  # the patch is undone after tracing
+    assert helper_ops.scaled_tanh is scaled_tanh  # the patch is undone after tracing
 
 
 def test_environment_edits_apply_after_the_arguments():

@@ -11,7 +11,7 @@ import torch.nn as nn
 import ampfx
 from ampfx.errors import ArgumentError
 from ampfx.report.records import Rule
-from models import Offsets  # tests/models.py: a deep MLP with precision-critical (y + c) - c adds
+from support.models import Offsets  # tests/support/models.py: a deep MLP with precision-critical (y + c) - c adds
 
 
 class Counted:

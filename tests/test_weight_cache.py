@@ -16,7 +16,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 import ampfx
 from ampfx.runtime import weight_cache
 from ampfx.tools.measure import CastCounter
-from models import build
+from support.models import build
 
 
 class Block(nn.Module):

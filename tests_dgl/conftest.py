@@ -1,5 +1,4 @@
 """The DGL lane: torch 2.2.1 + dgl 2.1.0 (scripts/test-dgl.sh builds its venv). Skipped without dgl."""
-import os
 import sys
 from pathlib import Path
 
@@ -17,9 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(autouse=True)
-def _no_ampfx_env(monkeypatch):
-    """Tests control the AMPFX_* variables themselves (convert reads os.environ)."""
-    for k in list(os.environ):
-        if k.startswith("AMPFX_"):
-            monkeypatch.delenv(k)
+def _seeded():
+    """Every test starts from the same random state (the AMPFX_* variables are cleared by the root conftest)."""
     torch.manual_seed(0)
+
+

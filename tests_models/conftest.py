@@ -12,19 +12,11 @@ from typing import Any, Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest
 import torch
 
 import ampfx
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _no_ampfx_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("AMPFX_"):
-            monkeypatch.delenv(key)
 
 
 def call(model: torch.nn.Module, inputs: Any) -> Any:

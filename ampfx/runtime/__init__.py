@@ -20,6 +20,11 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+if hasattr(torch.compiler, "is_compiling"):
+    is_compiling = torch.compiler.is_compiling
+else:  # torch < 2.3 (the DGL lane's 2.2.1)
+    from torch._dynamo.external_utils import is_compiling
 """Only these dtypes are ever converted. float64, integers and bool pass through."""
 
 WEIGHTS = threading.local()
@@ -41,7 +46,7 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
         return value.tracer.create_proxy("call_function", cast, (value, dtype), {})
     if isinstance(value, torch.Tensor):
         if value.dtype in CASTABLE and value.dtype != dtype:
-            active = None if torch.compiler.is_compiling() else getattr(WEIGHTS, "active", None)
+            active = None if is_compiling() else getattr(WEIGHTS, "active", None)
             cached = active[-1].low(value, dtype) if active else None  # a weight's copy, made once (weight_cache)
             return value.to(dtype) if cached is None else cached
         return value

@@ -109,7 +109,7 @@ def _accumulates_in_place(ctx: Any, master: torch.Tensor, grad: torch.Tensor) ->
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False  # DDP / FSDP / DeepSpeed hook AccumulateGrad in C++, out of sight
-    if torch.compiler.is_compiling():
+    if runtime.is_compiling():
         return False
     try:
         return bool(torch._C._will_engine_execute_node(ctx.next_functions[0][0]))
@@ -257,7 +257,7 @@ def _cacheable(master: torch.Tensor, low: torch.dtype) -> bool:
 
 def _why_off(gm: nn.Module, entries: list[_Entry]) -> str | None:
     """Why the cache stands aside for this call of ``gm`` (``None``: it does not)."""
-    if torch.compiler.is_compiling():
+    if runtime.is_compiling():
         return "torch.compile traces the module (inductor fuses the casts)"
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return "inside a torch.func transform (its tensors are wrapped per call)"

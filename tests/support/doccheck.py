@@ -1,4 +1,4 @@
-# Used by tests/test_docs.py; `python tests/doccheck.py --fill docs/X.md` refreshes the output blocks after a change.
+# Used by tests/test_docs.py; `python tests/support/doccheck.py --fill docs/X.md` refreshes the output blocks after a change.
 """Run the ```python blocks of a Markdown file in order (one namespace, cwd = a temp dir)
 and compare each block's stdout with the ```text block right after it (if any)."""
 import contextlib, io, os, re, sys, tempfile, textwrap, traceback

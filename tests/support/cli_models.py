@@ -1,4 +1,4 @@
-"""Models for tests/test_cli.py's error cases (loaded by the CLI as tests/cli_models.py:NAME)."""
+"""Models for tests/test_cli.py's error cases (loaded by the CLI as tests/support/cli_models.py:NAME)."""
 import torch.nn as nn
 
 
