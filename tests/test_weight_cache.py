@@ -124,6 +124,13 @@ def _step(model, amp):
     torch.optim.SGD(model.parameters(), lr=0.5).step()
 
 
+def _fused_step(model, amp):
+    """AdamW(fused=True), the HF Trainer's default optimizer: it writes the parameters without bumping their
+    version counters (the cache kept the pre-step copies, and a fine-tune through the Trainer drifted silently)."""
+    amp(X).sum().backward()
+    torch.optim.AdamW(model.parameters(), lr=0.5, fused=True).step()
+
+
 def _load(model, amp):
     torch.manual_seed(5)
     amp.load_state_dict(Net().state_dict())
@@ -161,10 +168,10 @@ def _double_then_back(model, amp):
     model.float()
 
 
-@pytest.mark.parametrize("change", [_step, _load, _load_assign, _in_place, _copy, _data, _replaced, _vector,
-                                    _double_then_back], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("change", [_step, _fused_step, _load, _load_assign, _in_place, _copy, _data, _replaced,
+                                    _vector, _double_then_back], ids=lambda f: f.__name__.strip("_"))
 def test_never_stale_after_the_master_changes(change):
-    """Whatever changes a master between calls (an optimizer step, load_state_dict, an in-place edit, copy_,
+    """Whatever changes a master between calls (an optimizer step, a fused one, load_state_dict, an in-place edit, copy_,
     .data =, a replaced parameter, vector_to_parameters, .double() and back), the next call computes with the new
     value: its output equals a conversion that casts the master at every call, bit for bit."""
     model, amp, plain = pair()

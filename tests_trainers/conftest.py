@@ -33,11 +33,21 @@ def autocast_spy(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    """AMPFX_* variables are the tests' own; TrainingArguments(bf16=True) exports ACCELERATE_MIXED_PRECISION."""
-    for k in list(os.environ):
-        if k.startswith("AMPFX_") or k == "ACCELERATE_MIXED_PRECISION":
-            monkeypatch.delenv(k)
+    """TrainingArguments(bf16=True) exports ACCELERATE_MIXED_PRECISION (the root conftest clears AMPFX_*)."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state: each test that uses it makes its own accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 @pytest.fixture(autouse=True)

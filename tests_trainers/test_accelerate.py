@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 from conftest import gap
 
 from ampfx.errors import ArgumentError
@@ -14,14 +14,7 @@ from ampfx.integrations.accelerate import AmpfxAccelerator
 from ampfx.errors import PolicyMismatchError
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps one process-wide state: each test makes its own accelerator."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def model():

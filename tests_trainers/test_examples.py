@@ -2,9 +2,6 @@
 import importlib.util
 from pathlib import Path
 
-import pytest
-from accelerate.state import AcceleratorState, GradientState
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -26,16 +23,7 @@ def test_lightning_example(capsys):
     assert "ampfx: converted" in printed and "Lightning bf16-mixed" in printed
 
 
-@pytest.fixture
-def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def test_hf_trainer_example(capsys, _fresh_accelerate_state):
+def test_hf_trainer_example(capsys, fresh_accelerate_state):
     """examples/train_hf_trainer.py: four steps; ampfx's curve within 1e-2 of bf16=True's; ampfx casts fewer bytes."""
     out = load("train_hf_trainer").main(["--steps", "4"])
     fp32, own, amp = out["losses"]

@@ -1,7 +1,7 @@
 """AmpfxTrainer: HF Trainer fine-tunes a transformers model through ampfx, like its own bf16 mode."""
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 from conftest import gap
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
@@ -10,13 +10,7 @@ from ampfx.integrations.hf import POLICY_FILE, AmpfxTrainer
 from ampfx.errors import PolicyMismatchError
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 class Data(torch.utils.data.Dataset):

@@ -92,14 +92,14 @@ class LowCopies:
         for entry in self.entries:
             owner, name, attr, seen, version = entry
             master = owner.get(name)
-            if master is seen and version == (master._version, master.data_ptr()):
+            if master is seen and version == runtime.write_key(master):
                 continue  # neither replaced, written in place, nor re-pointed with .data = ...
             if master is None:
                 raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
                                       "model: convert the model again")
             with torch.no_grad():
                 gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
-            entry[3], entry[4] = master, (master._version, master.data_ptr())
+            entry[3], entry[4] = master, runtime.write_key(master)
 
     def nbytes(self) -> int:
         return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)

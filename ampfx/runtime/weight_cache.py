@@ -17,7 +17,8 @@ before the graph runs, writing over copies nothing else holds. A master counts a
 changed when it was:
 
 - written in place (an optimizer step, ``copy_``, ``load_state_dict``, an in-place
-  edit under ``no_grad``): the master's version counter moved;
+  edit under ``no_grad``): the master's version counter moved; an optimizer stepped it (a fused step
+  bumps no version counter: :func:`ampfx.runtime.write_key`);
 - re-pointed (``p.data = t``, ``vector_to_parameters``, ``model.to(device)``): its
   storage moved;
 - replaced (``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``):
@@ -170,10 +171,10 @@ class WeightCache:
             if master is None:
                 raise StaleModelError(f"parameter {e.path!r}, which the converted graph reads, was removed from the "
                                       "model: put it back or convert the model again")
-            if master is e.master and e.key == (master._version, master.data_ptr()):
+            if master is e.master and e.key == runtime.write_key(master):
                 continue
             if not _cacheable(master, self.dtype):
-                e.master, e.key, e.low, e.pending = master, (master._version, master.data_ptr()), None, False
+                e.master, e.key, e.low, e.pending = master, runtime.write_key(master), None, False
                 continue
             if at_use and master.requires_grad and master.grad is None:
                 e.master, e.key, e.low, e.pending = master, None, None, True  # the old copy is let go first
@@ -187,8 +188,9 @@ class WeightCache:
                     for e, m in zip(stale, masters)]
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
-            for e, m, low in zip(stale, masters, lows):
-                e.master, e.key, e.low, e.pending = e.owner[e.name], (m._version, m.data_ptr()), low, False
+            for e, low in zip(stale, lows):
+                master = e.owner[e.name]  # the parameter itself: its optimizer steps are noted by identity
+                e.master, e.key, e.low, e.pending = master, runtime.write_key(master), low, False
             self.casts += len(stale)
         return len(stale)
 
@@ -221,7 +223,7 @@ class WeightCache:
             return None
         if e.pending:  # the first micro-batch: cast as without the cache (autograd's own cast node), keep the copy
             out = value.to(dtype)
-            e.low, e.key, e.pending = out.detach(), (value._version, value.data_ptr()), False
+            e.low, e.key, e.pending = out.detach(), runtime.write_key(value), False
             self.casts += 1
             return out
         if value.requires_grad and torch.is_grad_enabled():
