@@ -36,6 +36,18 @@ DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
 
 
+def as_after_an_optimizer_step(model):
+    """The state a training step starts from: no gradients, and every weight just written (as an optimizer step
+    writes it), so the step measured makes its low weight copies as every step of training does. Without the
+    write the weight cache (on by default) would reuse copies made by an earlier call, and the step would count
+    fewer casts than training makes."""
+    import torch
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0)
+
+
 def build(name):
     import torch
     import torch.nn as nn
@@ -307,6 +319,7 @@ def run_case(name, dt):
             with torch.autocast("cpu", dtype=dtype):
                 loss = loss_of(call(model, inp), spec)
             loss.backward()
+        as_after_an_optimizer_step(model)
         torch.manual_seed(0)
         ours = measure_step(step_amp)
         r["casts_ampfx"], r["mb_ampfx"] = ours.count, ours.written / 2**20
@@ -320,6 +333,7 @@ def run_case(name, dt):
             r["casts_autocast"] = None
         model.zero_grad(set_to_none=True)
         for key, step in (("saved_mb_ampfx", step_amp), ("saved_mb_autocast", step_ac)):
+            as_after_an_optimizer_step(model)
             torch.manual_seed(0)
             try:
                 r[key] = saved_bytes(step) / 2**20
