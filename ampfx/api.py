@@ -239,9 +239,8 @@ def _policy_log(request: Request) -> dict[str, Any]:
             "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
             "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
             "fp32_modules": [module_match.describe(e) for e in policy.fp32_modules],
-            "fp32_matched": request.resolved.as_json()["fp32_matched"], "tuned": dict(policy.tuned),
+            **request.resolved.as_json(), "tuned": dict(policy.tuned),
             "keep_modules": [module_match.describe(e) for e in policy.keep_modules],
-            "keep_matched": request.resolved.as_json()["keep_matched"],
             "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
             "env": dict(policy.env),
             "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}

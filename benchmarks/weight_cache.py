@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -118,18 +118,22 @@ def step_of(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     return step
 
 
+def prepared(how: str, base: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, Any]:
+    """A fresh copy of ``base``, what runs it (itself under autocast; ampfx's conversion with or without the
+    weight cache) and the region its loss is computed in."""
+    model = copy.deepcopy(base)
+    if how == "autocast":
+        return model, model, lambda: torch.autocast("cpu", dtype)
+    return model, ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=how == "ampfx"), contextlib.nullcontext
+
+
 def rows(dtype: torch.dtype, ks: list[int]) -> None:
     for name, (base, x, y) in models().items():
         for ckpt in (False, True):
             for k in ks:
                 counted = {}
                 for how in ("autocast", "ampfx, no cache", "ampfx"):
-                    model = copy.deepcopy(base)
-                    if how == "autocast":
-                        run, region = model, (lambda: torch.autocast("cpu", dtype))
-                    else:
-                        run = ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=how == "ampfx")
-                        region = contextlib.nullcontext
+                    model, run, region = prepared(how, base, x, dtype)
                     if ckpt:
                         blocks = set(run.blocks)
                         apply_activation_checkpointing(run, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -156,12 +160,7 @@ def timings(dtype: torch.dtype, ks: list[int], widths: list[int], reps: int) -> 
         for k in ks:
             steps = {}
             for how in ("autocast", "ampfx, no cache", "ampfx"):
-                model = copy.deepcopy(base)
-                if how == "autocast":
-                    run, region = model, (lambda: torch.autocast("cpu", dtype))
-                else:
-                    run, region = ampfx.convert(model, dtype, example_inputs=(idx,), weight_cache=how == "ampfx"), \
-                        contextlib.nullcontext
+                model, run, region = prepared(how, base, idx, dtype)
                 steps[how] = step_of(model, run, idx, y, k, region)
                 steps[how]()
             times: dict[str, list[float]] = {how: [] for how in steps}

@@ -26,7 +26,9 @@ changed when it was:
 
 A write through ``.data`` in place (``p.data.mul_(2)``) moves neither counter nor
 storage and is not seen, as for ``mode="inference"``: write weights in place under
-``torch.no_grad()`` instead. A copy an autograd graph still holds (a forward not
+``torch.no_grad()`` instead. Nor is an update outside ``torch.optim`` that calls a fused kernel
+itself (a fused kernel bumps no version counter; ``torch.optim``'s steps are noted by a hook):
+use ``weight_cache=False`` with such an optimizer. A copy an autograd graph still holds (a forward not
 yet backpropagated) is never written over: that graph keeps the values it was
 built with, as with a per-call cast.
 
