@@ -189,10 +189,17 @@ def _export_notes(capture: Capture, policy: Policy) -> list[str]:
     return []
 
 
+def _record_name(node: fx.Node) -> str:
+    """The name ``node`` has in the report: its record's (a node a pass replaced keeps its record's name)."""
+    r = record(node)
+    return r.node if isinstance(r, (Decision, CastInfo)) else node.name
+
+
 def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str, shape_note: str,
                  notes: list[str], policy: Policy) -> Report:
     """The report of one converted graph, from the records in ``node.meta``."""
-    records = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, Decision))
+    records = tuple(dataclasses.replace(r, inputs=tuple(map(_record_name, n.all_input_nodes)))
+                    for n in gm.graph.nodes if isinstance(r := record(n), Decision))
     casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
     path = prefix.rstrip(".")
     region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),

@@ -288,3 +288,21 @@ def test_browser_large_graph_starts_collapsed_and_expands_to_a_node(deep, tmp_pa
     # the residual add reads the float32 stream: float32 (fidelity:stream)
     assert shown["linear_120"] == "bfloat16" and shown["add_120"] == "float32" and len(shown) < 30
     assert any(a.get("data-node") == "linear_120" and "sel" in a["class"].split() for _, a in dom.tags)
+
+
+def test_edges_are_the_converted_graphs_own_edges_not_a_reading_of_its_code():
+    amp = ampfx.convert(Root(), "bf16", example_inputs=(torch.randn(3, 8),))
+    rep = amp.ampfx_report
+    reads = {(d.module, d.node): d.inputs for d in rep.records}
+    # what each record says it reads is what its node reads in the converted graph
+    head = amp.get_submodule("head")
+    checked = 0
+    for node in head.graph.nodes:
+        mine = [d for d in rep.records if d.module.startswith("head") and d.node == node.name]
+        if mine:
+            assert mine[0].inputs == tuple(n.name for n in node.all_input_nodes), node.name
+            checked += 1
+    assert checked >= 4
+    assert any(src.endswith("_bf16") for inputs in reads.values() for src in inputs)  # a cast is read
+    blank = Report(dtype=rep.dtype, records=rep.records, casts=rep.casts)  # no generated code at all
+    assert graph(blank)["edges"] == graph(rep)["edges"] and graph(rep)["edges"]

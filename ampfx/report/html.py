@@ -24,9 +24,8 @@ opens with that node shown and selected); below it, the decisions and casts
 as plain tables (readable without JavaScript). Once the script has drawn the
 graph it sets ``data-ampfx-rendered`` on ``<body>``.
 
-The report holds no edge list: edges come from the graph code after the
-rewrite (``Report.code_after``, one entry per traced region, parsed with
-:mod:`ast`), where casts are variables like ``x_bf16``. An edge through a
+Edges come from what each record reads in the converted graph
+(``Decision.inputs``), where casts are nodes like ``x_bf16``. An edge through a
 cast is drawn from the cast's ``value`` to its consumer.
 
 >>> import torch, ampfx
@@ -47,7 +46,6 @@ softmax -> output
 """
 from __future__ import annotations
 
-import ast
 import html
 import json
 from collections import defaultdict
@@ -73,49 +71,22 @@ def _segments(records: tuple[Decision, ...]) -> list[list[int]]:
     return [s for s in segs if s]
 
 
-def _code_inputs(code: str) -> dict[str, list[str]]:
-    """``{variable: [names it reads]}`` for each assignment in ``GraphModule.code``;
-    what the ``return`` reads is under ``"output"``."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return {}
-    found: dict[str, list[str]] = {}
-    for stmt in ast.walk(tree):
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target, value = stmt.targets[0], stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            target, value = stmt.target, stmt.value
-        elif isinstance(stmt, ast.Return) and stmt.value is not None:
-            target, value = ast.Name("output"), stmt.value
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id not in found:
-            names = [n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-            if names or not isinstance(value, ast.Constant):  # skip `x = None` (freeing)
-                found[target.id] = list(dict.fromkeys(names))
-    return found
-
-
 def edges(report: Report) -> list[tuple[int, int, int]]:
     """``(source record, consumer record, cast index or -1)`` for every data edge.
 
-    Record and cast indices point into ``report.records`` / ``report.casts``.
-    Regions are matched to ``report.code_after`` in order; a region without
-    code still gets the edges through its casts."""
-    codes = list(report.code_after.values())
+    Record and cast indices point into ``report.records`` / ``report.casts``. Edges come from what each
+    record reads (``Decision.inputs``); an input that is a cast ampfx inserted is drawn from the cast's
+    ``value``. A region whose records name no inputs (a report built by hand) still gets the edges
+    through its casts (``CastInfo.consumers``)."""
     out: list[tuple[int, int, int]] = []
     cast_at = 0
-    for k, seg in enumerate(_segments(report.records)):
+    for seg in _segments(report.records):
         names = {report.records[i].node: i for i in seg}
-        reads = _code_inputs(codes[k]) if k < len(codes) else {}
-        # an allow-list leaf module `m` runs as `m_low` (the casts pass replaces the node; the record keeps `m`)
-        alias = {v: v[:-4] for v in reads if v.endswith("_low") and v not in names and v[:-4] in names}
-        reads = {alias.get(v, v): [alias.get(s, s) for s in srcs] for v, srcs in reads.items()}
+        reads = {src for i in seg for src in report.records[i].inputs}
         mine: dict[str, int] = {}  # this region's casts (a run of report.casts), by cast node name
         while cast_at < len(report.casts):
             c = report.casts[cast_at]
-            ours = (c.node in reads) if reads else (c.value in names and set(c.consumers) <= names.keys())
+            ours = c.node in reads if reads else c.value in names and set(c.consumers) <= names.keys()
             if not ours or c.node in mine:  # cast names are unique within a region
                 break
             mine[c.node] = cast_at
@@ -125,11 +96,10 @@ def edges(report: Report) -> list[tuple[int, int, int]]:
                     for u in report.casts[j].consumers]
             continue
         for i in seg:
-            for src in reads.get(report.records[i].node, ()):
+            for src in dict.fromkeys(report.records[i].inputs):
                 if src in mine:
-                    j = mine[src]
-                    if report.casts[j].value in names:
-                        out.append((names[report.casts[j].value], i, j))
+                    if report.casts[mine[src]].value in names:
+                        out.append((names[report.casts[mine[src]].value], i, mine[src]))
                 elif src in names and names[src] != i:
                     out.append((names[src], i, -1))
     return out

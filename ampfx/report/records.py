@@ -223,7 +223,9 @@ class Decision:
     autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`. ``history`` is the
     sequence of ``(step, rule)`` that set the decision, first to last (:class:`ampfx.observer.Observer`):
     ``(("classify", "table"), ("paint", "paint:clear"))`` reads "the tables put it on a list, painting
-    chose its dtype".
+    chose its dtype". ``inputs`` names what the node reads in the converted graph, in order (its
+    ``all_input_nodes``): other records' ``node`` and the ``node`` of casts ampfx inserted (:class:`CastInfo`),
+    the report's edges (:func:`ampfx.report.html.edges`).
     """
 
     node: str
@@ -242,6 +244,7 @@ class Decision:
     fp32_inside: tuple[str, ...] = ()
     autocast: torch.dtype | str | None = None
     history: tuple[tuple[str, str], ...] = ()
+    inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
