@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import autocast, boundary, calibrate, casts, classify, pad, paint, reductions, sensitivity, shapes, tuned, unpack
+from . import (autocast, boundary, calibrate, casts, classify, pad, paint, reductions, sensitivity, shapes, tuned, unpack,
+               writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -34,6 +35,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
     tuned.keep_tuned,  # nodes ampfx.tools.tune kept float32 (Policy.tuned): float32 (no-op without them)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
+    writes.decide_writes,  # what a node writes where not its dtype: bias after the cast, low writes, copies left out
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
     autocast.stamp_autocast,  # autocast's dtype copied into each node's Decision

@@ -15,8 +15,13 @@ and rewrites; decides nothing new.
   that library's runner, e.g. :func:`ampfx.integrations.dgl.call_dgl_low`);
 - in-place ops get no casts (a cast copy would take the mutation);
 - a low-precision ``linear`` whose consumers all want float32 leaves its bias
-  out and adds it after the float32 cast: the bias is never cast (two casts
-  fewer per step, forward and backward) and is added in float32;
+  out and adds it after the float32 cast (``Decision.bias_after``, decided by
+  :mod:`ampfx.passes.writes`): the bias is never cast (two casts fewer per
+  step, forward and backward) and is added in float32;
+- a float32 op that writes the low dtype (``cost:write-low``) reads its low
+  input as it is, and a float32 copy left out (``cost:no-float32-copy``) becomes
+  ``runtime.cast(x, low)``, which returns ``x`` (both decided by
+  :mod:`ampfx.passes.writes`);
 - graph outputs return in the dtype they had before conversion.
 
 Before (a bfloat16 ``linear`` whose one consumer, a softmax, computes in float32)::
@@ -46,13 +51,13 @@ import torch
 import torch.fx as fx
 
 from .. import integrations, ops, runtime
-from ..ops import probes
-from ..meta import LEAF_PARAM_CASTS, RECORD, decision, out_infos, record
+from ..meta import LEAF_PARAM_CASTS, RECORD, decision, record
 from ..ops import Category
 from ..report.records import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from .classify import attr_of, original_dtype, view_group, written
+from .writes import accumulates, out_of, promoted_inputs, slot_dtype
 
 
 class _Casts:
@@ -99,34 +104,6 @@ def _is_view(node: fx.Node) -> bool:
             and isinstance(node.args[0], fx.Node))
 
 
-def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:
-    """Does every consumer of ``node`` take it in float32?"""
-    for user in node.users:
-        d = record(user)
-        if not isinstance(d, Decision):
-            return False
-        if d.kind == "output":
-            if not ctx.keeps_output_dtype or original_dtype(node) != torch.float32:
-                return False
-        elif d.dtype != torch.float32 or d.inplace or d.category is Category.PASS or d.rule is Rule.SELECT:
-            return False
-    return bool(node.users)
-
-
-def _bias_to_split(node: fx.Node, ctx: PassContext) -> fx.Node | None:
-    """The float32 bias of a low-precision op with ``OpEntry.split_bias``
-    (``linear``) consumed in float32 only (then taken out of the call), else ``None``."""
-    args = list(node.args)
-    bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
-    if not isinstance(bias, fx.Node) or decision(bias).out != torch.float32 or not _wants_fp32(node, ctx):
-        return None
-    if all(node in _promoted_inputs(u, ops.ENTRIES.get(decision(u).op), decision(u).dtype) for u in node.users):
-        return None  # float32 consumers read the low output as it is (type promotion): no float32 copy to ride on
-    node.args = tuple(args[:2])
-    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
-    return bias
-
-
 def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
     """``linear(x, w)`` -> ``cast(linear(x, w), float32) + bias`` (the ``add`` is ampfx's own node)."""
     graph = casts.gm.graph
@@ -141,150 +118,39 @@ def _add_bias_after(node: fx.Node, bias: fx.Node, casts: "_Casts") -> None:
                               category=Category.INFER, dtype=torch.float32, rule=Rule.BIAS_FP32, kind="call_function",
                               reason=f"bias of {node.name} added after its float32 cast (the bias is never cast)",
                               out=torch.float32)
-    node.meta[RECORD] = dataclasses.replace(d, reason=d.reason + "; bias added in float32 after the cast")
     casts.fixed[(node, torch.float32)] = out
 
 
-def _takes(target: Any, name: str) -> bool:
-    """Does ``target`` accept the keyword ``name``? ATen overloads say so in their schema
-    (``aten.softmax.int`` takes ``dtype=``, ``aten._softmax`` does not); others are assumed to."""
-    schema = getattr(target, "_schema", None)
-    return schema is None or any(a.name == name for a in schema.arguments)
+def _take_bias(node: fx.Node) -> fx.Node:
+    """Take the bias out of a GEMM whose bias is added after its float32 cast (``Decision.bias_after``)."""
+    args = list(node.args)
+    bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+    node.args = tuple(args[:2])
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    return bias
 
 
-def _promoted_inputs(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
-                     out_of: Callable[[fx.Node], Any] = None, fixed: Any = ()) -> set[fx.Node]:
-    """Low inputs of a float32 op that type promotion upcasts with no cast:
-    the op ``promotes`` and another positional input is a float32 tensor with
-    at least one dimension (a 0-dim tensor does not promote a dimensioned one).
-    Inputs with a bespoke float32 form (``(value, float32) in fixed``) are not.
-    ``out_of(value)`` is the dtype a value has (default: its decision's ``out``).
-
-    E.g. Swin under float16: ``attn + mask``, attention scores in float16 and a
-    float32 mask, adds in float32 without casting the scores first.
-    """
-    if entry is None or not entry.promotes or want != torch.float32:
-        return set()
-    out_of = out_of or _out
-    tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(record(a), Decision)]
-    wide = [a for a in tensors if out_of(a) == torch.float32 and _ndim(a) not in (None, 0)]
-    if not wide:
-        return set()
-    # a value with a bespoke float32 form (a GEMM whose bias is added after its float32 cast) is not promoted
-    return {a for a in tensors if out_of(a) in (torch.float16, torch.bfloat16) and _ndim(a) is not None
-            and (a, torch.float32) not in fixed}
-
-
-def _out(n: fx.Node) -> Any:
-    d = record(n)
-    return d.out if isinstance(d, Decision) else None
-
-
-def _ndim(n: fx.Node) -> int | None:
-    infos = out_infos(n)
-    if not infos or len(infos) != 1:
-        return None
-    return len(infos[0].shape)
-
-
-def _slot_dtype(slot: int | str, entry: ops.OpEntry | None, want: torch.dtype) -> torch.dtype | None:
-    """The dtype an argument slot is cast to: ``want``, float32 for pinned slots, ``None`` for index slots."""
-    if entry is not None and slot in entry.index_args:
-        return None
-    return torch.float32 if entry is not None and slot in entry.fp32_args else want
-
-
-def _accumulates(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, out_of: Callable[[fx.Node], Any],
-                 fixed: Any = ()) -> bool:
-    """Does a float32 op take its low first input as is, accumulating through its own ``dtype=`` argument
-    (``softmax(x, dim, dtype=torch.float32)``)?"""
-    args = node.args
-    return bool(entry is not None and entry.accum_dtype and want == torch.float32 and args
-                and _takes(node.target, entry.accum_dtype) and isinstance(args[0], fx.Node)
-                and node.kwargs.get(entry.accum_dtype) is None and len(args) < 4
-                and out_of(args[0]) in (torch.float16, torch.bfloat16)
-                and (args[0], torch.float32) not in fixed)  # a split bias must be added first
-
-
-def _reads_low(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, kwargs: dict, ctx: PassContext,
-               casts: "_Casts") -> int:
+def _reads_low(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, kwargs: dict, casts: "_Casts") -> int:
     """1 if the float32 ``node`` reads its low first input as it is: accumulating through its own
-    ``dtype=`` argument (set in ``kwargs``), or writing the low dtype (:func:`_writes_low`); else 0."""
-    if not _accumulates(node, entry, want, _out, casts.fixed):
+    ``dtype=`` argument (set in ``kwargs``), or writing the low dtype (rule ``cost:write-low``); else 0."""
+    if not accumulates(node, entry, want, out_of, casts.fixed):
         return 0
-    if not _writes_low(node, entry, ctx):
+    if decision(node).rule is not Rule.WRITE_LOW:
         kwargs[entry.accum_dtype] = torch.float32  # the op accumulates and returns float32 itself
     return 1
 
 
-def _read_low_by_all(node: fx.Node, low: torch.dtype) -> bool:
-    """Does every user of ``node`` compute in ``low`` and read ``node`` in a slot cast to ``low``?"""
-    for user in node.users:
-        u = record(user)
-        if (not isinstance(u, Decision) or u.kind not in COMPUTE or u.inplace or u.dtype != low
-                or u.category is Category.PASS or u.rule is Rule.SELECT):
-            return False
-        slots = [i for i, a in enumerate(user.args) if a is node] + [k for k, a in user.kwargs.items() if a is node]
-        if not slots or any(_slot_dtype(s, ops.ENTRIES.get(u.op), low) != low for s in slots):
-            return False  # read in float32 (a pinned slot), or from inside a list
-    return bool(node.users)
-
-
-_PLAIN_CAST_KWARGS = {"dtype", "non_blocking", "memory_format", "layout", "copy"}
-
-
-def _float32_copy_read_low(node: fx.Node, d: Decision, ctx: PassContext) -> bool:
-    """The model's own conversion of a low value to float32 (``x.float()``, ``x.to(torch.float32)``, an
-    exported ``x.to(query.dtype)`` that the float32 trace fixed at float32) whose users all read it in
-    the low dtype: those users would get back exactly the low value, so the copy is left out (the node
-    becomes ``runtime.cast(x, low)``, which returns ``x``), saving a cast each way. Only where ``x`` was
-    float32 in the model (with example inputs), where the conversion returned ``x`` itself: leaving it out
-    keeps the model's aliasing (an in-place change of ``x`` after it is seen through it, as in the model;
-    the float32 copy ampfx made before hid it). Recorded on the
-    node (``out`` low, rule ``cost:no-float32-copy``)."""
-    low = ctx.policy.dtype
-    entry = ops.ENTRIES.get(d.op)
-    if (entry is None or entry.result is not ops.Result.CAST or d.out != torch.float32 or not node.args
-            or not isinstance(node.args[0], fx.Node) or _out(node.args[0]) != low or d.inplace):
-        return False
-    rest = [a for a in node.args[1:] if a is not None and a is not False]
-    fixed = dict(entry.cast_to).get(str(node.target))
-    if any(a != torch.float32 for a in rest) or set(node.kwargs) - _PLAIN_CAST_KWARGS or node.kwargs.get("copy"):
-        return False  # a device move, another tensor's dtype, or a copy asked for
-    if not (fixed == torch.float32 or torch.float32 in (*rest, node.kwargs.get("dtype"))):
-        return False
-    if not _read_low_by_all(node, low) or [i.dtype for i in out_infos(node.args[0]) or ()][:1] != [torch.float32]:
-        return False  # a copy in the model too (its source was not float32 there): an in-place change may follow
+def _leave_out_copy(node: fx.Node) -> None:
+    """The model's float32 copy of a low value that every user reads low (rule ``cost:no-float32-copy``)
+    becomes ``runtime.cast(x, low)``, which returns ``x``."""
+    d: Decision = decision(node)
     graph = node.graph
     with graph.inserting_after(node):
-        new = graph.call_function(runtime.cast, (node.args[0], low))
+        new = graph.call_function(runtime.cast, (node.args[0], d.out))
     new.meta = dict(node.meta)
-    new.meta[RECORD] = dataclasses.replace(
-        d, node=new.name, out=low, rule=Rule.NO_FLOAT32_COPY,
-        reason=f"{d.reason}; a float32 copy of a {dtype_name(low)} value whose users all read it in "
-               f"{dtype_name(low)}: they would get the same values back, so the copy is left out")
+    new.meta[RECORD] = dataclasses.replace(d, node=new.name)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-    return True
-
-
-def _writes_low(node: fx.Node, entry: ops.OpEntry, ctx: PassContext) -> bool:
-    """A float32 ``writes_low`` op (softmax) of a low value whose consumers all read it in that dtype
-    writes it: its low kernel computes in float32 inside and rounds once (:func:`ampfx.ops.probes.rounds_once`),
-    the value every consumer would have read after a cast. Recorded on ``node`` (``out`` low, rule
-    ``cost:write-low``); ``False`` (nothing changed) otherwise."""
-    low = _out(node.args[0])
-    d = record(node)
-    if not entry.writes_low or low != ctx.policy.dtype or not _read_low_by_all(node, low):
-        return False
-    if ctx.policy.probe and not probes.rounds_once(d.op, low, ctx.device):
-        return False  # (probe=False trusts the table: the CPU and CUDA kernels round once)
-    node.meta[RECORD] = dataclasses.replace(
-        d, out=low, rule=Rule.WRITE_LOW,
-        reason=f"{d.reason}; its {dtype_name(low)} kernel computes in float32 inside and rounds once (probe), and "
-               f"every consumer reads it in {dtype_name(low)}: it writes {dtype_name(low)}, the same values with no "
-               f"cast, and its output is saved for backward at {dtype_name(low)} size (was {d.rule})")
-    return True
 
 
 def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any],
@@ -311,14 +177,14 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
             or d.rule is Rule.SELECT):
         return pairs
     entry = ops.ENTRIES.get(d.op)
-    start = 1 if _accumulates(node, entry, want, out_of) else 0
-    promoted = _promoted_inputs(node, entry, want, out_of)
+    start = 1 if accumulates(node, entry, want, out_of) else 0
+    promoted = promoted_inputs(node, entry, want, out_of)
     for i, arg in enumerate(node.args[start:], start):
         if arg not in promoted:
-            fx.map_arg(arg, lambda n, dt=_slot_dtype(i, entry, want): need(n, dt))
+            fx.map_arg(arg, lambda n, dt=slot_dtype(i, entry, want): need(n, dt))
     for k, arg in node.kwargs.items():
         if k != (entry.accum_dtype if entry else None):
-            fx.map_arg(arg, lambda n, dt=_slot_dtype(k, entry, want): need(n, dt))
+            fx.map_arg(arg, lambda n, dt=slot_dtype(k, entry, want): need(n, dt))
     return pairs
 
 
@@ -380,7 +246,7 @@ def _note_inside(node: fx.Node, entry: ops.OpEntry | None, gm: fx.GraphModule, c
 
 def _map_slot(arg: Any, slot: int | str, node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
               casts: _Casts) -> Any:
-    dtype = _slot_dtype(slot, entry, want)
+    dtype = slot_dtype(slot, entry, want)
     if dtype is None:
         return arg
     why = (f"{node.name} pins this slot to float32" if dtype != want
@@ -412,7 +278,6 @@ def _cast_outputs(node: fx.Node, ctx: PassContext, casts: "_Casts") -> None:
 
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite ``gm.graph`` so every op sees its inputs in its decided dtype."""
-    low = ctx.policy.dtype
     graph = gm.graph
     casts = _Casts(gm)
     leaf_params = 0
@@ -430,18 +295,17 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
             if isinstance(target := written(node), fx.Node):
                 casts.mutated(target)  # casts made before this mutation are not reused after it
             continue
-        if d.category is Category.PASS and _float32_copy_read_low(node, d, ctx):
-            continue  # the model's float32 copy of a low value, read only low: left out (cost:no-float32-copy)
+        if d.category is Category.PASS and d.rule is Rule.NO_FLOAT32_COPY:
+            _leave_out_copy(node); continue  # noqa: E702 - the model's float32 copy of a low value, read only low
         if d.category is Category.PASS or d.dtype not in CASTABLE or d.rule is Rule.SELECT:
             continue  # None: left as written; float64/complex (rule other-float): runs as written
         entry = ops.ENTRIES.get(d.op)
         want = d.dtype
-        split = (_bias_to_split(node, ctx) if entry is not None and entry.split_bias and node.op == "call_function"
-                 and want == low else None)
+        split = _take_bias(node) if d.bias_after else None
         args = list(node.args)
         kwargs = dict(node.kwargs)
-        start = _reads_low(node, entry, want, kwargs, ctx, casts)
-        promoted = _promoted_inputs(node, entry, want, _out, casts.fixed)
+        start = _reads_low(node, entry, want, kwargs, casts)
+        promoted = promoted_inputs(node, entry, want, out_of, casts.fixed)
         for i in range(start, len(args)):
             if args[i] in promoted:
                 continue  # the kernel upcasts it (exactly) beside a float32 tensor

@@ -67,9 +67,9 @@ def test_a_log_path_keeps_the_graph_after_each_step(tmp_path, monkeypatch):
     ampfx.convert(_net(), "bf16", example_inputs=(X,))
     dumps = sorted(p.name for p in (tmp_path / "steps" / "root").iterdir())
     assert dumps[0] == "00_propagate_shapes.py" and len(dumps) == 1 + len(passes.PIPELINE)
-    after_casts = (tmp_path / "steps" / "root" / f"{dumps.index('08_insert_casts.py'):02d}_insert_casts.py")
-    before_casts = (tmp_path / "steps" / "root" / "07_paint.py")
-    assert "torch.bfloat16" in after_casts.read_text() and "torch.bfloat16" not in before_casts.read_text()
+    at = {name.split("_", 1)[1][:-3]: tmp_path / "steps" / "root" / name for name in dumps}
+    assert "torch.bfloat16" in at["insert_casts"].read_text() and "torch.bfloat16" not in at["paint"].read_text()
+    assert at["decide_writes"].read_text() == at["paint"].read_text()  # a deciding step rewrites nothing
     assert {row["step"] for row in json.loads((tmp_path / "steps.json").read_text())} >= {casts.insert_casts.__name__}
     monkeypatch.delenv("AMPFX_LOG_PATH")
     assert ampfx.convert(_net(), "bf16", example_inputs=(X,)).ampfx_report.step_code == {}

@@ -225,7 +225,9 @@ class Decision:
     ``(("classify", "table"), ("paint", "paint:clear"))`` reads "the tables put it on a list, painting
     chose its dtype". ``inputs`` names what the node reads in the converted graph, in order (its
     ``all_input_nodes``): other records' ``node`` and the ``node`` of casts ampfx inserted (:class:`CastInfo`),
-    the report's edges (:func:`ampfx.report.html.edges`).
+    the report's edges (:func:`ampfx.report.html.edges`). ``bias_after``: a low-precision GEMM whose consumers
+    all want float32 adds its float32 bias after its float32 cast (the bias is never cast;
+    :mod:`ampfx.passes.writes`).
     """
 
     node: str
@@ -245,6 +247,7 @@ class Decision:
     autocast: torch.dtype | str | None = None
     history: tuple[tuple[str, str], ...] = ()
     inputs: tuple[str, ...] = ()
+    bias_after: bool = False
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
