@@ -34,6 +34,8 @@ MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_
           "timm_mobilevit_xxs", "timm_efficientvit_m0"]  # conv/attention hybrids: slow exports, many regions
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
+CONVERT_S = 10.0
+"""Seconds a conversion may take, in either mode, before its row is flagged."""
 
 
 def as_after_an_optimizer_step(model):
@@ -246,6 +248,18 @@ def run_case(name, dt):
         r["status"] = "convert-error"
         r["errors"].append({"stage": "convert", "tb": traceback.format_exc()})
         return r
+    try:  # the other conversion mode, timed as well (an inference copy of the weights; the model in eval mode)
+        model.eval()
+        t0 = time.perf_counter()
+        ampfx.convert(model, dtype, example_inputs=inp, mode="inference")
+        r["convert_inference_s"] = round(time.perf_counter() - t0, 2)
+    except Exception:
+        r["errors"].append({"stage": "convert-inference", "tb": traceback.format_exc()})
+    finally:
+        model.train()
+    for key in ("convert_s", "convert_inference_s"):
+        if r.get(key, 0) > CONVERT_S:
+            r["problems"].append(f"{key} {r[key]} > {CONVERT_S} s")
     rep = amp.ampfx_report
     r["summary"] = rep.summary()
     r["methods"] = [(reg.path, reg.method) for reg in rep.regions]
@@ -406,12 +420,12 @@ def main():
               f"casts {res.get('casts_ampfx')}/{res.get('casts_autocast')} "
               f"MB {fmt(res.get('mb_ampfx'), 3)}/{fmt(res.get('mb_autocast'), 3)} "
               f"saved {fmt(res.get('saved_mb_ampfx'), 3)}/{fmt(res.get('saved_mb_autocast'), 3)} "
-              f"convert {res.get('convert_s')} s err {fmt(res.get('rel_err'))} "
+              f"convert {res.get('convert_s')} s (inference {res.get('convert_inference_s')} s) err {fmt(res.get('rel_err'))} "
               f"(autocast {fmt(res.get('rel_err_autocast'))}) {res.get('problems') or ''}", flush=True)
         return res
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(one, cases))
-    print("\n| model | dtype | capture | convert s | converted | casts ampfx / autocast | MB written ampfx / autocast "
+    print("\n| model | dtype | capture | convert s train / inference | converted | casts ampfx / autocast | MB written ampfx / autocast "
           "| MB saved for backward ampfx / autocast | error ampfx / autocast | status |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for res in sorted(results, key=lambda r: (r["model"], r["dtype"])):
@@ -420,7 +434,8 @@ def main():
         mb = f"{fmt(res.get('mb_ampfx'), 3)} / {fmt(res.get('mb_autocast'), 3)}"
         saved = f"{fmt(res.get('saved_mb_ampfx'), 3)} / {fmt(res.get('saved_mb_autocast'), 3)}"
         status = res["status"] + (": " + "; ".join(res.get("problems") or []) if res.get("problems") else "")
-        print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {fmt(res.get('convert_s'), 3)} "
+        seconds = f"{fmt(res.get('convert_s'), 3)} / {fmt(res.get('convert_inference_s'), 3)}"
+        print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {seconds} "
               f"| {res.get('converted')}/{res.get('total')} | {casts} | {mb} | {saved} | {errs} | {status} |")
     out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
     json.dump(results, open(out, "w"), indent=1, default=str)
