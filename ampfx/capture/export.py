@@ -62,6 +62,7 @@ from ..errors import ExportFailed, Unfaithful
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
 from ..policy.module_match import TRACED_PRE_HOOKS
+from ..runtime.guards import read_by_key
 from ..state import kept_attributes, kept_random, untouched, without_hooks
 from .base import Capture, short
 from .semantics import Dropped, Watch, python_changes
@@ -334,6 +335,14 @@ def _unlift(ep: Any) -> fx.GraphModule:
         return ep.module()
 
 
+def _inputs_by_key(graph: fx.Graph) -> None:
+    """The exported graph flattens an ``OrderedDict`` input as a ``dict``, by the example's keys: the
+    guard takes a ``dict`` there too (:func:`ampfx.runtime.guards.read_by_key`)."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        graph._codegen.pytree_info = info._replace(in_spec=read_by_key(info.in_spec))
+
+
 def _module_paths(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_modules()}
 
@@ -493,6 +502,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
                 raise ExportFailed(_short(e), steps) from e
             steps.append(f"torch.export with {words} ({mode} mode): {_short(e)}")
     gm = _unlift(ep)
+    _inputs_by_key(gm.graph)
     constants, notes = _clean(gm, model, paths)
     steps.append(f"exported (torch.export, non-strict, training IR, {words})")
     if dynamic is None:
