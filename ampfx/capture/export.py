@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import operator
@@ -61,6 +62,7 @@ from ..errors import ExportFailed, Unfaithful
 from ..inputs import ExampleInputs, snapshot
 from ..meta import USER_FLOAT32, node_module_path
 from ..policy.module_match import TRACED_PRE_HOOKS
+from ..runtime.guards import read_by_key
 from ..state import kept_attributes, kept_random, untouched, without_hooks
 from .base import Capture, short
 from .semantics import Dropped, Watch, python_changes
@@ -196,10 +198,22 @@ def _short(e: BaseException) -> str:
     return text
 
 
-def _auto_dims(args: tuple, kwargs: dict, every: bool = True) -> Any:
+def _auto_dims(fn: Any, args: tuple, kwargs: dict, every: bool = True) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor input (export keeps
     static what the model needs static), or for the first dimension alone (not ``every``);
-    ``None`` where this torch has no ``Dim.AUTO``."""
+    ``None`` where this torch has no ``Dim.AUTO`` or the inputs do not bind to ``fn``.
+
+    torch.export matches ``dynamic_shapes`` to the inputs bound to ``forward``'s signature
+    (``inspect.Signature.bind``): one entry per parameter given, by name, a ``*args`` parameter's
+    entry a tuple of its values' specs and a ``**kwargs`` one's a dict of them.
+
+    >>> def forward(x, *xs, scale=1.0, **extra): ...
+    >>> dims = _auto_dims(forward, (torch.ones(2, 3), torch.ones(2), torch.ones(2)), {"mask": torch.ones(2)})
+    >>> {name: type(spec).__name__ for name, spec in dims.items()}
+    {'x': 'dict', 'xs': 'tuple', 'extra': 'dict'}
+    >>> len(dims["xs"]), list(dims["extra"])
+    (2, ['mask'])
+    """
     auto = getattr(getattr(torch.export, "Dim", None), "AUTO", None)
     if auto is None:
         return None
@@ -208,16 +222,47 @@ def _auto_dims(args: tuple, kwargs: dict, every: bool = True) -> Any:
         if isinstance(v, torch.Tensor):
             return {i: auto for i in range(v.dim() if every else min(v.dim(), 1))} or None
         if isinstance(v, (tuple, list)):
-            return type(v)(spec(x) for x in v)
+            items = [spec(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)  # a namedtuple takes fields
         if isinstance(v, dict):
             return {k: spec(x) for k, x in v.items()}
         return None
 
-    if args and kwargs:  # export wants one structure for both; keep it simple: static sizes
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    except TypeError:  # export itself reports the call that does not bind
         return None
-    if kwargs:
-        return {k: spec(v) for k, v in kwargs.items()}
-    return tuple(spec(a) for a in args)
+    return {name: spec(v) for name, v in bound.items()}
+
+
+def _marked(fn: Any, args: tuple, kwargs: dict, dynamic: Any) -> Any:
+    """``dynamic`` (from :func:`_auto_dims`), or ``None`` where it is given as marks on the tensors instead:
+    where a ``**kwargs`` parameter receives values. torch.export's constraint step (torch 2.13) matches
+    ``dynamic_shapes`` against the inputs re-ordered as the call gave them, with the ``**kwargs``
+    entries beside the parameter that holds them, and fails on the documented structure; it reads
+    ``torch._dynamo.maybe_mark_dynamic``'s marks the same way as ``Dim.AUTO`` (dynamic, specialised
+    where the model needs it). ``args`` and ``kwargs`` are the export's own copies: the marks go
+    nowhere else."""
+    params = inspect.signature(fn).parameters.values()
+    var_keyword = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if dynamic is None or var_keyword not in dynamic:
+        return dynamic
+    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+
+    def mark(value: Any, spec: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if spec:
+                torch._dynamo.maybe_mark_dynamic(value, sorted(spec))
+        elif isinstance(value, (tuple, list)) and isinstance(spec, (tuple, list)):
+            for v, s in zip(value, spec):
+                mark(v, s)
+        elif isinstance(value, dict) and isinstance(spec, dict):
+            for k, v in value.items():
+                mark(v, spec.get(k))
+
+    for name, value in bound.items():
+        mark(value, dynamic.get(name))
+    return None
 
 
 @contextlib.contextmanager
@@ -242,6 +287,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
     args, kwargs = snapshot((args, kwargs))
+    dynamic = _marked(model.forward, args, kwargs, dynamic)
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
     try:
         # kept_attributes: a cache filled with fake tensors is emptied again
@@ -287,6 +333,14 @@ def _unlift(ep: Any) -> fx.GraphModule:
         return ep.module(check_guards=False)
     except TypeError:  # torch without the check_guards argument
         return ep.module()
+
+
+def _inputs_by_key(graph: fx.Graph) -> None:
+    """The exported graph flattens an ``OrderedDict`` input as a ``dict``, by the example's keys: the
+    guard takes a ``dict`` there too (:func:`ampfx.runtime.guards.read_by_key`)."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        graph._codegen.pytree_info = info._replace(in_spec=read_by_key(info.in_spec))
 
 
 def _module_paths(model: nn.Module) -> set[str]:
@@ -413,7 +467,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     args, kwargs = inputs.ordered(model.forward)
     paths, steps, mode = _module_paths(model), [], _mode(model.training)
     start = time.perf_counter()
-    tries = _size_tries(args, kwargs)
+    tries = _size_tries(model.forward, args, kwargs)
     memo = sizes if sizes is not None else [0]
     first = min(memo[0], len(tries) - 1)
     if first:
@@ -448,6 +502,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
                 raise ExportFailed(_short(e), steps) from e
             steps.append(f"torch.export with {words} ({mode} mode): {_short(e)}")
     gm = _unlift(ep)
+    _inputs_by_key(gm.graph)
     constants, notes = _clean(gm, model, paths)
     steps.append(f"exported (torch.export, non-strict, training IR, {words})")
     if dynamic is None:
@@ -534,12 +589,12 @@ DYNAMIC_SHARE = 0.25
 """The share of ``export_timeout`` a try with dynamic sizes may take before fewer dynamic sizes are tried."""
 
 
-def _size_tries(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+def _size_tries(fn: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     """What :func:`capture` tries, in order: (words, ``dynamic_shapes``). Every dimension dynamic
     (``Dim.AUTO``: export keeps static what the model needs static), then the first dimension
-    of each input only (the batch), then static sizes; the first alone where this torch has no
-    ``Dim.AUTO`` or the inputs mix positions and keywords."""
-    every, first = _auto_dims(args, kwargs, every=True), _auto_dims(args, kwargs, every=False)
+    of each input only (the batch), then static sizes; the last alone where this torch has no
+    ``Dim.AUTO`` or the inputs do not bind to ``fn``."""
+    every, first = _auto_dims(fn, args, kwargs, every=True), _auto_dims(fn, args, kwargs, every=False)
     tries = [("dynamic sizes where the model allows (Dim.AUTO)", every)] if every is not None else []
     if first is not None and first != every:
         tries.append(("a dynamic first (batch) dimension where the model allows (Dim.AUTO)", first))

@@ -25,6 +25,7 @@ ladder (:mod:`ampfx.capture.ladder`) to try the next rung.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import types
@@ -37,6 +38,7 @@ import torch.nn as nn
 from .. import integrations, ops, runtime
 from ..errors import RootUntraceable
 from ..runtime.fixed import reads_training
+from ..runtime.graph_module import OutputCodeGen
 from ..policy import Policy
 from .base import Capture, short
 from .lift import Lifting, Tagged
@@ -62,6 +64,7 @@ class AmpTracer(fx.Tracer):
         self.failed_path: str | None = None
         self.watch: Watch | None = None
         self.lifting: Lifting | None = None
+        self.returned: Any = None
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace``; user functions on a list are also kept whole when
@@ -79,6 +82,18 @@ class AmpTracer(fx.Tracer):
             if isinstance(root, nn.Module):
                 self.lifting = stack.enter_context(Lifting(root, torch.finfo(self.policy.dtype).max))
             return super().trace(root, concrete_args)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, Any]:
+        """``fx.Tracer.create_args_for_root``; what the traced function returns is kept in ``self.returned``
+        (the graph's output node holds fx's plain containers in place of its own)."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        @functools.wraps(fn)
+        def returning(*args: Any) -> Any:
+            self.returned = fn(*args)
+            return self.returned
+
+        return returning, args
 
     def create_arg(self, a: Any) -> Any:
         """``fx.Tracer.create_arg``; a float attribute passed straight to an op is read at every call
@@ -224,6 +239,11 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
             mode = "fx" if mode == "fx, whole model failed" else mode
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
             _finish(graph, fixed)
+            try:
+                _keep_output_types(graph, tracer.returned)
+            except TypeError as e:
+                steps.append(f"root forward: {e}")
+                raise RootUntraceable(e, steps) from e
             steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
             boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
                                              if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
@@ -231,6 +251,85 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
                            python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
                            read=frozenset(tracer.lifting.seen))
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def _keep_output_types(graph: fx.Graph, returned: Any) -> None:
+    """Make ``graph`` return the containers its forward returned (``returned``, traced values inside).
+
+    An output node holds fx's own containers, and the code generated for it returns a ``dict``,
+    ``list``, ``tuple`` or namedtuple: a forward returning an ``OrderedDict`` (a detection backbone's
+    feature maps), another ``dict`` or ``list`` subclass, an HF ``ModelOutput`` would return something
+    else once converted (and the next converted module, whose guard was built for the model's own
+    value, rejects it). There the output node holds the leaves, and the code rebuilds the forward's
+    containers with their pytree spec (:class:`~ampfx.runtime.graph_module.OutputCodeGen`). A container
+    torch.utils._pytree cannot rebuild raises ``TypeError`` (the graph is not used)::
+
+        before: return {'0': relu, '1': relu_1}
+        after:  return pytree.tree_unflatten((relu, relu_1), self._out_spec)   # an OrderedDict
+    """
+    if type(graph._codegen) is not fx.graph.CodeGen:  # fx's pytree code (fixed containers): it has them
+        return
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if _generated_as(returned, output.args[0]):
+        return
+    spec, leaves = _respec(returned, output.args[0])
+    output.args = (tuple(leaves),)
+    graph._codegen = OutputCodeGen(spec)
+
+
+def _made(held: Any) -> type | None:
+    """The container type the code fx generates builds for ``held`` (a value in an output node);
+    ``None`` for a leaf (a node builds its own value: a dataclass, a namedtuple fx recorded)."""
+    if isinstance(held, fx.Node) or not isinstance(held, (tuple, list, dict)):
+        return None
+    if isinstance(held, dict):
+        return dict
+    return list if isinstance(held, list) else type(held) if hasattr(held, "_fields") else tuple
+
+
+def _generated_as(returned: Any, held: Any) -> bool:
+    """Does the code generated for ``held`` build the containers of ``returned``?"""
+    made = _made(held)
+    if made is None:
+        return True
+    if type(returned) is not made or len(returned) != len(held):
+        return False
+    if made is dict:
+        return list(returned) == list(held) and all(_generated_as(returned[k], held[k]) for k in held)
+    return all(_generated_as(r, h) for r, h in zip(returned, held))
+
+
+def _respec(returned: Any, held: Any) -> tuple[Any, list[Any]]:
+    """The pytree spec of ``returned``'s containers down to the leaves the output node holds (``held``),
+    and those leaves; ``TypeError`` where torch.utils._pytree cannot rebuild a container."""
+    from collections.abc import Mapping
+    from torch.utils import _pytree as pytree
+    from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, _get_node_type
+
+    made = _made(held)
+    if made is None:
+        return getattr(pytree, "treespec_leaf", getattr(pytree, "LeafSpec", None))(), [held]  # older torch: LeafSpec
+    entry = SUPPORTED_NODES.get(_get_node_type(returned))
+    name = type(returned).__qualname__
+    if entry is None:
+        raise TypeError(f"the forward returns a {name}, which torch.fx's graph would return as a {made.__name__} "
+                        "(register the type with torch.utils._pytree for ampfx to rebuild it)")
+    children, context = entry.flatten_fn(returned)
+    if made is dict:
+        same = isinstance(returned, Mapping) and list(returned) == list(held)
+        values, inner = ([returned[k] for k in returned], [held[k] for k in returned]) if same else ([], [])
+    else:
+        same = isinstance(returned, (list, tuple)) and len(returned) == len(held)
+        values, inner = (list(returned), list(held)) if same else ([], [])
+    if not same or len(children) != len(values) or any(c is not v for c, v in zip(children, values)):
+        raise TypeError(f"the forward returns a {name} whose pytree flattening does not follow its items: ampfx "
+                        "cannot rebuild it from torch.fx's graph")
+    specs, leaves = [], []
+    for r, h in zip(values, inner):
+        spec, more = _respec(r, h)
+        specs.append(spec)
+        leaves += more
+    return TreeSpec(_get_node_type(returned), context, specs), leaves
 
 
 def dropped_by(watch: Watch | None) -> tuple[str, ...]:
@@ -296,10 +395,8 @@ def _unflatten_fixed(graph: fx.Graph, fixed: dict[str, Any]) -> None:
                 cursor = graph.placeholder(name, default_value=fixed[name])
         elif name in by_name:
             cursor = by_name[name]
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    if info.out_spec is not None:
-        output.args = (torch.utils._pytree.tree_unflatten(list(output.args[0]), info.out_spec),)
-    graph._codegen = CodeGen()
+    # the output node holds the flat leaves of the forward's own output, which fx's out_spec rebuilds
+    graph._codegen = OutputCodeGen(info.out_spec) if info.out_spec is not None else CodeGen()
 
 
 def _argument(target: str, fixed: dict[str, Any]) -> str:

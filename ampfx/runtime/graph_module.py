@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
 from ..errors import StaleModelError, TrainingModeError
@@ -483,18 +484,36 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
 
 
 def _restore_pytree(gm: fx.GraphModule, info: Any) -> None:
-    """Unpickling re-traces the code of an exported graph, which builds its output
-    structure (an HF ``ModelOutput``, say) from plain dicts; give it back its
-    pytree input/output handling so it returns what it returned before."""
-    from torch.fx.graph import _PyTreeCodeGen
-
+    """Unpickling re-traces the code of an exported graph (or one whose outputs keep their containers:
+    :class:`OutputCodeGen`), which builds its output structure (an HF ``ModelOutput``, say) from plain
+    dicts; give it back its pytree input/output handling so it returns what it returned before."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves, _ = torch.utils._pytree.tree_flatten(out.args[0])
     if len(leaves) != info.out_spec.num_leaves:
         return  # a structure this cannot map back: keep the re-traced one
     out.args = (tuple(leaves),)
-    gm.graph._codegen = _PyTreeCodeGen(info)
+    gm.graph._codegen = OutputCodeGen(info.out_spec) if info.in_spec is None else _PyTreeCodeGen(info)
     gm.recompile()
+
+
+class OutputCodeGen(_PyTreeCodeGen):
+    """torch.fx's code generation, returning the containers the forward returned.
+
+    A graph's output node holds fx's plain ``dict`` / ``list`` where the forward returned an
+    ``OrderedDict``, another ``dict`` or ``list`` subclass or an HF ``ModelOutput``: its code would
+    return other types than the model (and the next converted module's guard, built for the model's,
+    rejects them). With this code generation the output node holds the flat leaves and the code
+    rebuilds the forward's own tree (``out_spec``), as an exported graph's code does; the inputs are
+    fx's own, taken as given (``in_spec`` is ``None``)."""
+
+    def __init__(self, out_spec: Any) -> None:
+        super().__init__(_PyTreeInfo([], None, out_spec))
+
+    def process_inputs(self, *inputs: Any) -> Any:
+        return CodeGen.process_inputs(self, *inputs)
+
+    def gen_fn_def(self, *args: Any, **kwargs: Any) -> str:
+        return CodeGen.gen_fn_def(self, *args, **kwargs)
 
 
 def graph_module(root: nn.Module, graph: fx.Graph) -> AmpGraphModule:

@@ -36,6 +36,7 @@ ampfx.errors.GuardError: ampfx: input x of the converted module is float32[2, 4]
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,13 +176,14 @@ class Guard:
             _check_symbols(self, seen)
 
     def _leaves(self, g: ParamGuard, value: Any) -> Any:
-        """The leaves of ``value``, which must have ``g``'s structure."""
+        """The leaves of ``value``, which must have ``g``'s structure (a ``dict`` and an ``OrderedDict`` with
+        the same keys in the same order are the same structure: :func:`_by_key`)."""
         shallow = self._shallow[g.name]
-        if shallow is not None and type(value) is shallow[0] and (
+        if shallow is not None and _BY_KEY.get(type(value), type(value)) is shallow[0] and (
                 len(value) == shallow[1] if shallow[0] is not dict else list(value) == shallow[1]):
             return list(value.values()) if shallow[0] is dict else value
         leaves, spec = tree_flatten(value)
-        if spec != g.spec:
+        if spec != g.spec and _by_key(spec) != _by_key(g.spec):
             self.fail(g.name, _describe_spec(spec), f"a {_describe_spec(g.spec)}", "its structure was traced",
                       "call it with inputs of the structure of its example_inputs, or convert again with "
                       "example_inputs of this structure")
@@ -213,11 +215,51 @@ def _children(spec: TreeSpec) -> list[TreeSpec]:
 
 
 def _shallow(spec: TreeSpec) -> tuple[type, Any] | None:
-    """``(list, 3)`` / ``(dict, keys)`` for a list, tuple or dict of leaves (checked without flattening)."""
+    """``(list, 3)`` / ``(dict, keys)`` for a list, tuple, dict or ``OrderedDict`` of leaves (checked without
+    flattening)."""
     children = _children(spec)
-    if spec.type not in (list, tuple, dict) or not all(c.is_leaf() for c in children):
+    kind = _BY_KEY.get(spec.type, spec.type)
+    if kind not in (list, tuple, dict) or not all(c.is_leaf() for c in children):
         return None
-    return spec.type, (list(spec.context) if spec.type is dict else len(children))
+    return kind, (list(spec.context) if kind is dict else len(children))
+
+
+_BY_KEY = {OrderedDict: dict}
+"""Mappings a converted graph reads by key alone, as the ``dict`` they are: its code indexes them
+(``x['a']``, torch.fx) or flattens them by the keys of its example (torch.export's ``in_spec``), in the
+example's key order, so an ``OrderedDict`` and a ``dict`` with the same keys in the same order give
+it the same values. (Other ``dict`` subclasses, an HF ``ModelOutput``, a ``defaultdict``, carry
+behaviour of their own and must match.)"""
+
+
+def read_by_key(spec: TreeSpec) -> TreeSpec:
+    """``spec`` (an exported graph's input spec) with each ``OrderedDict`` a ``dict``: the graph's code then
+    takes either, reading the values by the example's keys (``torch.fx._pytree``'s ``dict`` rule; its
+    ``OrderedDict`` rule asks for the type itself), and its guard decides which values it takes (:data:`_BY_KEY`).
+
+    >>> from collections import OrderedDict
+    >>> read_by_key(tree_flatten([OrderedDict(a=1)])[1])
+    TreeSpec(list, None, [TreeSpec(dict, ['a'], [*])])
+    """
+    if spec.is_leaf():
+        return spec
+    return TreeSpec(_BY_KEY.get(spec.type, spec.type), spec.context, [read_by_key(c) for c in _children(spec)])
+
+
+def _by_key(spec: TreeSpec | None) -> Any:
+    """``spec`` as nested tuples, an ``OrderedDict`` as a ``dict`` (:data:`_BY_KEY`): what a converted graph
+    can tell apart.
+
+    >>> from collections import OrderedDict
+    >>> flat = lambda v: tree_flatten(v)[1]
+    >>> _by_key(flat(OrderedDict(a=1, b=2))) == _by_key(flat({"a": 1, "b": 2}))
+    True
+    >>> _by_key(flat(OrderedDict(a=1, b=2))) == _by_key(flat({"b": 2, "a": 1}))
+    False
+    """
+    if spec is None or spec.is_leaf():
+        return None
+    return _BY_KEY.get(spec.type, spec.type), spec.context, tuple(_by_key(c) for c in _children(spec))
 
 
 def _check_leaf(guard: Guard, g: TensorGuard | ValueGuard, value: Any) -> None:
