@@ -223,7 +223,10 @@ class Decision:
     autocast, and for nodes ampfx inserted): see :meth:`Report.autocast_diff`. ``history`` is the
     sequence of ``(step, rule)`` that set the decision, first to last (:class:`ampfx.observer.Observer`):
     ``(("classify", "table"), ("paint", "paint:clear"))`` reads "the tables put it on a list, painting
-    chose its dtype".
+    chose its dtype". ``gemms`` is how many ATen GEMMs (:data:`ampfx.ops.ATEN_GEMMS`) one call of the
+    converted node runs on the example inputs, those inside a leaf or an opaque function included, and
+    ``gemms_low`` how many of them read the low dtype (:mod:`ampfx.passes.gemms`); ``None`` where not
+    counted (no example inputs).
     """
 
     node: str
@@ -242,6 +245,8 @@ class Decision:
     fp32_inside: tuple[str, ...] = ()
     autocast: torch.dtype | str | None = None
     history: tuple[tuple[str, str], ...] = ()
+    gemms: int | None = None
+    gemms_low: int | None = None
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
@@ -287,13 +292,15 @@ class CastInfo:
 @dataclass(frozen=True)
 class Region:
     """How one part of the model was captured: ``path`` ('' = root), ``method``, the ``steps``
-    tried, the ``leaves`` kept opaque (path, why) and ``why`` the capture was accepted."""
+    tried, the ``leaves`` kept opaque (path, why), ``why`` the capture was accepted, and the ``functions``
+    ``torch.fx.wrap`` kept whole, opaque nodes computing in float32 (qualified name, why)."""
 
     path: str
     method: str
     steps: tuple[str, ...] = ()
     leaves: tuple[tuple[str, str], ...] = ()
     why: str = ""
+    functions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
