@@ -11,7 +11,9 @@ captured graph (the whole model, or one region of it):
    :class:`~ampfx.passes.context.PassContext`, then lint and one recompile; every step (analyses
    included) runs under an :class:`~ampfx.observer.Observer` (timings, a debug log, each
    ``Decision``'s history, the graph after each step when the report is saved);
-3. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
+3. **counts** — with example inputs, :data:`ampfx.passes.COUNTS` on the converted graph (the ATen
+   GEMMs each node runs, and in which dtype);
+4. **report** — a :class:`~ampfx.report.Report` built from the records in ``node.meta``.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
-from .passes import ANALYSES, DECIDING, PIPELINE, calibrate, sensitivity
+from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, calibrate, sensitivity
 from .passes.context import PassContext
 from .policy import Policy, Resolved
 from .request import Request
@@ -75,6 +77,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                       kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, leaf_facts=leaf_facts)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
+    if inputs is not None:
+        seen.run("count_gemms", dict(COUNTS)["count_gemms"], gm, inputs, request.policy.dtype)
     notes = [*capture.notes, *_export_notes(capture, request.policy), *analysis.notes, *precision]
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
@@ -203,7 +207,7 @@ def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str,
     casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
     path = prefix.rstrip(".")
     region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
-                    why=capture.why)
+                    why=capture.why, functions=tuple(capture.functions.items()))
     return Report(dtype=policy.dtype, records=records, casts=casts, regions=(region,),
                   leaf_param_casts=leaf_param_casts(gm), shapes=shape_note, code_before={path: before},
                   code_after={path: gm.code}, notes=tuple(notes))

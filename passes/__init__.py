@@ -5,7 +5,7 @@ reads and writes ``node.meta``. Internal: the public entry point is
 Every step that runs on a captured graph, in order, is listed here: first
 :data:`ANALYSES` (facts from running the graph on its example inputs; they
 run only with example inputs, calibration batches or a ``sensitivity_threshold``,
-see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, each step under a
+see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, and, on the converted graph, :data:`COUNTS`; each step under a
 :class:`ampfx.observer.Observer` that times it, logs it, records which step set
 each node's :class:`~ampfx.report.records.Decision` (``Decision.history``) and, with
 ``AMPFX_LOG_PATH``, keeps the graph after it. Then one lint and one recompile.
@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import (autocast, boundary, calibrate, casts, classify, pad, paint, reductions, sensitivity, shapes, tuned, unpack,
-               writes)
+from . import (autocast, boundary, calibrate, casts, classify, gemms, pad, paint, reductions, sensitivity, shapes,
+               tuned, unpack, writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -46,3 +46,8 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
 DECIDING = PIPELINE[PIPELINE.index(unpack.unpack):PIPELINE.index(paint.paint) + 1]
 """The passes that decide dtypes (up to painting): calibration's precision check runs them on a copy of
 the graph to find the nodes that would be low (:func:`ampfx.rewrite.planned_low`)."""
+
+COUNTS: list[tuple[str, Callable[..., Any]]] = [
+    ("count_gemms", gemms.count_gemms),  # the ATen GEMMs each converted node runs, low or not (fake tensors)
+]
+"""Analyses of the converted graph (after :data:`PIPELINE`, with example inputs): facts for the report."""

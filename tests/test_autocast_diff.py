@@ -436,8 +436,9 @@ class Foreign(nn.Module):
 
 def test_a_model_function_named_like_an_aten_op_and_a_custom_op_are_unknown():
     """A function of the model's kept whole is opaque even when its name is an ATen op's ('tanh'), and so
-    is a custom op (torch.ops.<namespace>): 'unknown', never a guess from the name."""
-    gm = _captured(Foreign(), (torch.randn(2, 4),))
+    is a custom op (torch.ops.<namespace>): 'unknown', never a guess from the name. (tracer='fx' keeps a
+    torch.fx.wrap-ped function whole; 'auto' traces into it.)"""
+    gm = _captured(Foreign(), (torch.randn(2, 4),), tracer="fx")
     ac_pass.annotate_autocast(gm, PassContext(ampfx.Policy(dtype=torch.bfloat16), device="cpu"))
     by_target = {getattr(n.target, "__name__", str(n.target)): n.meta.get(AUTOCAST) for n in gm.graph.nodes}
     assert by_target["tanh"] == ac_pass.UNKNOWN and by_target["scale"] == ac_pass.UNKNOWN

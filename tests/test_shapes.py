@@ -24,14 +24,18 @@ def rec(rep, op):
 
 
 def test_shapes_come_from_fake_tensors_without_running_the_model():
-    """Leaf modules see meta (data-free) tensors during propagation, never real ones. (tracer="fx": under
-    "auto" the model and its fx graph also run once, for real, to check that the graph reproduces the model.)"""
+    """Leaf modules see meta (data-free) tensors during propagation, and fake ones (data-free too) when the
+    converted graph's GEMMs are counted, never real ones. (tracer="fx": under "auto" the model and its fx
+    graph also run once, for real, to check that the graph reproduces the model.)"""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     m = nn.Sequential(nn.Linear(512, 8), nn.ReLU())
     seen = []
-    m[1].register_forward_hook(lambda mod, args, out: seen.append(out.device.type))
+    m[1].register_forward_hook(lambda mod, args, out: seen.append("fake" if isinstance(out, FakeTensor)
+                                                                  else out.device.type))
     rep = ampfx.convert(m, "fp16", example_inputs=(torch.randn(4, 512),), tracer="fx",
                         keep_modules=()).ampfx_report  # (a hooked module is kept, converted on inputs seen for real)
-    assert "no real compute" in rep.shapes and seen == ["meta"]
+    assert "no real compute" in rep.shapes and seen == ["meta", "fake"]
     assert rec(rep, "linear")[0].shapes == ("float32[4, 8]",)
 
 

@@ -26,6 +26,9 @@ class Capture:
     buffer update: :mod:`ampfx.capture.semantics`); a capture with any is not used.
     ``python_state``: a forward (of the module or of a leaf) sets Python attributes,
     which torch.export does not repeat either (it puts them back after tracing).
+    ``functions`` maps the qualified name of each function ``torch.fx.wrap`` kept whole in the graph
+    (one opaque node, float32) to why it was not traced into (:mod:`ampfx.capture.tracer`); ``traced_into``
+    names those whose body the graph holds instead.
     """
 
     graph: fx.Graph
@@ -44,6 +47,8 @@ class Capture:
     lifted: frozenset[tuple[str, str]] = frozenset()
     #: (module path, attribute) of the plain attributes the traced code read (torch.fx: ampfx.capture.lift)
     read: frozenset[tuple[str, str]] = frozenset()
+    functions: dict[str, str] = field(default_factory=dict)
+    traced_into: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def _with_leaves(fx_capture: Capture | None, run: _ModelRun, steps: list[str]) -
 
 
 def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, run: _ModelRun, check: bool,
-             kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()
+             kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset(), into_wrapped: bool = True
              ) -> tuple[Capture | None, list[str], bool]:
     """torch.fx's capture and the steps so far. Without ``check`` the capture is
     accepted as traced (``tracer="fx"``, or no example inputs). With it, its ``why`` is
@@ -138,12 +138,18 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ru
     needed leaves) is kept only if torch.export fails; a graph that computes something
     else is never returned. The flag: may torch.export be tried next (not when a forward sets
     Python attributes, :attr:`Capture.python_state`). ``run`` gets what the model's real run showed, and
-    the check of a graph with leaves, which waits until that graph is needed (:class:`_ModelRun`)."""
+    the check of a graph with leaves, which waits until that graph is needed (:class:`_ModelRun`).
+
+    Where the graph is checked, torch.fx traces into the functions ``torch.fx.wrap`` keeps whole
+    (``into_wrapped``): an opaque function runs its GEMMs in float32. One it cannot trace stays whole and
+    counts as a leaf does (torch.export, which traces into it, is tried first); a graph traced into them that
+    does not reproduce the module is traced again with them whole."""
     try:
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
         with kept_random() as draws:
-            got = trace(module, policy, inputs.tensor_names(module.forward) if inputs is not None else None, kept, named)
+            given = inputs.tensor_names(module.forward) if inputs is not None else None
+            got = trace(module, policy, given, kept, named, into_wrapped=check and into_wrapped)
     except RootUntraceable as e:
         return None, [*e.steps, *(["auto: torch.fx could not trace this module's forward; trying torch.export"]
                                   if check else [])], True
@@ -159,11 +165,16 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ru
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "
                                             "no example inputs)"), list(got.steps), True
     built, want = graph_module(module, got.graph), reference(module, inputs, run.seen)
-    if got.leaves:  # export comes next; this graph is checked only if it is kept
+    if got.leaves or got.functions:  # export comes next; this graph is checked only if it is kept
         run.check = (lambda: compare(module, built, inputs, want)) if want is not None else None
-        return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(sorted(got.leaves))}); trying "
+        opaque = [*sorted(got.leaves), *(f"function {f}" for f in got.functions)]
+        return got, [*got.steps, f"auto: torch.fx needed leaves ({', '.join(opaque)}); trying "
                                  "torch.export for one graph"], not got.python_state
     wrong = compare(module, built, inputs, want) if want is not None else None
+    if wrong is not None and got.traced_into:
+        again, steps, exportable = _fx_rung(module, policy, inputs, run, check, kept, named, into_wrapped=False)
+        return again, [*got.steps, f"auto: traced into torch.fx.wrap-ped functions, {wrong}; tracing again with "
+                                   "them whole", *steps], exportable
     if wrong is None:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched}; reproduces the model's outputs, "
                                             "gradients and buffer updates on the example inputs", module=built), \

@@ -14,6 +14,15 @@ opaque (leaves):
   on a policy list or in ``leaf_modules``, and modules named by path. User functions
   named on a policy list stay one ``call_function`` node.
 
+Functions a library hands to ``torch.fx.wrap`` (to keep fx from tracing something it cannot, such
+as an attention helper with shape arithmetic) are traced into when ``into_wrapped`` is set: torch.fx
+would otherwise keep each one an opaque node, whose GEMMs no table sees and which runs in float32.
+The capture ladder sets it where it checks the graph against the module (``tracer="auto"`` with
+example inputs). A function that still cannot be traced (data-dependent control flow), or whose body
+does what the graph would drop (a ``no_grad`` region), is kept whole, as torch.fx keeps it, and the
+capture names it (:attr:`~ampfx.capture.base.Capture.functions`). torch's own wrapped functions,
+and functions named on a list, always stay whole.
+
 :func:`trace` tries, in order: the whole model with every argument symbolic;
 the whole model with optional arguments fixed at their defaults (the
 converted module asserts they keep them); then, each time tracing fails
@@ -51,7 +60,8 @@ class AmpTracer(fx.Tracer):
     """``torch.fx.Tracer`` with ampfx's leaf rules (see the module docstring)."""
 
     def __init__(self, policy: Policy | None = None, leaf_paths: set[str] = frozenset(),
-                 kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()) -> None:
+                 kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset(),
+                 into_wrapped: bool = False, whole: frozenset[str] = frozenset()) -> None:
         policy = policy if policy is not None else Policy()
         # user functions named on a list, and other libraries' functions in the tables (timm's drop_path),
         # stay one node (fx would trace into them)
@@ -62,6 +72,11 @@ class AmpTracer(fx.Tracer):
         self.user_functions = functions
         self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept) | named
         self.failed_path: str | None = None
+        self.into_wrapped = into_wrapped
+        self.whole = whole  # torch.fx.wrap-ped functions (qualified names) kept whole even with into_wrapped
+        self.failed_function: str | None = None  # the innermost wrapped function traced into that raised
+        self.dropping: dict[str, tuple[str, ...]] = {}  # wrapped functions whose body does what a graph drops
+        self.traced_into: dict[str, None] = {}  # wrapped functions whose body was traced, in order
         self.watch: Watch | None = None
         self.lifting: Lifting | None = None
         self.returned: Any = None
@@ -77,6 +92,11 @@ class AmpTracer(fx.Tracer):
                 if home is not None and getattr(home, fn.__name__, None) is fn:
                     setattr(home, fn.__name__, _one_node(fn))
                     stack.callback(setattr, home, fn.__name__, fn)
+            if self.into_wrapped:
+                for space, name, fn in wrapped_functions(self.user_functions):
+                    if ops.qualified_name(fn) not in self.whole:
+                        space[name] = _traced_into(fn, self)
+                        stack.callback(space.__setitem__, name, fn)
             self.watch = stack.enter_context(Watch(root))
             self.watch.where = self._current_path
             if isinstance(root, nn.Module):
@@ -160,6 +180,48 @@ def _one_node(fn: Any) -> Any:
     wrapper._ampfx_one_node = fn  # a library's own torch.fx.wrap may record the wrapper: _finish unwraps it
     return wrapper
 
+def wrapped_functions(skip: tuple = ()) -> list[tuple[dict[str, Any], str, types.FunctionType]]:
+    """``(globals, name, function)`` of every Python function ``torch.fx.wrap`` registered that a graph keeps
+    opaque: not torch's own (fx's ``_assert_is_none``), not in ``skip`` and not in the op tables (which decide
+    a function they name, as torchvision's ``stochastic_depth``, whole); names of builtins
+    (``torch.fx.wrap("len")``) are left out."""
+    table = getattr(fx._symbolic_trace, "_wrapped_fns_to_patch", {})  # torch.fx's registry, read only
+    return [(space, name, space[name]) for (_, name), space in list(table.items())
+            if _opaque(space.get(name), skip)]
+
+
+def _opaque(fn: Any, skip: tuple) -> bool:
+    """Is ``fn`` a Python function that no table or list decides, and not torch's own?"""
+    return isinstance(fn, types.FunctionType) and fn not in skip and ops.lookup_name(fn) is None \
+        and (fn.__module__ or "").split(".")[0] != "torch"
+
+
+def _traced_into(fn: types.FunctionType, tracer: AmpTracer) -> Any:
+    """``fn`` as a global while ``tracer`` traces into torch.fx.wrap-ped functions: called with proxies, its body
+    is traced; an error inside it names it (``tracer.failed_function``), and so does a region or update its body
+    does that the graph would drop (``tracer.dropping``: the module calling it is not blamed)."""
+    name = ops.qualified_name(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            return fn(*args, **kwargs)
+        before = dict(tracer.watch.dropped) if tracer.watch is not None else {}
+        tracer.traced_into[name] = None
+        try:
+            out = fn(*args, **kwargs)
+        except Exception:
+            tracer.failed_function = tracer.failed_function or name  # the innermost function sees the error first
+            raise
+        if tracer.watch is not None and tracer.watch.dropped != before:
+            tracer.dropping[name] = tuple(w for p, ws in tracer.watch.dropped.items() for w in ws
+                                          if w not in before.get(p, ()))
+            tracer.watch.dropped = before
+        return out
+    setattr(wrapper, "__fx_already_patched", True)  # torch.fx's own patching leaves it in place
+    return wrapper
+
+
 def _default_args(model: nn.Module, given: set[str]) -> dict[str, Any]:
     """Parameters of ``model.forward`` that have defaults and are not given a tensor."""
     out = {}
@@ -193,16 +255,20 @@ def _fast_paths_off():
 
 
 def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
-          kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset()) -> Capture:
+          kept: frozenset[str] = frozenset(), named: frozenset[str] = frozenset(),
+          into_wrapped: bool = False) -> Capture:
     """Trace ``model`` with the fallback ladder; raises :class:`RootUntraceable`.
 
     ``given_args`` names the forward arguments the caller supplies (from
     ``example_inputs``); the others may be fixed at their defaults. The modules at
     ``kept`` (paths in ``model``) are leaves: module boundaries ``keep_modules`` asked for; so are those at
     ``named``, the names of the modules ``leaf_modules`` names (:attr:`ampfx.policy.Resolved.leaf_names`).
+    With ``into_wrapped``, functions ``torch.fx.wrap`` keeps whole are traced into, and each one that
+    fails to trace (or would lose a region) is kept whole and tracing starts again (see the module docstring).
     """
     steps: list[str] = []
     leaves: dict[str, str] = {}
+    whole: dict[str, str] = {}
     # an optional argument defaulting to None is traced as None: a proxy would make
     # `if mask is not None:` take the masked branch for every call
     fixed: dict[str, Any] = {k: v for k, v in _default_args(model, given_args or set()).items() if v is None}
@@ -210,7 +276,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
     python_state = False
     with _fast_paths_off():
         for _ in range(MAX_LEAF_RETRIES):
-            tracer = AmpTracer(policy, set(leaves), kept, named)
+            tracer = AmpTracer(policy, set(leaves), kept, named, into_wrapped, frozenset(whole))
             try:
                 graph = tracer.trace(model, concrete_args=fixed or None)
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
@@ -223,12 +289,17 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
                         fixed, mode = more, "fx, optional arguments fixed"
                         continue
                     mode = "fx, optional arguments fixed" if fixed else "fx, whole model failed"
+                if _keep_whole(steps, whole, {tracer.failed_function: short(e)} if tracer.failed_function else {}):
+                    continue
                 if path and path not in leaves:
                     leaves[path] = short(e)
                     steps.append(f"module {path!r} made a leaf: {short(e)}")
                     continue
                 steps.append(f"root forward: {short(e)}")
                 raise RootUntraceable(e, steps) from e
+            if _keep_whole(steps, whole, {name: f"torch.fx would drop what its body does: {'; '.join(what)}"
+                                          for name, what in tracer.dropping.items()}):
+                continue
             python_state = python_state or tracer.watch.python_state
             inner = {p: w for p, w in tracer.watch.dropped.items() if p and p not in leaves}
             if inner:  # a submodule does what the graph would drop: it keeps its Python, as a leaf
@@ -244,12 +315,14 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
             except TypeError as e:
                 steps.append(f"root forward: {e}")
                 raise RootUntraceable(e, steps) from e
-            steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else ""))
+            steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else "")
+                         + (f", into torch.fx.wrap-ped {', '.join(tracer.traced_into)}" if tracer.traced_into else ""))
             boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
                                              if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
             return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
                            python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
-                           read=frozenset(tracer.lifting.seen))
+                           read=frozenset(tracer.lifting.seen), traced_into=tuple(tracer.traced_into),
+                           functions=_opaque_functions(graph, whole, tracer.user_functions))
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
@@ -330,6 +403,27 @@ def _respec(returned: Any, held: Any) -> tuple[Any, list[Any]]:
         specs.append(spec)
         leaves += more
     return TreeSpec(_get_node_type(returned), context, specs), leaves
+def _keep_whole(steps: list[str], whole: dict[str, str], found: dict[str, str]) -> bool:
+    """Keep the wrapped functions ``found`` (name: why) whole from now on; were any new?"""
+    new = {name: why for name, why in found.items() if name not in whole}
+    for name, why in new.items():
+        whole[name] = why
+        steps.append(f"function {name} kept whole (torch.fx.wrap): {why}")
+    return bool(new)
+
+
+def _opaque_functions(graph: fx.Graph, whole: dict[str, str], listed: tuple) -> dict[str, str]:
+    """The functions ``torch.fx.wrap`` kept whole in ``graph`` (torch's own, those a table decides and the
+    ``listed`` ones aside), each with why: the error that kept it (``whole``), or that it was not traced into
+    (no check of the graph would follow)."""
+    found = {}
+    for node in graph.nodes:
+        fn = node.target
+        if node.op == "call_function" and node.meta.get("is_wrapped") and _opaque(fn, listed):
+            name = ops.qualified_name(fn)
+            found[name] = whole.get(name, "torch.fx.wrap keeps it one node: not traced into, as no check of the "
+                                          "graph against the module follows (tracer='fx', or no example inputs)")
+    return found
 
 
 def dropped_by(watch: Watch | None) -> tuple[str, ...]:

@@ -491,6 +491,18 @@ TRACE_THROUGH: tuple[type, ...] = tuple(
 their parameters become ``get_attr`` nodes the cast pass casts once, and attention internals are
 visible to the policy. Every other ``torch.nn`` module stays a leaf (its mode stays switchable)."""
 
+# --------------------------------------------------------------------------- what the report counts as a GEMM
+ATEN_GEMMS: frozenset = frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm",  # what linear, matmul, einsum and bilinear come down to
+    "convolution",  # every conv and transposed conv
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",  # fused attention:
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",  # one call, two products
+) if hasattr(torch.ops.aten, name))
+"""The ATen ops (packets) the report counts as one GEMM each: a node's ``Decision.gemms`` is how many of
+them it runs per call (:mod:`ampfx.passes.gemms`). A leaf module or an opaque function counts every one
+it runs (``nn.MultiheadAttention`` several); a recurrent module run by oneDNN's fused kernel
+(``mkldnn_rnn_layer``, ``nn.LSTM`` on CPU) runs none of them."""
+
 # --------------------------------------------------------------------------- ATen-only spellings
 # Graphs captured by torch.export (ampfx.capture.export) call ATen ops. Most share their packet name with the
 # torch function (``aten.linear`` is ``F.linear``) and are keyed above; these are the ones whose name

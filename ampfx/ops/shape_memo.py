@@ -1,4 +1,4 @@
-"""Reuse of meta-tensor results across the repeated blocks of one graph.
+"""Reuse of meta-tensor (or fake-tensor) results across the repeated blocks of one graph.
 
 Shape propagation on ``meta`` tensors runs torch's Python references for some ops (``layer_norm``
 goes through ``torch._refs``, about 1 ms a call); a model of 2,000 identical blocks runs the same op
@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
@@ -38,6 +39,7 @@ from ..state import TORCH_KEYS
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout,
           type(Ellipsis))
 _NO_KEY = object()
+_TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _MODULE_KEYS = TORCH_KEYS - {"_parameters", "_buffers", "_modules", "training"}
 _UNSAFE = object()
 """Stored under a key whose run showed it must not be reused."""
@@ -45,7 +47,7 @@ _UNSAFE = object()
 
 def _leaf_key(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout is not torch.strided:
+        if type(value) not in _TENSORS or value.layout is not torch.strided:
             return _NO_KEY
         return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.requires_grad,
                 value.device.type)
@@ -175,14 +177,16 @@ class _TensorSpec(tuple):
 def _spec(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _TensorSpec((tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
-                            value.requires_grad))
+                            value.requires_grad, value.device))
     return value
 
 
 def _fresh(value: Any) -> Any:
+    """A tensor of the recorded sizes on the recorded device: a meta tensor, or under a ``FakeTensorMode`` a
+    fake one (:mod:`ampfx.passes.gemms`)."""
     if isinstance(value, _TensorSpec):
-        shape, stride, offset, dtype, grad = value
-        out = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        shape, stride, offset, dtype, grad, device = value
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         if offset:
             out = out.as_strided(shape, stride, offset)
         return out.requires_grad_(grad) if grad and (dtype.is_floating_point or dtype.is_complex) else out

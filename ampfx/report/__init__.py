@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import Category
+from ..ops import ENTRIES, Category
 from .html import render
 from .records import COMPUTE, dtype_name, Rule, Decision, CastInfo, Region, AutocastDiff, computes_in
 
@@ -54,6 +54,45 @@ class Report:
         """Records of nodes that compute on float data (what "nodes" counts in the summary)."""
         return [r for r in self.records
                 if r.kind in COMPUTE and r.category is not Category.PASS and r.rule.counted]
+
+    @property
+    def gemms(self) -> int | None:
+        """The ATen GEMMs (:data:`ampfx.ops.ATEN_GEMMS`: ``mm``, ``addmm``, ``bmm``, ``baddbmm``,
+        ``convolution``, fused attention) one forward of the converted model runs on the example inputs,
+        counted per node on the converted graph (:mod:`ampfx.passes.gemms`): a leaf module or an opaque
+        function counts every GEMM it runs (``nn.MultiheadAttention`` several, a ``torch.fx.wrap``-ped
+        attention helper two), a module that keeps its Python counts in the graphs of its children.
+        ``None`` where a graph's GEMMs were not counted (no example inputs).
+
+        >>> import torch, ampfx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> rep = ampfx.convert(m, "bf16", example_inputs=torch.randn(2, 4)).ampfx_report
+        >>> rep.gemms, rep.gemms_low
+        (2, 2)
+        """
+        return self._gemm_sum("gemms")
+
+    @property
+    def gemms_low(self) -> int | None:
+        """Of :attr:`gemms`, those whose first input is in the low dtype; ``None`` where not counted."""
+        return self._gemm_sum("gemms_low")
+
+    def _gemm_sum(self, field_: str) -> int | None:
+        """``gemms`` / ``gemms_low`` over the model. A module that keeps its Python (rule ``region``) ran its
+        own GEMMs and its children's, every call, as its node in its parent's graph counted them: that count
+        stands for all the records inside it. Its own Python is not converted, so the low ones are the
+        converted nodes' (its children's)."""
+        rows = [r for r in self.records if r.kind in COMPUTE and (r.rule.counted or r.rule is Rule.REGION)]
+        if not rows or any(getattr(r, field_) is None for r in rows):
+            return None
+        regions = [r.module for r in rows if r.rule is Rule.REGION]
+
+        def within(r: Decision) -> bool:
+            return any(r.module.startswith(p + ".") or (r.module == p and r.rule is not Rule.REGION) for p in regions)
+
+        if field_ == "gemms_low":
+            return sum(r.gemms_low for r in rows if r.rule.counted)
+        return sum(r.gemms for r in rows if not within(r))
 
     def fp32(self) -> list[Decision]:
         return [r for r in self.compute if r.dtype == torch.float32]
@@ -129,13 +168,39 @@ class Report:
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
         lines += self._inside_lines()
+        lines += self._gemm_lines()
         lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
         for reg in self.regions:
-            if reg.method not in ("fx",) or reg.leaves:
+            if reg.method not in ("fx",) or reg.leaves or reg.functions:
                 where = reg.path or "<root>"
                 extra = f"; leaves: {', '.join(p for p, _ in reg.leaves)}" if reg.leaves else ""
+                extra += (f"; functions kept whole (torch.fx.wrap): {', '.join(f for f, _ in reg.functions)}"
+                          if reg.functions else "")
                 lines.append(f"  capture {where}: {reg.method}{extra}")
         return "\n".join(lines)
+
+    def _gemm_lines(self) -> list[str]:
+        """The summary's line for GEMMs that do not run in the low dtype inside nodes whose op is not a GEMM
+        of the allow list (those the ``float32:`` line shows), by op and rule: ``GEMMs: 2/4 in bfloat16;
+        the others in mylib.attend 2 (unlisted)``. Nothing where there are none or none was counted."""
+        total, low = self.gemms, self.gemms_low
+        if total is None or low is None or low == total:
+            return []
+        others, shown = Counter(), 0
+        for r in self.records:
+            if r.kind in COMPUTE and r.rule.counted and r.gemms:
+                if r.op in ENTRIES and ENTRIES[r.op].category is Category.ALLOW:  # a GEMM op: the node shows it
+                    shown += r.gemms - (r.gemms_low or 0)
+                else:
+                    others[(r.op, r.rule.word)] += r.gemms - (r.gemms_low or 0)
+        parts = [f"{op} {n} ({why})" for (op, why), n in sorted(others.items(), key=lambda kv: (-kv[1], kv[0])) if n]
+        eager = total - low - shown - sum(others.values())  # the own Python of modules that keep it
+        if eager > 0:
+            paths = [r.module for r in self.records if r.rule is Rule.REGION and r.gemms]
+            parts.append(f"the Python of {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} {eager} (region)")
+        if not parts:
+            return []
+        return [f"  GEMMs: {low}/{total} in {dtype_name(self.dtype)}; the others in {', '.join(parts)}"]
 
     def _inside_lines(self) -> list[str]:
         """The summary's lines for what is not plain low precision inside the converted nodes:

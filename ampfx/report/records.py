@@ -227,7 +227,10 @@ class Decision:
     ``all_input_nodes``): other records' ``node`` and the ``node`` of casts ampfx inserted (:class:`CastInfo`),
     the report's edges (:func:`ampfx.report.html.edges`). ``bias_after``: a low-precision GEMM whose consumers
     all want float32 adds its float32 bias after its float32 cast (the bias is never cast;
-    :mod:`ampfx.passes.writes`).
+    :mod:`ampfx.passes.writes`). ``gemms`` is how many ATen GEMMs (:data:`ampfx.ops.ATEN_GEMMS`) one call of the
+    converted node runs on the example inputs, those inside a leaf or an opaque function included, and
+    ``gemms_low`` how many of them read the low dtype (:mod:`ampfx.passes.gemms`); ``None`` where not
+    counted (no example inputs).
     """
 
     node: str
@@ -248,6 +251,8 @@ class Decision:
     history: tuple[tuple[str, str], ...] = ()
     inputs: tuple[str, ...] = ()
     bias_after: bool = False
+    gemms: int | None = None
+    gemms_low: int | None = None
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
@@ -293,13 +298,15 @@ class CastInfo:
 @dataclass(frozen=True)
 class Region:
     """How one part of the model was captured: ``path`` ('' = root), ``method``, the ``steps``
-    tried, the ``leaves`` kept opaque (path, why) and ``why`` the capture was accepted."""
+    tried, the ``leaves`` kept opaque (path, why), ``why`` the capture was accepted, and the ``functions``
+    ``torch.fx.wrap`` kept whole, opaque nodes computing in float32 (qualified name, why)."""
 
     path: str
     method: str
     steps: tuple[str, ...] = ()
     leaves: tuple[tuple[str, str], ...] = ()
     why: str = ""
+    functions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
