@@ -44,6 +44,9 @@ class Capture:
     lifted: frozenset[tuple[str, str]] = frozenset()
     #: (module path, attribute) of the plain attributes the traced code read (torch.fx: ampfx.capture.lift)
     read: frozenset[tuple[str, str]] = frozenset()
+    #: random draws the traced Python used in a way a graph cannot keep, one line each (ampfx.capture.draws):
+    #: a capture with any is not used
+    free_draws: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
