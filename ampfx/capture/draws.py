@@ -11,11 +11,12 @@ change converts again).
 While :class:`Drawing` is active (around one torch.fx trace), a draw of one number,
 
 - ``torch.rand(())`` (any size of one element; concrete arguments, no ``generator`` or ``out``):
-  values in [0, 1), seen by a :class:`~torch.overrides.TorchFunctionMode`;
+  values in [0, 1), returned as a :class:`DrawnTensor`;
 - Python's ``random.random()`` and ``random.uniform(a, b)``, numpy's ``np.random.rand()``,
   ``random()``, ``random_sample()``, ``ranf()``, ``sample()`` and ``uniform(low, high)`` without a
-  size (looked up on their module at the call, as ``random.uniform(0, 1)`` is), returning a
-  :class:`DrawnFloat`,
+  size, returning a :class:`DrawnFloat`
+
+(each looked up on its module at the call, as ``torch.rand(())`` and ``random.uniform(0, 1)`` are),
 
 is a :class:`Draw` that knows its range. A comparison of a draw with a Python number whose answer
 is the same over that range returns that answer (a bool tensor for a tensor draw); ``.item()`` and
@@ -55,6 +56,7 @@ torch.rand at the root module: compared with 0.5, which a draw in [0, 1) may be 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import random
@@ -64,8 +66,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 _COMPARISONS: dict[Any, str] = {}
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
@@ -92,7 +93,7 @@ class Draw:
     lo: float = 0.0
     hi: float = 1.0
     closed: bool = False
-    tensor: torch.Tensor | None = None  # a tensor draw (kept alive: it is found by id)
+    tensor: torch.Tensor | None = None  # a tensor draw's plain value
 
     def answer(self, op: str, p: float) -> bool | None:
         """``draw <op> p`` for every value the draw can take, or ``None`` where it depends on the value.
@@ -127,16 +128,14 @@ def _number(value: Any) -> float | None:
     return None
 
 
-class Drawing(TorchFunctionMode):
+class Drawing:
     """Draws seen while one torch.fx trace runs (see the module docstring). ``free``: one line per
     draw the trace's Python used in a way a graph cannot keep; ``kept``: the draws whose comparisons
     all had one answer."""
 
     def __init__(self, tracer: fx.Tracer) -> None:
-        super().__init__()
         self.tracer = tracer
         self.draws: list[Draw] = []
-        self.tensors: dict[int, Draw] = {}
         self.free: tuple[str, ...] = ()
         self._patched: list[tuple[Any, str, Any]] = []
 
@@ -145,16 +144,25 @@ class Drawing(TorchFunctionMode):
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             homes.append((numpy.random, _NUMPY_UNIT, "uniform"))
-        for home, units, between in homes:
-            for name in (*units, between):
-                original = getattr(home, name, None)
-                if original is not None:
-                    self._patched.append((home, name, original))
-                    setattr(home, name, self._python_draw(home, name, original, name == between))
-        return super().__enter__()
+        with contextlib.ExitStack() as undo:  # a patch that fails undoes those made before it
+            undo.callback(self._unpatch)
+            self._patch(torch, "rand", self._torch_draw)
+            for home, units, between in homes:
+                for name in (*units, between):
+                    original = getattr(home, name, None)
+                    if original is not None:
+                        self._patch(home, name, self._python_draw(home, name, original, name == between))
+            undo.pop_all()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        self._unpatch()
+
+    def _patch(self, home: Any, name: str, value: Any) -> None:
+        self._patched.append((home, name, getattr(home, name)))
+        setattr(home, name, value)
+
+    def _unpatch(self) -> None:
         for home, name, original in reversed(self._patched):
             setattr(home, name, original)
         self._patched.clear()
@@ -166,55 +174,29 @@ class Drawing(TorchFunctionMode):
 
     def passed(self, value: Any) -> None:
         """``value`` reaches the graph as a constant (``tracer.create_arg``): a draw there is free."""
-        draw = value._ampfx_draw if isinstance(value, DrawnFloat) else (
-            self.tensors.get(id(value)) if isinstance(value, torch.Tensor) else None)
-        if draw is not None:
-            self.note_free(draw, "its value reaches the graph as a constant")
+        if isinstance(value, (DrawnFloat, DrawnTensor)):
+            self.note_free(value._ampfx_draw, "its value reaches the graph as a constant")
 
     def _where(self) -> str:
         where = getattr(self.tracer, "_current_path", None)
         return where() if callable(where) else ""
 
     # ------------------------------------------------------------------ torch
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.rand:
-            return self._torch_draw(args, kwargs)
-        if not self.tensors:
-            return func(*args, **kwargs)
-        drawn = [self.tensors[id(a)] for a in tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor) and id(a) in self.tensors]
-        if not drawn:
-            return func(*args, **kwargs)
-        draw = drawn[0]
-        if func in _TO_FLOAT and len(args) == 1:
-            return DrawnFloat.of(func(*args, **kwargs), draw, self)
-        op = _COMPARISONS.get(func)
-        if op is not None and len(drawn) == 1 and len(args) == 2 and not kwargs:
-            other, first = (args[1], True) if args[0] is draw.tensor else (args[0], False)
-            answer = self._compare(draw, op if first else _FLIPPED[op], other)
-            if answer is not None:
-                return torch.full(draw.tensor.shape, answer, dtype=torch.bool, device=draw.tensor.device)
-            return func(*args, **kwargs)
-        for d in drawn:
-            self.note_free(d, f"used by {getattr(func, '__name__', func)}, not only compared")
-        return func(*args, **kwargs)
-
-    def _torch_draw(self, args: tuple, kwargs: dict) -> Any:
-        """``torch.rand``: one element drawn with concrete arguments becomes a :class:`Draw` and a node."""
+    def _torch_draw(self, *args: Any, **kwargs: Any) -> Any:
+        """``torch.rand``: one element drawn with concrete arguments becomes a :class:`DrawnTensor` and a node."""
+        original = next(o for h, n, o in self._patched if h is torch and n == "rand")
         concrete = not any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs)))
         if not concrete or {"generator", "out", "names"} & kwargs.keys():
-            return torch.rand(*args, **kwargs)
+            return original(*args, **kwargs)
         device = torch.device(kwargs.get("device") or "cpu")
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            value = torch.rand(*args, **kwargs)
+            value = original(*args, **kwargs)
         if value.numel() != 1:
-            return torch.rand(*args, **kwargs)  # a draw of many numbers: not ours (the ladder sees it drew)
+            return original(*args, **kwargs)  # a draw of many numbers: not ours (the ladder sees it drew)
         draw = Draw("torch.rand", self._where(), tensor=value)
         self.draws.append(draw)
-        self.tensors[id(value)] = draw
-        self.tracer.create_proxy("call_function", torch.rand, args, kwargs)  # the graph draws it too
-        return value
+        self.tracer.create_proxy("call_function", original, args, kwargs)  # the graph draws it too
+        return DrawnTensor.of(value, draw, self)
 
     def _compare(self, draw: Draw, op: str, other: Any) -> bool | None:
         p = _number(other)
@@ -272,6 +254,42 @@ class _kept_state:
 
     def __exit__(self, *exc: Any) -> None:
         (self.home.setstate if self.home is random else self.home.set_state)(self.state)
+
+
+class DrawnTensor(torch.Tensor):
+    """A tensor drawn while tracing (see the module docstring): a comparison with one answer over the draw's
+    range gives that answer as a bool tensor, ``.item()`` and ``float()`` a :class:`DrawnFloat`; any other
+    use frees the draw and runs on the plain tensor."""
+
+    _ampfx_draw: Draw
+    _ampfx_drawing: Drawing
+
+    @classmethod
+    def of(cls, value: torch.Tensor, draw: Draw, drawing: Drawing) -> DrawnTensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = value.as_subclass(cls)
+        out._ampfx_draw, out._ampfx_drawing = draw, drawing
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        drawn = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DrawnTensor)]
+        first = drawn[0]
+        draw, drawing = first._ampfx_draw, first._ampfx_drawing
+        plain = tree_map(lambda a: a._ampfx_draw.tensor if isinstance(a, DrawnTensor) else a, (args, kwargs))
+        if func in _TO_FLOAT and len(args) == 1 and not kwargs:
+            return DrawnFloat.of(func(*plain[0]), draw, drawing)
+        op = _COMPARISONS.get(func)
+        if op is not None and len(drawn) == 1 and len(args) == 2 and not kwargs:
+            other, flip = (args[1], False) if args[0] is first else (args[0], True)
+            answer = drawing._compare(draw, _FLIPPED[op] if flip else op, other)
+            if answer is not None:
+                return torch.full(draw.tensor.shape, answer, dtype=torch.bool, device=draw.tensor.device)
+        else:
+            for d in dict.fromkeys(a._ampfx_draw for a in drawn):
+                drawing.note_free(d, f"used by {getattr(func, '__name__', func)}, not only compared")
+        return func(*plain[0], **plain[1])
 
 
 class DrawnFloat(float):
