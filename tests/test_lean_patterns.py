@@ -4,6 +4,10 @@ for backward, measured alike by ``support.lean``), and must compute what the mod
 - A layerdrop whose draw cannot change the branch (``torch.rand(()) < self.layerdrop`` with
   ``layerdrop = 0.0``, HF's speech encoders in training mode) must not cost the whole graph: the
   comparison has one answer, the graph keeps the draw and fixes the attribute.
+- Layer scale (``x + gamma * branch(norm(x))``, CaiT, DeiT-III, ConvNeXt): autocast's type promotion
+  computes the product with the float32 ``gamma`` in float32, so its residual stream and the norms
+  reading it stay float32; ampfx does the same (``fidelity:operand``), at no more casts or bytes.
+  Its fidelity against autocast is measured in ``tests/test_fidelity.py`` (family ``layer_scale``).
 """
 import random
 import types
@@ -15,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
+from support import fidelity_models as fm
 from support.lean import against_autocast
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,3 +173,46 @@ def test_a_draw_that_reaches_the_graph_rejects_it():
     amp = ampfx.convert(Jitter(), "bf16", example_inputs=(torch.randn(2, 8),))
     root = next(r for r in amp.ampfx_report.regions if r.path == "")
     assert "eager" in root.method and any("reaches the graph" in s for s in root.steps), root.steps
+
+
+# ----------------------------------------------------------------------------- layer scale
+def _records(report, op):
+    return [(r.key.partition(":")[2], r.dtype, r.rule) for r in report.compute if r.op == op]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_layer_scale_keeps_autocasts_float32_stream_at_no_more_cost(dtype):
+    """``x + ls1(attn(...))`` (timm's ``LayerScale``: ``x * gamma``) and ``x + gamma2 * mlp(...)``, with the
+    stream starting as a GEMM's output: every product with ``gamma`` computes float32 (rule
+    ``fidelity:operand``), as autocast's promotion does, so every residual add and every norm after the first
+    reads a float32 stream; casts and saved bytes stay within autocast's (76 casts against 78, 600000 bytes
+    saved against 600000; before: the products, adds and norms ran low)."""
+    model, inputs, _ = fm.layer_scale(0)
+    cost = against_autocast(model, inputs, dtype=dtype)
+    assert cost.casts <= cost.casts_autocast and cost.saved <= cost.saved_autocast, str(cost)
+    products = _records(cost.report, "mul")
+    assert len(products) == 6 and all(d == torch.float32 and rule == "fidelity:operand" for _, d, rule in products)
+    assert all(d == torch.float32 for _, d, _ in _records(cost.report, "add"))
+    norms = _records(cost.report, "layer_norm")
+    assert [d for _, d, _ in norms[1:]] == [torch.float32] * (len(norms) - 1), norms
+
+
+class ScaledHead(nn.Module):
+    """``linear(h * scale)``: a product with a float32 parameter that only a GEMM reads."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)) * self.scale)
+
+
+def test_a_product_that_only_a_gemm_reads_stays_low():
+    """The GEMM rounds the product to the low dtype either way: it stays low, with no more casts or
+    bytes than autocast's (which computes it float32 and casts it for the GEMM)."""
+    cost = against_autocast(ScaledHead(), (torch.randn(4, 16),))
+    assert [d for _, d, _ in _records(cost.report, "mul")] == [torch.bfloat16]
+    assert cost.casts <= cost.casts_autocast and cost.saved <= cost.saved_autocast, str(cost)
+    assert cost.gemms_reported == cost.gemms_run, str(cost)
