@@ -61,8 +61,8 @@ import math
 import operator
 import random
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -243,17 +243,14 @@ def _bounds(args: tuple, kwargs: dict) -> tuple[float, float, bool] | None:
     return min(a, b), max(a, b), True
 
 
-class _kept_state:
+@contextlib.contextmanager
+def _kept_state(home: Any) -> Iterator[None]:
     """``home``'s generator (Python's ``random`` or ``numpy.random``) put back after the block."""
-
-    def __init__(self, home: Any) -> None:
-        self.home = home
-
-    def __enter__(self) -> None:
-        self.state = self.home.getstate() if self.home is random else self.home.get_state()
-
-    def __exit__(self, *exc: Any) -> None:
-        (self.home.setstate if self.home is random else self.home.set_state)(self.state)
+    state = home.getstate() if home is random else home.get_state()
+    try:
+        yield
+    finally:
+        (home.setstate if home is random else home.set_state)(state)
 
 
 class DrawnTensor(torch.Tensor):
