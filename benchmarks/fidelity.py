@@ -2,7 +2,7 @@
 
 For each model of tests/support/fidelity_models.py (pre-LN GPT, post-LN encoder, ResNet blocks,
 iterative refinement with grid_sample, SSM scan, positions into ``.long()``, a LayerNorm over 3
-features) and each dtype (bf16, fp16), on the same weights and batches as the float32 model, one
+features, a ViT with layer scale) and each dtype (bf16, fp16), on the same weights and batches as the float32 model, one
 training step (forward + backward, training mode) per batch for: ampfx by default, ampfx with each
 fidelity switch of ``ampfx.Policy`` off (those the policy has), and ``torch.autocast("cpu")`` with
 the loss inside the region. It prints a markdown table and a verdict per model and dtype: ampfx's

@@ -18,7 +18,11 @@ switch:
   cast after, not computed in float32.
 - ``float32_operands`` (rule ``fidelity:operand``): an add/sub (``OpEntry.additive``) of a float32
   parameter, buffer or view of one computes in float32: ``x + pos_embed``, ``attn + bias_table[idx]``.
-  A product with a parameter does not (rounding a factor costs what rounding the product does).
+  So does a product or quotient with one (``OpEntry.promotes``: autocast leaves it to type promotion,
+  which computes in float32) whose value goes on to anything but GEMMs: layer scale's
+  ``x + gamma * branch(norm(x))`` keeps autocast's float32 product, and the residual stream it joins
+  stays float32 (``fidelity:stream``). A product that only feeds GEMMs (``linear(h * scale)``) stays
+  low: the GEMM rounds it to the low dtype either way.
 - ``exact_values`` (rule ``fidelity:exact``): an infer/clear op whose value reaches an integer
   conversion, a comparison or an argmax (``OpEntry.exact``; ``x.to(torch.int64)``) computes in
   float32 whenever it reads a float32 value: ``(gemm + arange).long()`` gives the float32 indices
@@ -118,9 +122,28 @@ def _promotes(v: fx.Node, kind: str, u: fx.Node, cat: dict, u_set: set[fx.Node],
     if kind in (_STREAM, _ASSUMED) and policy.float32_stream:
         return Rule.FIDELITY_STREAM
     entry = ops.ENTRIES.get(decision(u).op)
-    if kind == _PARAM and policy.float32_operands and entry is not None and entry.additive:
+    if kind != _PARAM or not policy.float32_operands or entry is None:
+        return None
+    if entry.additive or (entry.promotes and not _only_gemms_read(u, cat)):
         return Rule.FIDELITY_OPERAND
     return None
+
+
+def _only_gemms_read(n: fx.Node, cat: dict) -> bool:
+    """Does ``n``'s value reach only allow ops (GEMMs, convolutions), through clear ops (views)?"""
+    seen, stack, reached = set(), list(n.users), False
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if cat.get(u) is Category.CLEAR:
+            stack.extend(u.users)
+        elif cat.get(u) is Category.ALLOW:
+            reached = True
+        else:
+            return False
+    return reached
 
 
 def _reason(rule: Rule, v: fx.Node, kind: str) -> str:
@@ -128,7 +151,9 @@ def _reason(rule: Rule, v: fx.Node, kind: str) -> str:
         " (assumed: without example_inputs its dtype is known only at run time)" if kind == _ASSUMED else "")
     return {Rule.FIDELITY_STREAM: f"reads the {what}: computes in float32 as type promotion would, instead of "
                                   "rounding it (a residual stream, carried state or position keeps its low bits)",
-            Rule.FIDELITY_OPERAND: f"adds the {what}: computes in float32 so the operand's low bits survive",
+            Rule.FIDELITY_OPERAND: f"adds or multiplies by the {what}: computes in float32 as type promotion "
+                                   "would, so the operand's low bits survive (a layer-scaled branch joins a float32 "
+                                   "residual stream)",
             Rule.FIDELITY_EXACT: f"reads the {what} and its value reaches an integer conversion, index or "
                                  "comparison: computes in float32 so that value stays exact",
             }[rule]

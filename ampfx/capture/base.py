@@ -49,6 +49,9 @@ class Capture:
     read: frozenset[tuple[str, str]] = frozenset()
     functions: dict[str, str] = field(default_factory=dict)
     traced_into: tuple[str, ...] = ()
+    #: random draws the traced Python used in a way a graph cannot keep, one line each (ampfx.capture.draws):
+    #: a capture with any is not used
+    free_draws: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

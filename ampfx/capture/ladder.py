@@ -35,8 +35,9 @@ from .tracer import trace
 from .verify import compare, reference
 
 
-FROZEN_DRAW = ("the model's Python drew a random number while being traced (a layerdrop `if torch.rand(()) < p`): "
-               "the graph would take that draw's branch on every call, so it is not used")
+FROZEN_DRAW = ("the model's Python drew a random number while being traced (a layerdrop `if torch.rand(()) < p`) "
+               "and its value decided something: the graph would take that draw's branch on every call, so it is "
+               "not used")
 
 
 def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
@@ -158,8 +159,9 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ru
                                   f"({'; '.join(got.dropped)}); "
                                   + ("trying torch.export" if check and not got.python_state
                                      else "the module keeps its Python")], not got.python_state
-    if draws.drew:
-        return None, [*got.steps, f"{FROZEN_DRAW}{'; trying torch.export' if check else ''}"], True
+    if draws.drew or got.free_draws:  # a draw whose value the Python used (ampfx.capture.draws)
+        which = f" ({'; '.join(got.free_draws)})" if got.free_draws else ""
+        return None, [*got.steps, f"{FROZEN_DRAW}{which}{'; trying torch.export' if check else ''}"], True
     watched = "no grad-mode, autocast or autograd.Function region, buffer or attribute update seen while tracing"
     if not check:
         return dataclasses.replace(got, why=f"traced by torch.fx; {watched} (outputs not checked: tracer='fx' or "

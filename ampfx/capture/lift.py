@@ -33,6 +33,8 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
+from .draws import DrawnFloat
+
 _ORIGINAL = nn.Module.__getattribute__
 
 
@@ -51,6 +53,8 @@ def _noting(name: str) -> Any:
 
     def use(self: Tagged, *args: Any) -> Any:
         self._used()
+        if any(isinstance(a, DrawnFloat) for a in args):
+            return NotImplemented  # the draw's own method answers (float's would read the draw as NaN)
         return method(self, *args)
     use.__name__ = name
     return use
@@ -113,6 +117,11 @@ class Lifting:
         if target not in nodes:
             nodes[target] = tracer.create_node("get_attr", target, (), {})
         return nodes[target]
+
+    def fixed(self) -> frozenset[tuple[str, str]]:
+        """``(module path, attribute)`` of the float attributes read and not lifted: constants of the graph,
+        guarded whatever code read them (a helper the forward's bytecode does not name)."""
+        return frozenset(self.reads) - self.lifted()
 
     def lifted(self) -> frozenset[tuple[str, str]]:
         """``(module path, attribute)`` of the attributes read at call time only (no guard needed)."""

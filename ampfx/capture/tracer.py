@@ -50,6 +50,7 @@ from ..runtime.fixed import reads_training
 from ..runtime.graph_module import OutputCodeGen
 from ..policy import Policy
 from .base import Capture, short
+from .draws import Drawing
 from .lift import Lifting, Tagged
 from .semantics import Watch
 
@@ -80,6 +81,7 @@ class AmpTracer(fx.Tracer):
         self.watch: Watch | None = None
         self.lifting: Lifting | None = None
         self.returned: Any = None
+        self.drawing: Drawing | None = None
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace``; user functions on a list are also kept whole when
@@ -101,6 +103,7 @@ class AmpTracer(fx.Tracer):
             self.watch.where = self._current_path
             if isinstance(root, nn.Module):
                 self.lifting = stack.enter_context(Lifting(root, torch.finfo(self.policy.dtype).max))
+            self.drawing = stack.enter_context(Drawing(self))
             return super().trace(root, concrete_args)
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, Any]:
@@ -117,9 +120,11 @@ class AmpTracer(fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         """``fx.Tracer.create_arg``; a float attribute passed straight to an op is read at every call
-        (:mod:`ampfx.capture.lift`)."""
+        (:mod:`ampfx.capture.lift`); a random draw passed as a constant frees it (:mod:`ampfx.capture.draws`)."""
         if type(a) is Tagged and self.lifting is not None:
             return self.lifting.arg(self, a)
+        if self.drawing is not None:
+            self.drawing.passed(a)
         return super().create_arg(a)
 
     def _current_path(self) -> str:
@@ -319,11 +324,24 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
                          + (f", into torch.fx.wrap-ped {', '.join(tracer.traced_into)}" if tracer.traced_into else ""))
             boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
                                              if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
+            kept_draws = tracer.drawing.kept
+            if kept_draws:
+                steps.append(_kept_draws(kept_draws))
             return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
                            python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
-                           read=frozenset(tracer.lifting.seen), traced_into=tuple(tracer.traced_into),
-                           functions=_opaque_functions(graph, whole, tracer.user_functions))
+                           read=frozenset(tracer.lifting.seen) | tracer.lifting.fixed(),
+                           traced_into=tuple(tracer.traced_into),
+                           functions=_opaque_functions(graph, whole, tracer.user_functions),
+                           free_draws=tracer.drawing.free)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def _kept_draws(draws: tuple) -> str:
+    """The step line for random draws whose every comparison had one answer."""
+    names = ", ".join(dict.fromkeys(d.describe() for d in draws))
+    return (f"{len(draws)} random draw(s) ({names}) only compared with values they cannot reach (a layerdrop "
+            "of 0): the branch does not depend on the draw; the graph keeps torch's draws and fixes the values "
+            "they were compared with (checked at every call)")
 
 
 def _keep_output_types(graph: fx.Graph, returned: Any) -> None:

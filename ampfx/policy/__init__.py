@@ -240,8 +240,8 @@ class Policy:
         "AMPFX_FLOAT32_STREAM", "bool", "0 to let float32 activations (residual streams, carried state) be cast down "
         "(rule fidelity:stream; default 1)"))
     float32_operands: bool = field(default=True, metadata=_env(
-        "AMPFX_FLOAT32_OPERANDS", "bool", "0 to let add/sub cast float32 parameters, buffers and factory values down "
-        "(rule fidelity:operand; default 1)"))
+        "AMPFX_FLOAT32_OPERANDS", "bool", "0 to let add/sub cast float32 parameters, buffers and factory values down, "
+        "and products cast float32 parameters (layer scale) down (rule fidelity:operand; default 1)"))
     exact_values: bool = field(default=True, metadata=_env(
         "AMPFX_EXACT_VALUES", "bool", "0 to let values that reach integer conversions or comparisons be rounded "
         "(rule fidelity:exact; default 1)"))

@@ -119,8 +119,9 @@ class Rule(str, enum.Enum):
         "reads a float32 activation (a residual stream, a carried state, positions): computes in float32 as "
         "type promotion would, instead of casting that value down (Policy.float32_stream)", word="float32 stream")
     FIDELITY_OPERAND = "fidelity:operand", _about(
-        "an add/sub of a float32 parameter, buffer or factory value (arange, meshgrid): computes in float32, "
-        "so the operand's low bits survive (Policy.float32_operands)", word="float32 operand")
+        "an add/sub of a float32 parameter, buffer or factory value (arange, meshgrid), or a product or quotient "
+        "with a float32 parameter whose value goes on to more than GEMMs (layer scale): computes in float32 as "
+        "type promotion would, so the operand's low bits survive (Policy.float32_operands)", word="float32 operand")
     FIDELITY_EXACT = "fidelity:exact", _about(
         "its value reaches an integer conversion, an index or a comparison: float32 inputs are not rounded "
         "(Policy.exact_values)", word="exact value")

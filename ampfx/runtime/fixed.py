@@ -346,7 +346,8 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
     whether they have hooks; for the parameters and buffers at ``tensors`` (``get_attr`` targets), dtype
     and device. ``lifted`` attributes are read by the graph at every call (:mod:`ampfx.capture.lift`): not
     fixed. ``seen``: attributes the traced code was seen reading (torch.fx), leaves' too (a parent's
-    ``if self.drop.p > 0``)."""
+    ``if self.drop.p > 0``), and inlined modules' that their code does not name (read by a helper it calls
+    through an object: ``CHECKS[kind](self)``)."""
     flags, attributes, configs, hooked, globs, classes, objects = [], [], [], [], {}, [], []
     read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
     for path in inlined:
@@ -379,10 +380,10 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
                 fields = None if plain(value) or callable(value) else _fields(value)
                 if fields is not None:
                     objects.append((home, glob, fields))
-    done = set(inlined)
+    done = {(path, attr) for path, attr, _, _ in attributes}
     for path, attr in sorted(seen):
-        if path in done or (path, attr) in lifted:
-            continue  # an inlined module's attributes are recorded above
+        if (path, attr) in done or (path, attr) in lifted:
+            continue  # recorded above (the attributes an inlined module's code names)
         try:
             m = root.get_submodule(path) if path else root
         except AttributeError:

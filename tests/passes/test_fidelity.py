@@ -61,7 +61,8 @@ def test_stream_carried_state_stays_float32():
 def test_operand_adds_of_parameters_are_float32_products_are_not():
     """``gemm + pos_embed`` (a parameter, through a slice) computes float32 (``fidelity:operand``) and
     reads the float32 slice (rule ``select``: it keeps the parameter's dtype); ``gemm * scale`` (a
-    parameter factor) stays low."""
+    parameter factor) that only a GEMM reads stays low (layer scale's product, which a residual add
+    reads, does not: ``tests/test_lean_patterns.py``)."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()

@@ -144,7 +144,8 @@ def test_step7_a_region_moves_to_float32_when_it_needs_fewer_casts():
     """``exp(linear(x) * scale)`` under bfloat16: step 4 paints the product low, which needs
     ``scale`` cast down and the product cast up for exp. In float32 the product reads the
     GEMM output by type promotion and nothing is cast: it moves ("paint:save-cast"), and
-    after the cast pass only the GEMM's own inputs are cast."""
+    after the cast pass only the GEMM's own inputs are cast. (With ``float32_operands`` on, the fidelity
+    step paints the product float32 first, rule ``fidelity:operand``: the same dtype and casts.)"""
     class Scale(nn.Module):
         def __init__(self):
             super().__init__()
@@ -153,9 +154,11 @@ def test_step7_a_region_moves_to_float32_when_it_needs_fewer_casts():
         def forward(self, x):
             return torch.exp(F.linear(x, self.w) * self.scale)
 
-    gm, _ = run(Scale(), (torch.randn(2, 4),), **PAINT)
+    gm, _ = run(Scale(), (torch.randn(2, 4),), **PAINT, float32_operands=False)
     assert dtype_rule(gm, "mul") == [(torch.float32, "paint:save-cast")]
     assert rec(gm, "mul").out == torch.float32
+    gm, _ = run(Scale(), (torch.randn(2, 4),), **PAINT)
+    assert dtype_rule(gm, "mul") == [(torch.float32, "fidelity:operand")]
     gm, _ = run(Scale(), (torch.randn(2, 4),))
     assert sorted(c.args[0].name for c in calls(gm, runtime.cast)) == ["w", "x"]
 

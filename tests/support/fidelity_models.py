@@ -313,9 +313,65 @@ def small_norm(seed: int = 0):
     return _mse_case(SmallNorm, (8, 4, 16), seed)
 
 
+# ----------------------------------------------------------------------------- layer scale
+class LayerScale(nn.Module):
+    """timm's ``LayerScale``: ``x * gamma``, ``gamma`` a float32 parameter per channel."""
+
+    def __init__(self, d: int, init: float):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class ScaledBlock(nn.Module):
+    """A pre-LN block with layer scale (CaiT, DeiT-III, ConvNeXt's ``gamma``): ``x + gamma * branch(norm(x))``,
+    once through timm's module (``x * gamma``) and once written out (``gamma * x``)."""
+
+    def __init__(self, d: int, heads: int, init: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ls1 = LayerScale(d, init)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gamma2 = nn.Parameter(torch.full((d,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.ls1(self.attn(h, h, h, need_weights=False)[0])
+        return x + self.gamma2 * self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class LayerScaleViT(nn.Module):
+    """Patch embedding (a linear over flattened patches: the residual stream starts as a GEMM's output, as
+    after ConvNeXt's downsampling convolutions), layer-scaled blocks in an ``nn.Sequential`` (timm's), a
+    final LayerNorm, a classifier over the mean token."""
+
+    def __init__(self, patch: int = 48, d: int = 32, heads: int = 2, layers: int = 3, init: float = 0.1,
+                 classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(patch, d)
+        self.blocks = nn.Sequential(*(ScaledBlock(d, heads, init) for _ in range(layers)))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(patches))).mean(1))
+
+
+def layer_scale(seed: int = 0):
+    """The layer-scale ViT (3 blocks, d=32, 16 patches of 48 values, gamma 0.1); cross-entropy over 10
+    classes, batch 8."""
+    with _seeded(WEIGHT_SEED):
+        model = LayerScaleViT()
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 16, 48, generator=g), torch.randint(0, 10, (8,), generator=g)
+    return model, (x,), lambda logits: F.cross_entropy(logits, y)
+
+
 FAMILIES: dict[str, Callable[..., tuple[nn.Module, tuple, Callable[[Any], torch.Tensor]]]] = {
     "gpt": gpt, "bert": bert, "resnet": resnet, "refine": refine, "ssm": ssm, "positions": positions,
-    "small_norm": small_norm,
+    "small_norm": small_norm, "layer_scale": layer_scale,
 }
 """Every family, by the name the tables and tests use."""
 
