@@ -44,10 +44,8 @@ from .report.records import Region, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of, kept_ends
-from .passes import boundary
 from .passes.context import Ends
 from .meta import AUTOCAST_HANDS, record
-from .capture import observe as observing
 from .capture.observe import Observation, observe
 from .policy import Resolved
 from .state import HOOK_DICTS, copy_tree, kept_requires_grad
@@ -76,9 +74,6 @@ class Memo:
     export_sizes: dict[str, list[int]] = field(default_factory=dict)
     export_drops: dict[bool, set[type]] = field(default_factory=dict)
     captures: dict[str, tuple[nn.Module, bool, Capture]] = field(default_factory=dict)
-    computed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    """By module path: the dtypes a converted graph computes its float outputs in (for the children of a
-    module that keeps its Python that its outputs are moved to: :func:`_entered`)."""
     """By module path: a kept module's capture its caller made to read its boundary (:func:`_kept_ends`),
     with the module and its training mode then, for that module's own job."""
 
@@ -94,11 +89,6 @@ class _Job:
     other_mode: bool = True  # False: a module around it converts the other training mode for it
     arrive: torch.dtype | None = None  # a kept module: the dtype its float inputs and outputs cross its boundary in
     autocast_in: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
-    # a child of a module that keeps its Python (observe.links): whether its float outputs only reach other children
-    # through moves (it returns them as computed), and the children's outputs its float inputs are moved from
-    hands_on: bool = False
-    fed_by: frozenset[tuple[str, int]] | None = None  # (module path with a trailing dot, float output index)
-    handed: bool = False  # other children may hand it low values (its Python, if it keeps it, takes them in float32)
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
@@ -193,14 +183,12 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     try:
         gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
                                             calls.leaf_facts(work, prefix, job.inputs), job.arrive,
-                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in,
-                                            enter=_entered(job, memo), hands_on=job.hands_on)
+                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in)
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
         if not list(work.children()):
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
-    memo.computed[prefix] = boundary.computed_outputs(gm)
     if twin is not None:
         notes = _other_mode(gm, twin, job, request, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, *notes))
@@ -240,16 +228,6 @@ def _kept_job(gm: AmpGraphModule, path: str, job: _Job, calls: _Observed, other_
                 other_mode=job.other_mode and other_mode, arrive=arrive, autocast_in=handed)
 
 
-def _entered(job: _Job, memo: Memo) -> torch.dtype | None:
-    """The low dtype ``job``'s float inputs arrive in, where each is moved from an output of a child of
-    the same module (converted before it) that its graph computes in that dtype; else ``None``."""
-    if job.fed_by is None:
-        return None
-    dtypes = {memo.computed.get(path, ())[k:k + 1] for path, k in job.fed_by}
-    low = dtypes.pop() if len(dtypes) == 1 else ()
-    return low[0] if low and low[0] in (torch.float16, torch.bfloat16) else None
-
-
 def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
     """The dtype ``gm``'s converted graph gives the kept module at ``path`` its float inputs in (and
     takes its outputs back in): the dtype its call was painted, float32 where it is not one low call."""
@@ -271,8 +249,7 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
             getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
     try:
         alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive,
-                            autocast_in=job.autocast_in, hands_on=job.hands_on, fed_by=job.fed_by,
-                            handed=job.handed, memo=memo)
+                            autocast_in=job.autocast_in, memo=memo)
     except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
         gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
         return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "
@@ -294,8 +271,6 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
         job = dataclasses.replace(job, eager=(*job.eager, f"kept, and keeps its Python: its {dtype_name(job.arrive)} "
                                               f"inputs are cast to float32 on entry and its float32 outputs back "
                                               f"to {dtype_name(job.arrive)}, the dtype its caller's graph reads"))
-    if job.handed:  # other children may hand it low values: its Python was written for float32
-        runtime.enter_in_float32(job.module, request.policy.dtype)
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
              list(job.eager[-1:]))
     part.regions.append(Region(prefix.rstrip("."), "eager (children converted separately)", job.eager))
@@ -326,31 +301,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                                  other_mode=job.other_mode))
 
     visit(job.module, "")
-    return None, _linked(job, jobs)
-
-
-def _linked(job: _Job, jobs: list[_Job]) -> list[_Job]:
-    """The jobs of the children of ``job``'s module, which keeps its Python, in the order it calls them,
-    with what one run of it shows of the values they pass each other (:func:`ampfx.capture.observe.links`):
-    a child whose float outputs its Python only moves to other children returns them in the dtype it
-    computes them in, and a child whose float inputs are all so moved takes them in that dtype, where its
-    graph computes them low (:func:`_entered`). Boundaries its Python computes on stay float32."""
-    if job.inputs is None or len(jobs) < 2:
-        return jobs
-    where = {j.prefix: j.prefix[len(job.prefix):].rstrip(".") for j in jobs}
-    try:
-        seen = observing.links(job.module, job.inputs, list(where.values()))
-    except Exception:  # noqa: BLE001 - nothing learnt: the children cross in float32, as they did
-        return jobs
-    order = list(seen.calls)
-    jobs = sorted(jobs, key=lambda j: order.index(where[j.prefix]) if where[j.prefix] in order else len(order))
-    linked = []
-    for j in jobs:
-        fed_by = seen.fed_by(where[j.prefix])
-        fed_by = None if fed_by is None else frozenset((f"{job.prefix}{p}.", k) for p, k in fed_by)
-        linked.append(dataclasses.replace(j, hands_on=seen.hands_on(where[j.prefix]), fed_by=fed_by,
-                                          handed=seen.takes_handed(where[j.prefix])))
-    return linked
+    return None, jobs
 
 
 class _Observed:

@@ -42,19 +42,6 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
     return Ends(reads=tuple(reads), returns=returns)
 
 
-def computed_outputs(gm: fx.GraphModule) -> tuple[Any, ...]:
-    """The dtype the converted ``gm`` computes each float output in (before any cast for returning it)."""
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    found = []
-    for v in tree_leaves(output.args):
-        if isinstance(v, fx.Node) and isinstance(record(v), CastInfo) and v.args:
-            v = v.args[0]
-        d = record(v) if isinstance(v, fx.Node) else None
-        if isinstance(d, Decision) and d.out in CASTABLE:
-            found.append(d.out)
-    return tuple(found)
-
-
 _METADATA = "metadata"
 
 

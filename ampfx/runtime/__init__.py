@@ -189,19 +189,6 @@ def _outputs_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, out: A
         lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v, out)
 
 
-def enter_in_float32(module: torch.nn.Module, low: torch.dtype) -> None:
-    """Make ``module``, which keeps its own Python, take ``low`` values it is handed in float32, as its
-    Python was written for (its own hooks run inside: they see float32, as in the model).
-
-    >>> lin = torch.nn.Linear(2, 2)
-    >>> enter_in_float32(lin, torch.bfloat16)
-    >>> lin(torch.ones(1, 2, dtype=torch.bfloat16)).dtype
-    torch.float32
-    """
-    module.register_forward_pre_hook(functools.partial(_arguments_in, torch.float32, low), prepend=True,
-                                     with_kwargs=True)
-
-
 def cross_in_float32(module: torch.nn.Module, low: torch.dtype) -> None:
     """Make the kept ``module``, which keeps its own Python (it could not be captured), take the
     ``low`` values its caller's graph gives it in float32, as its Python was written for, and give
