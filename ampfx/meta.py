@@ -14,7 +14,9 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 - ``USER_FLOAT32``: why the user asked for the node to stay float32 (it was traced inside
   ``torch.autocast(..., enabled=False)``), written while capturing (:mod:`ampfx.capture.semantics`);
 - ``AUTOCAST``: the dtype ``torch.autocast`` would compute the node in (:mod:`ampfx.passes.autocast`),
-  copied into ``Decision.autocast`` after the passes.
+  copied into ``Decision.autocast`` after the passes;
+- ``AUTOCAST_HANDS``: on a kept module's call, the dtype ``torch.autocast`` would hand its float inputs in
+  (its own graph's inputs start there: :attr:`ampfx.passes.context.PassContext.autocast_arrive`).
 
 >>> import torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x")
@@ -34,6 +36,7 @@ SENSITIVITY = "ampfx_sensitivity"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 AUTOCAST = "ampfx_autocast"
+AUTOCAST_HANDS = "ampfx_autocast_hands"
 
 
 def record(node: fx.Node) -> Any:

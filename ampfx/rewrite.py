@@ -34,8 +34,8 @@ from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
-from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, calibrate, sensitivity
-from .passes.context import PassContext
+from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity
+from .passes.context import Ends, PassContext
 from .policy import Policy, Resolved
 from .request import Request
 from .report import Report
@@ -57,12 +57,15 @@ class Analysis:
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
                   prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any],
-                  arrive: torch.dtype | None = None) -> tuple[AmpGraphModule, Report]:
+                  arrive: torch.dtype | None = None, kept_ends: Mapping[str, Ends] | None = None,
+                  autocast_arrive: Any = None) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
     ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
     observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
-    caller's graph gives it its float inputs in that dtype and takes its outputs back in it. Raises
-    :class:`NotReproduced` when the graph does not run on ``inputs``."""
+    caller's graph gives it its float inputs in that dtype and takes its outputs back in it;
+    ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries (:func:`kept_ends`);
+    ``autocast_arrive``: the dtype ``torch.autocast`` would hand a kept ``work`` its float inputs in (reporting).
+    Raises :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
@@ -70,11 +73,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     before = gm.code
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
-    why_kept = dict(request.resolved.keep_matched or ())
-    ctx = PassContext(policy=request.policy, resolved=request.resolved, arrive=arrive, device=device_of(work, inputs),
-                      prefix=prefix,
-                      leaves=dict(capture.leaves), symbols=analysis.symbols, regions=regions,
-                      kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, leaf_facts=leaf_facts)
+    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=regions, leaf_facts=leaf_facts,
+                   arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
     if inputs is not None:
@@ -90,6 +90,39 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     where = prefix.rstrip(".")
     return gm, dataclasses.replace(report, steps=tuple((where, s, t) for s, t in seen.steps),
                                    step_code={where: tuple(seen.code)} if seen.keep_code else {})
+
+
+def _context(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request, prefix: str,
+             analysis: Analysis, **facts: Any) -> PassContext:
+    """The :class:`PassContext` of ``work``'s captured graph (``facts``: the fields only the caller knows)."""
+    why_kept = dict(request.resolved.keep_matched or ())
+    return PassContext(policy=request.policy, resolved=request.resolved, device=device_of(work, inputs), prefix=prefix,
+                       leaves=dict(capture.leaves), symbols=analysis.symbols,
+                       kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, **facts)
+
+
+def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
+              prefix: str) -> Ends | None:
+    """What the kept module ``work`` (at ``prefix``, captured as ``capture``) does at its boundary when its
+    caller hands it float32 (:func:`ampfx.passes.boundary.ends`), from its passes up to painting run on a
+    copy of its graph (``capture`` is left as it was, for its own conversion); ``None`` where that cannot
+    be known before its conversion (constants its capture made, a graph that does not run on ``inputs``).
+    Its caller paints its call from it."""
+    if capture.constants:
+        return None
+    dry = (graph_module(work, copy.deepcopy(capture.graph)) if capture.module is None
+           else fx.GraphModule(capture.module, copy.deepcopy(capture.module.graph)))
+    try:
+        analysis = analyse(dry, inputs, request, root=False, seen=Observer(prefix.rstrip(".")))
+    except NotReproduced:
+        return None
+    inner = frozenset(p for p in capture.leaves if list(work.get_submodule(p).children()))
+    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=inner, arrive=torch.float32)
+    under_autocast = tuple((d, autocast.returns_under_autocast(dry, dataclasses.replace(ctx, autocast_arrive=d)))
+                           for d in (torch.float32, request.policy.dtype))
+    for pass_ in DECIDING:
+        pass_(dry, ctx)
+    return dataclasses.replace(boundary.ends(dry, ctx), autocast=under_autocast)
 
 
 def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,8 +43,9 @@ from .report import Report
 from .report.records import Region, dtype_name
 from .errors import NotReproduced
 from .request import Request
-from .rewrite import convert_graph, device_of
-from .meta import record
+from .rewrite import convert_graph, device_of, kept_ends
+from .passes.context import Ends
+from .meta import AUTOCAST_HANDS, record
 from .capture.observe import Observation, observe
 from .policy import Resolved
 from .state import HOOK_DICTS, copy_tree, kept_requires_grad
@@ -71,6 +73,9 @@ class Memo:
 
     export_sizes: dict[str, list[int]] = field(default_factory=dict)
     export_drops: dict[bool, set[type]] = field(default_factory=dict)
+    captures: dict[str, tuple[nn.Module, bool, Capture]] = field(default_factory=dict)
+    """By module path: a kept module's capture its caller made to read its boundary (:func:`_kept_ends`),
+    with the module and its training mode then, for that module's own job."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class _Job:
     eager: tuple[str, ...] | None = None  # set: the module keeps its Python (why); its children are converted
     other_mode: bool = True  # False: a module around it converts the other training mode for it
     arrive: torch.dtype | None = None  # a kept module: the dtype its float inputs and outputs cross its boundary in
+    autocast_in: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
@@ -99,12 +105,12 @@ def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | No
 
 
 def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
-          other_mode: bool, arrive: torch.dtype | None = None, *, memo: Memo) -> tuple[nn.Module, Report]:
+          other_mode: bool, *, memo: Memo, **boundary: Any) -> tuple[nn.Module, Report]:
     """:func:`convert_tree` of ``root``, which sits at ``prefix`` in the model and is called with ``inputs``
-    (``arrive``: a kept module's boundary dtype, :attr:`_Job.arrive`)."""
+    (``boundary``: what its caller knows of its boundary, :attr:`_Job.arrive` and the fields after it)."""
     calls = _Observed(root, inputs, request.policy.dtype, prefix)
     top = _Part()
-    stack = [_Job(root, inputs, prefix, top, other_mode=other_mode, arrive=arrive)]
+    stack = [_Job(root, inputs, prefix, top, other_mode=other_mode, **boundary)]
     result = root
     while stack:
         job = stack.pop()
@@ -118,9 +124,13 @@ def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefi
     return result, _merge(top, request.policy.dtype)
 
 
-def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tuple[nn.Module | None, list[_Job]]:
-    """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
-    work, prefix = job.module, job.prefix
+def _capture(work: nn.Module, inputs: ExampleInputs | None, prefix: str, request: Request,
+             memo: Memo) -> Capture | Uncaptured:
+    """The capture ladder on ``work`` (at ``prefix``, called with ``inputs``), or the capture its caller
+    made of it to read its boundary first (:func:`_kept_ends`)."""
+    made = memo.captures.pop(prefix, None)
+    if made is not None and made[0] is work and made[1] == work.training:
+        return made[2]
     kept = kept_below(request.resolved, prefix)
     # a kept module named by the user, or one carrying hooks (torch.export would run them once, while tracing),
     # must stay a boundary: torch.export, which inlines modules, is not tried around it
@@ -128,10 +138,39 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
                 for p, why in request.resolved.keep_matched or () if p[len(prefix):] in kept and p.startswith(prefix))
     known = memo.export_drops.setdefault(work.training, set())  # classes, in this training mode
     drops = {path for path, m in work.named_modules() if type(m) in known}
-    capture = ladder.capture(work, request.policy, job.inputs, request.tracer, kept, required,
+    capture = ladder.capture(work, request.policy, inputs, request.tracer, kept, required,
                              sizes=memo.export_sizes.setdefault(prefix, [0]), drops=drops,
                              named=request.resolved.below(prefix) if prefix else request.resolved.leaf_names)
     known.update(type(work.get_submodule(p)) for p in drops)
+    return capture
+
+
+def _kept_ends(work: nn.Module, capture: Capture, job: _Job, calls: _Observed, request: Request,
+               memo: Memo) -> dict[str, Ends]:
+    """What each kept module ``work``'s graph calls once does at its boundary, read from its own graph
+    before ``work``'s is painted (:func:`ampfx.rewrite.kept_ends`); its capture is kept for its own job."""
+    found: dict[str, Ends] = {}
+    for path in capture.kept:
+        module = work.get_submodule(path)
+        once = sum(n.op == "call_module" and n.target == path for n in capture.graph.nodes) == 1
+        if not once or module_match.keeps_python(module) is not None:
+            continue
+        prefix = f"{job.prefix}{path}."
+        inputs = calls.get(job.prefix + path) if job.inputs is not None else None
+        made = _capture(module, inputs, prefix, request, memo)
+        if isinstance(made, Uncaptured):
+            continue
+        memo.captures[prefix] = (module, module.training, made)
+        ends = kept_ends(module, made, inputs, request, prefix)
+        if ends is not None:
+            found[path] = ends
+    return found
+
+
+def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tuple[nn.Module | None, list[_Job]]:
+    """Capture ``job.module``; its graph module and the jobs for its leaves that have children."""
+    work, prefix = job.module, job.prefix
+    capture = _capture(work, job.inputs, prefix, request, memo)
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
     # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)
@@ -143,7 +182,8 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
     try:
         gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
-                                            calls.leaf_facts(work, prefix, job.inputs), job.arrive)
+                                            calls.leaf_facts(work, prefix, job.inputs), job.arrive,
+                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in)
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
         if not list(work.children()):
             raise e.__cause__ or e
@@ -182,8 +222,10 @@ def _kept_job(gm: AmpGraphModule, path: str, job: _Job, calls: _Observed, other_
     why = module_match.keeps_python(module)
     if why is not None:
         return _Job(module, inputs, f"{job.prefix}{path}.", part, eager=(why,), other_mode=job.other_mode and other_mode)
+    calls_of = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == path]
+    handed = calls_of[0].meta.get(AUTOCAST_HANDS) if len(calls_of) == 1 else None
     return _Job(module, inputs, f"{job.prefix}{path}.", part, place=(gm.get_submodule(parent), name),
-                other_mode=job.other_mode and other_mode, arrive=arrive)
+                other_mode=job.other_mode and other_mode, arrive=arrive, autocast_in=handed)
 
 
 def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
@@ -206,7 +248,8 @@ def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request
         for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
             getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
     try:
-        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive, memo=memo)
+        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive,
+                            autocast_in=job.autocast_in, memo=memo)
     except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
         gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
         return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "

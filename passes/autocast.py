@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from .. import ops
 from ..ops import autocast_lists
 from ..ops.autocast_lists import Cast
-from ..meta import AUTOCAST, RECORD, out_infos, record, user_float32
+from ..meta import AUTOCAST, AUTOCAST_HANDS, RECORD, out_infos, record, user_float32
 from ..report.records import Decision, Rule
 from .classify import DYNAMIC, attr_of, op_key, pass_result, selects_float
 from .context import PassContext
@@ -58,8 +58,25 @@ def annotate_autocast(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
+        if node.op == "call_module" and str(node.target) in ctx.kept:
+            node.meta[AUTOCAST_HANDS] = _one(found.get(a) for a in tree_leaves((node.args, node.kwargs))
+                                             if isinstance(a, fx.Node))
         found[node] = _value(node, gm, ctx, found)
         node.meta[AUTOCAST] = found[node]
+
+
+def returns_under_autocast(gm: fx.GraphModule, ctx: PassContext) -> Any:
+    """Annotate ``gm`` (:func:`annotate_autocast`) and return the one dtype ``torch.autocast`` gives its
+    float outputs (:data:`UNKNOWN` where they differ or cannot be known; ``None``: no float output)."""
+    annotate_autocast(gm, ctx)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    return _one(n.meta.get(AUTOCAST) for n in tree_leaves(output.args) if isinstance(n, fx.Node))
+
+
+def _one(dtypes: Any) -> Any:
+    """The one dtype among ``dtypes`` (``None`` entries aside), :data:`UNKNOWN` if several, ``None`` if none."""
+    found = set(dtypes) - {None}
+    return found.pop() if len(found) == 1 else (UNKNOWN if found else None)
 
 
 def stamp_autocast(gm: fx.GraphModule, ctx: PassContext | None = None) -> None:
@@ -72,9 +89,14 @@ def stamp_autocast(gm: fx.GraphModule, ctx: PassContext | None = None) -> None:
 
 def _value(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, found: dict[fx.Node, Any]) -> Any:
     """The dtype autocast gives ``node``'s value (``None``: no float data; :data:`UNKNOWN`)."""
-    if node.op == "placeholder":
+    if node.op == "placeholder":  # a kept module's inputs: what autocast would hand them
         infos = out_infos(node)
-        return torch.float32 if infos is None else _first_float(i.dtype for i in infos)
+        own = torch.float32 if infos is None else _first_float(i.dtype for i in infos)
+        return ctx.autocast_arrive if own is not None and ctx.autocast_arrive is not None else own
+    if node.op == "call_module" and str(node.target) in ctx.kept_ends:  # what its own graph does under autocast
+        table = dict(ctx.kept_ends[str(node.target)].autocast)
+        handed = node.meta.get(AUTOCAST_HANDS)
+        return table.get(handed, UNKNOWN) if handed is not None else next(iter(table.values()), UNKNOWN)
     if node.op == "get_attr":
         val = attr_of(gm, str(node.target))
         return val.dtype if isinstance(val, torch.Tensor) and val.dtype.is_floating_point else None

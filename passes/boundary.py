@@ -1,13 +1,64 @@
-"""Casting a region's float inputs to the dtypes its graph was converted for (regions only: a graph
-converted below the model's root, whose inputs come from eager code around it)."""
+"""A region's boundary: casting its float inputs to the dtypes its graph was converted for (regions
+only: a graph converted below the model's root, whose inputs come from eager code around it), and
+reading what a kept module's graph does at its boundary (:func:`ends`, for its caller's painting)."""
 from __future__ import annotations
 
-import torch.fx as fx
+from typing import Any
 
-from .. import runtime
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from .. import ops, runtime
 from ..meta import RECORD, record
-from ..report.records import CastInfo, Decision
-from .context import PassContext
+from ..ops import Category, Result
+from ..report.records import COMPUTE, CastInfo, Decision, Rule
+from ..runtime import CASTABLE
+from .casts import needed_casts
+from .context import Ends, PassContext
+
+
+def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
+    """What the painted graph of a kept module handed float32 (``ctx.arrive``) does at its boundary: the
+    dtype its readers read each float32 input in, the dtype it computes each float output in.
+
+    E.g. a block ``relu(bn(conv(x)))`` under bfloat16 reads ``x`` only through a cast to bfloat16 and
+    computes its output in bfloat16 (cast back to float32 only to be returned): ``Ends((bf16,), (bf16,))``,
+    so its caller hands it bfloat16 and takes bfloat16 back. A pre-norm transformer block reads ``x``
+    in float32 (its norm and residual add) and returns the float32 stream: ``Ends((fp32,), (fp32,))``.
+    """
+    def out_of(n: fx.Node) -> Any:
+        d = record(n)
+        return d.out if isinstance(d, Decision) else None
+
+    reads = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if out_of(p) != torch.float32:
+            continue
+        found = {_read_as(u, p, ctx, out_of) for u in p.users} - {_METADATA}
+        reads.append(found.pop() if len(found) == 1 else None)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    returns = tuple(out_of(v) for v in tree_leaves(output.args) if isinstance(v, fx.Node) and out_of(v) in CASTABLE)
+    return Ends(reads=tuple(reads), returns=returns)
+
+
+_METADATA = "metadata"
+
+
+def _read_as(user: fx.Node, value: fx.Node, ctx: PassContext, out_of: Any) -> Any:
+    """The dtype ``user`` reads the float32 ``value`` in; ``None`` where it reads it as it comes without
+    computing (returns it, selects from it, writes it, converts it); :data:`_METADATA` for its size."""
+    d = record(user)
+    if not isinstance(d, Decision) or d.kind not in COMPUTE or d.inplace or d.rule is Rule.SELECT:
+        return None
+    if d.category is Category.PASS:
+        entry = ops.ENTRIES.get(d.op)
+        metadata = entry is not None and entry.result is Result.NONFLOAT and not entry.exact
+        return _METADATA if metadata else None
+    if d.dtype not in CASTABLE:
+        return None
+    casts = needed_casts(user, d.dtype, out_of, ctx.keeps_output_dtype)
+    return next((to for v, to in casts if v is value), torch.float32)
 
 
 def cast_region_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -188,6 +188,18 @@ def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.N
     return pairs
 
 
+def upcast_reads(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any]) -> set[fx.Node]:
+    """The low inputs ``node``, computing in ``want``, reads as they are and upcasts itself (its own
+    ``dtype=`` argument, type promotion): no cast forward, but one backward (autograd casts the
+    gradient to the input's dtype)."""
+    d = record(node)
+    if not isinstance(d, Decision) or d.kind not in COMPUTE or d.category is Category.PASS or d.inplace:
+        return set()
+    entry = ops.ENTRIES.get(d.op)
+    reads = promoted_inputs(node, entry, want, out_of) if want == torch.float32 else set()
+    return reads | ({node.args[0]} if accumulates(node, entry, want, out_of) else set())
+
+
 def fp32_slot_inputs(node: fx.Node, entry: ops.OpEntry | None) -> list[fx.Node]:
     """The input nodes in the slots ``entry`` pins to float32 (``OpEntry.fp32_args``: a norm's
     running statistics, weight and bias), in slot order."""
@@ -317,25 +329,32 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         _note_inside(node, entry, gm, ctx)
         if split is not None:
             _add_bias_after(node, split, casts)
-        if node.op == "call_module" and want in (torch.float16, torch.bfloat16) and d.category is Category.ALLOW:
-            module = gm.get_submodule(str(node.target))
-            run_low = integrations.runner(module) or runtime.call_module_low  # DGL leaves: their own runner
-            leaf_params += sum(1 for p in module.parameters() if p.dtype in CASTABLE)
-            with graph.inserting_before(node):
-                ref = graph.get_attr(str(node.target))
-                ref.meta[RECORD] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
-                                          category=Category.PASS, dtype=None, rule=Rule.STRUCTURE,
-                                          reason="the leaf module, run with low-precision parameter copies",
-                                          kind="get_attr")
-                new = graph.create_node("call_function", run_low, (ref, want, *node.args),
-                                        dict(node.kwargs), name=f"{node.name}_low")
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+        if (node.op == "call_module" and want in (torch.float16, torch.bfloat16) and d.category is Category.ALLOW
+                and d.rule is not Rule.KEPT):  # a kept module's call runs its own converted graph
+            leaf_params += _run_low(gm, node, d, want)
         elif (node.op == "call_module" and want == torch.float32 and d.rule not in (Rule.KEPT, Rule.REGION)
               and _owns_float(gm.get_submodule(str(node.target)))):
             _run_float32(graph, node)
     gm.meta[LEAF_PARAM_CASTS] = leaf_params
+
+
+def _run_low(gm: fx.GraphModule, node: fx.Node, d: Decision, want: torch.dtype) -> int:
+    """A low-precision leaf module runs through :func:`ampfx.runtime.call_module_low` (another library's
+    leaf: its own runner), with low-precision copies of its parameters; returns how many it has."""
+    graph, module = gm.graph, gm.get_submodule(str(node.target))
+    run_low = integrations.runner(module) or runtime.call_module_low  # DGL leaves: their own runner
+    with graph.inserting_before(node):
+        ref = graph.get_attr(str(node.target))
+        ref.meta[RECORD] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,
+                                    category=Category.PASS, dtype=None, rule=Rule.STRUCTURE,
+                                    reason="the leaf module, run with low-precision parameter copies",
+                                    kind="get_attr")
+        new = graph.create_node("call_function", run_low, (ref, want, *node.args),
+                                dict(node.kwargs), name=f"{node.name}_low")
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return sum(1 for p in module.parameters() if p.dtype in CASTABLE)
 
 
 def _owns_float(module: torch.nn.Module) -> bool:

@@ -34,7 +34,7 @@ from ..ops import Category, Result
 from ..policy import Policy
 from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
-from .context import PassContext
+from .context import Ends, PassContext
 
 def view_group(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> set[fx.Node]:
     """``node``, the tensor it views (up through nodes ``is_view`` accepts) and every view of that: the
@@ -378,9 +378,7 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
             return decide.Verdict(Category.FP32, torch.float32, Rule.KEPT,
                                   where + "its forward pre-hooks keep its own Python, written for float32 inputs, so "
                                           "float32 crosses the boundary both ways")
-        return decide.Verdict(Category.INFER, None, Rule.KEPT,
-                              where + "painted as an infer op: its inputs are cast to the dtype chosen here, and it "
-                                      "returns that dtype")
+        return _kept_verdict(ctx.kept_ends.get(str(node.target)), ctx.policy.dtype, where)
     if region:
         return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
@@ -395,6 +393,26 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     if verdict.category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         verdict = _kernel_checks(verdict, node, gm, ctx, name)
     return verdict
+
+
+def _kept_verdict(ends: Ends | None, low: torch.dtype, where: str) -> decide.Verdict:
+    """A kept module called once: painted from what its own graph does at its boundary (``ends``, read
+    before this graph was painted): a low-precision op where it reads its float inputs and computes its
+    float outputs only in ``low`` (handing it ``low`` and taking ``low`` back moves the casts it makes
+    anyway out to its caller, where siblings share them), a float32 op where it reads and computes them
+    only in float32, and an infer op otherwise (or where its graph was not read first)."""
+    if ends is not None and ends.only(low):
+        return decide.Verdict(Category.ALLOW, low, Rule.KEPT, where + (
+            f"its graph reads its float inputs only in {dtype_name(low)} and computes its float outputs in "
+            f"{dtype_name(low)}: painted as a low-precision op, its inputs cast here and its outputs returned "
+            f"{dtype_name(low)}"))
+    if ends is not None and ends.only(torch.float32):
+        return decide.Verdict(Category.FP32, torch.float32, Rule.KEPT, where + (
+            "its graph reads its float inputs and computes its float outputs in float32: float32 crosses the "
+            "boundary both ways"))
+    return decide.Verdict(Category.INFER, None, Rule.KEPT,
+                          where + "painted as an infer op: its inputs are cast to the dtype chosen here, and it "
+                                  "returns that dtype")
 
 
 def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, ctx: PassContext,

@@ -10,6 +10,31 @@ from ..policy import Policy, Resolved
 
 
 @dataclass(frozen=True)
+class Ends:
+    """What a kept module's own graph does at its boundary when handed float32 (its passes up to painting,
+    run on a copy: :func:`ampfx.passes.boundary.ends`): ``reads``, the dtype it reads each float input in
+    (``None``: in both, or as it is without computing); ``returns``, the dtype it computes each float
+    output in. A caller paints its call from them (:func:`ampfx.passes.classify.classify`).
+
+    >>> Ends(reads=(torch.bfloat16,), returns=(torch.bfloat16,)).only(torch.bfloat16)
+    True
+    >>> Ends(reads=(None,), returns=(torch.float32,)).only(torch.float32)
+    False
+    """
+
+    reads: tuple[Any, ...] = ()
+    returns: tuple[Any, ...] = ()
+    autocast: tuple[tuple[torch.dtype, Any], ...] = ()
+    """For reporting: the dtype ``torch.autocast`` gives its float outputs (one dtype, or ``"unknown"``) when
+    it is handed its float inputs all in the first dtype (float32, the low dtype)."""
+
+    def only(self, dtype: torch.dtype) -> bool:
+        """Does the module read every float input and compute every float output in ``dtype``?"""
+        ends = (*self.reads, *self.returns)
+        return bool(ends) and all(d == dtype for d in ends)
+
+
+@dataclass(frozen=True)
 class PassContext:
     """The policy, what it resolved to in the model, and the facts about one conversion that no single
     node carries.
@@ -18,7 +43,8 @@ class PassContext:
     model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
     module traced as a leaf to why; ``regions`` are the leaves that run their
     own Python with their children converted separately; ``kept`` maps each
-    leaf ``keep_modules`` keeps as a module boundary to why. ``symbols`` (a
+    leaf ``keep_modules`` keeps as a module boundary to why, ``kept_ends`` those whose own graph was
+    read first to what it does at its boundary (:class:`Ends`). ``symbols`` (a
     :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
     from example inputs. ``leaf_facts`` maps the path of each other library's
     leaf module to what :func:`ampfx.integrations.leaf_facts` made of it on the
@@ -37,7 +63,9 @@ class PassContext:
     leaves: Mapping[str, str] = field(default_factory=dict)
     regions: frozenset[str] = frozenset()
     kept: Mapping[str, str] = field(default_factory=dict)
+    kept_ends: Mapping[str, Ends] = field(default_factory=dict)
     arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
+    autocast_arrive: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
     symbols: Any = None
     leaf_facts: Mapping[str, Any] = field(default_factory=dict)
 

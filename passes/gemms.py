@@ -23,12 +23,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from .. import ops
 from ..inputs import ExampleInputs
 from ..meta import RECORD, record
 from ..ops.shape_memo import ShapeMemo
-from ..report.records import Decision
+from ..report.records import Decision, Rule
 from ..state import kept_attributes, kept_buffers, kept_rng
 
 
@@ -64,12 +65,27 @@ class _Counting(fx.Interpreter):
         return super().run_node(n)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        d = record(self.count.node)
+        if isinstance(d, Decision) and d.rule is Rule.KEPT:
+            return self._kept(target, args, kwargs, d)
         if self.memo is None:
             return super().call_module(target, args, kwargs)
         mod = self.fetch_attr(target)
         key, state = self.memo.key_of_module(mod, args, kwargs), self.memo.state_of(mod)
         return self._reused(key, lambda: super(_Counting, self).call_module(target, args, kwargs), args, kwargs,
                             mod, state)
+
+    def _kept(self, target: Any, args: Any, kwargs: Any, d: Decision) -> Any:
+        """A kept module (rule ``keep_modules``) is converted on its own graph, which counts its GEMMs; here
+        it is still the float32 module: it runs on its float inputs widened to float32, and hands on its
+        result in the dtype its converted graph returns to this one (``Decision.out``)."""
+        def wide(t: Any) -> Any:
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
+
+        out = super().call_module(target, tree_map(wide, args), tree_map(wide, kwargs))
+        to = d.out if isinstance(d.out, torch.dtype) else None
+        return tree_map(lambda t: t.to(to) if to is not None and isinstance(t, torch.Tensor)
+                        and t.dtype == torch.float32 else t, out)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if self.memo is None:

@@ -48,7 +48,7 @@ from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
-from .casts import fp32_slot_inputs, needed_casts
+from .casts import fp32_slot_inputs, needed_casts, upcast_reads
 from .classify import DYNAMIC, carries_float, original_dtype, other_float, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
@@ -259,14 +259,19 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     Casts are counted as :func:`~ampfx.passes.casts.needed_casts` would insert
     them (one per value and dtype, shared with consumers outside the region;
     type promotion reads low inputs of a float32 add/mul beside a float32
-    tensor directly). Bytes are those the region's ops and its casts read and
-    write, from the example shapes (each value counts as one element without).
+    tensor directly). A graph converted in training mode also weighs the
+    gradients: each cast has one in backward, and so has each low value a
+    float32 op reads as it is (:func:`~ampfx.passes.casts.upcast_reads`).
+    Bytes are those the region's ops and its casts read and write, from the
+    example shapes (each value counts as one element without).
 
     E.g. ``exp(gemm(x) * scale)`` under bfloat16: step 4 paints the product
     low (fed by a GEMM), so the float32 ``scale`` is cast down and the product
     up for ``exp``. In float32 the product reads the GEMM's output as it is and
     nothing is cast. Regions with a low consumer (another GEMM) stay low: in
-    float32 they would need a cast for it.
+    float32 they would need a cast for it. Nor do a CNN's pooled features
+    ``cat([f.mean((2, 3)) for f in stages])`` in training: in float32 each mean
+    reads its low stage as it is, and each gradient is cast back.
     """
     low, keep = ctx.policy.dtype, ctx.keeps_output_dtype
     nodes = list(gm.graph.nodes)
@@ -288,12 +293,15 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
         touched = members | consumers
         cost = {option: _region_cost(region, touched, option, dec, users_of, keep, ctx)
                 for option in (low, torch.float32)}
-        (n_low, bytes_low, _), (n_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
+        (n_low, up_low, bytes_low, _), (n_fp32, up_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
         exact = all(dec[n].category is Category.CLEAR for n in region)  # same values cast before or after
         launches = (n_low - n_fp32) * LAUNCH_BYTES if exact else 0
         if not (n_fp32 < n_low and bytes_fp32 <= bytes_low + launches):
             continue
-        _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
+        if gm.training and 2 * n_fp32 + up_fp32 >= 2 * n_low + up_low:
+            continue  # a step's casts, gradients included
+        grads = f" (and {up_fp32} gradient casts of low values it reads as they are)" if gm.training and up_fp32 else ""
+        _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}{grads}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
         for n in touched:
             for pair in needs[n]:
                 users_of[pair].discard(n)
@@ -333,15 +341,17 @@ def _low_regions(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.
 
 def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dtype, dec: dict[fx.Node, Decision],
                  users_of: dict[tuple, set[fx.Node]], keep: bool,
-                 ctx: PassContext) -> tuple[int, int, dict[fx.Node, set]]:
-    """``(casts, bytes moved, each touched node's casts)`` if ``region``'s values
-    were ``option``: the casts no node outside ``touched`` shares, the bytes
-    they and the region's ops (views aside) read and write."""
+                 ctx: PassContext) -> tuple[int, int, int, dict[fx.Node, set]]:
+    """``(casts, upcast reads, bytes moved, each touched node's casts)`` if ``region``'s
+    values were ``option``: the casts no node outside ``touched`` shares, the low values
+    touched nodes read as they are in float32, the bytes the casts and the region's ops
+    (views aside) read and write."""
     members = set(region)
     out_of = (lambda n: option if n in members else dec[n].out)
-    per_node = {n: needed_casts(n, option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype,
-                                out_of, keep) for n in touched}
+    want = {n: option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype for n in touched}
+    per_node = {n: needed_casts(n, want[n], out_of, keep) for n in touched}
     new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
+    upcasts = sum(len(upcast_reads(n, want[n], out_of)) for n in touched)
     moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
     for n in region:  # the region's ops read their inputs and write their outputs
         if ops.is_view(dec[n].op):
@@ -350,7 +360,7 @@ def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dty
         moved_bytes += _numel(n, ctx) * _itemsize(option) + sum(
             _numel(p, ctx) * _itemsize(casted.get(p, out_of(p))) for p in n.all_input_nodes
             if out_of(p) in CASTABLE)
-    return len(new), moved_bytes, per_node
+    return len(new), upcasts, moved_bytes, per_node
 
 
 def _move_to_float32(region: list[fx.Node], dec: dict[fx.Node, Decision], counts: str) -> None:

@@ -152,7 +152,8 @@ class Rule(str, enum.Enum):
     RANGE_CONSTANT = "range:constant", _about(
         "a float constant argument the low dtype cannot hold (e.g. a float32 mask minimum)")
     KEPT = "keep_modules", _about("a module kept as a boundary (keep_modules): its forward runs, converted on its "
-                                  "own; float32 crosses the boundary both ways", word="kept module", counted=False)
+                                  "own; its inputs and outputs cross in the dtypes its own graph reads and computes "
+                                  "them in", word="kept module", counted=False)
     REGION = "region", _about("a module that could not be traced runs eagerly; its children were converted one by one",
                               counted=False)
     STRUCTURE = "structure", _about("graph inputs, parameters and outputs")
