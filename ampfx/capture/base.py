@@ -44,6 +44,8 @@ class Capture:
     lifted: frozenset[tuple[str, str]] = frozenset()
     #: (module path, attribute) of the plain attributes the traced code read (torch.fx: ampfx.capture.lift)
     read: frozenset[tuple[str, str]] = frozenset()
+    #: (module path, buffer name, values) of the integer buffers the graph holds as constants (ampfx.capture.fold)
+    folded: tuple[tuple[str, str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
