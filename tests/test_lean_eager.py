@@ -109,3 +109,73 @@ def test_a_buffer_the_forward_writes_is_not_read_as_its_values():
     before = int(model.steps)
     amp(torch.randn(2, 4))
     assert int(model.steps) == before + 1
+
+
+class Doubles(nn.Module):
+    """Reads ``self.training`` (an exported graph holds one mode), with a batch norm whose running statistics
+    the train graph updates and the eval one reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc(x))
+        return h * 2 if self.training else h
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """The training modes the capture ladder ran in, in order (one entry per module captured)."""
+    from ampfx.capture import ladder
+
+    seen, capture = [], ladder.capture
+
+    def counting(module, *args, **kwargs):
+        seen.append(module.training)
+        return capture(module, *args, **kwargs)
+
+    monkeypatch.setattr(ladder, "capture", counting)
+    return seen
+
+
+@pytest.mark.parametrize("tracer", ["export", "fx"])
+def test_the_other_training_mode_is_converted_at_its_first_use_not_at_convert(captures, tracer):
+    """Conversion time: a model reading self.training is captured once at convert (its mode); its eval-mode
+    conversion is made at the first call in eval mode (here under inference_mode, as validation loops call
+    it), once, and is right: eval output, running statistics read and left alone; train mode unchanged."""
+    torch.manual_seed(0)
+    m, x = Doubles().train(), torch.randn(6, 8)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), tracer=tracer)
+    assert captures == [True]
+    assert any("when first needed" in n for n in amp.ampfx_report.notes)
+    amp(x)  # a training step's forward: running statistics move
+    assert captures == [True]
+    stats = m.bn.running_mean.clone()
+    with torch.inference_mode():
+        out = amp.eval()(x)
+    assert captures == [True, False]
+    assert torch.equal(m.bn.running_mean, stats)
+    assert (out.float() - m.eval()(x)).abs().max() < 0.05
+    amp(x), amp.train(), m.train()
+    assert (amp(x).float() - m(x)).abs().max() < 0.1
+    assert captures == [True, False]
+    assert [r.method for r in amp.mode_module(False).ampfx_report.regions] == [tracer]
+
+
+def test_a_pickle_made_before_the_other_mode_was_used_keeps_both_modes(captures):
+    """A loaded copy cannot convert: pickling makes the other mode's conversion first (and the converted
+    module keeps it), so the copy runs both modes."""
+    import pickle
+
+    torch.manual_seed(0)
+    m, x = Doubles().train(), torch.randn(6, 8)
+    amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), tracer="export")
+    copy = pickle.loads(pickle.dumps(amp))
+    assert captures == [True, False]
+    amp.eval()(x)
+    assert captures == [True, False]
+    m.eval()
+    assert (copy.eval()(x).float() - m(x)).abs().max() < 0.05
+    m.train()
+    assert (copy.train()(x).float() - m(x)).abs().max() < 0.1
