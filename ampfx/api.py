@@ -31,7 +31,7 @@ from .report import Report
 from .report.records import dtype_name
 from .request import Request, build, resolve
 from .state import copy_tree, one_thread, untouched
-from .tree import convert_module, convert_tree
+from .tree import Memo, convert_module, convert_tree
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +138,19 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
     The example inputs are not held: a conversion made again uses the inputs of the call that needs it."""
     request = dataclasses.replace(request, inputs=None)
 
-    def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
+    def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None, training: bool | None = None,
+              memo: Memo | None = None) -> tuple[nn.Module, Report]:
         args, kwargs = call
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
         # tracer='export' inlines every module: a module hooked since conversion would run its hooks once, while
-        # tracing; 'auto' keeps it a boundary where torch.fx captures the rest
+        # tracing; 'auto' keeps it a boundary where torch.fx captures the rest (the other mode's conversion
+        # is the first conversion's other half: its tracer)
+        tracer = "auto" if request.tracer == "export" and training is None else request.tracer
         req = dataclasses.replace(request, resolved=resolve(model, request.policy), inputs=inputs,
-                                  dynamic_dims=request.dynamic_dims if not where else None,
-                                  tracer="auto" if request.tracer == "export" else request.tracer)
+                                  dynamic_dims=request.dynamic_dims if not where else None, tracer=tracer)
         tensors = inputs.tensors()
         with untouched(module, *tensors), one_thread(module, *tensors):
-            return convert_module(copy_tree(module), req, inputs, where, arrive)
+            return convert_module(copy_tree(module), req, inputs, where, arrive, training, memo)
 
     def arm(made: view.Views) -> None:
         if made is not views:

@@ -115,5 +115,10 @@ class Unfaithful(RuntimeError):
         self.paths = paths
 
 
+class FoldRefused(RuntimeError):
+    """A forward writes a buffer that was being read as its values while exporting
+    (:mod:`ampfx.capture.fold`): the buffer is the module's state, not a constant."""
+
+
 class NotReproduced(ValueError):
     """The captured graph does not run on the module's example inputs (:mod:`ampfx.rewrite`)."""

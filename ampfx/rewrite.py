@@ -135,7 +135,7 @@ def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Poli
     d = gm.__dict__
     named = resolved.below(prefix) if prefix else resolved.leaf_names
     d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
-                                        torch.finfo(policy.dtype).max, capture.read)
+                                        torch.finfo(policy.dtype).max, capture.read, capture.folded)
     d["_ampfx_where"], d["_ampfx_arrive"], d["_ampfx_low_dtype"] = prefix.rstrip("."), arrive, policy.dtype
     d["_ampfx_own_hooks"] = capture.method == "export" and any(
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())

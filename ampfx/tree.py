@@ -14,13 +14,13 @@ the order the tree is visited, so the merged report reads top-down.
 
 **The other training mode** is converted as converting the model in that mode
 would: a captured module whose graph depends on the mode
-(:func:`ampfx.capture.tracer.reads_mode`) gets a twin of its own subtree in the
-other mode (:func:`ampfx.state.copy_tree`: the same parameters and buffers),
-converted by this same loop (capture ladder, verification, regions). The
-graph module runs that twin whenever it is in that mode
-(:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_mode_graph`); a twin whose root
-keeps its Python runs that Python. Inside a module that switches so, nothing
-converts a second mode again.
+(:func:`ampfx.capture.tracer.reads_mode`) runs, whenever it is in that mode, a
+conversion of its model module in that mode (this same loop: capture ladder,
+verification, regions), made when first needed: its first call in that mode,
+``mode_module``, a pickle (:class:`ampfx.runtime.graph_module.PendingMode`,
+:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_mode_graph`); a conversion
+whose root keeps its Python runs that Python. Inside a module that switches so,
+nothing converts a second mode again.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import torch.nn as nn
 from . import integrations, ops, runtime
 from .policy import module_match
 from .capture import export, ladder
-from .capture.base import Capture, Uncaptured, short
+from .capture.base import Capture, Uncaptured
 from .capture.tracer import AmpTracer, reads_mode
-from .runtime.graph_module import AmpGraphModule, ModeUnavailable
+from .runtime.graph_module import AmpGraphModule, PendingMode
 from .inputs import ExampleInputs
 from .report import Report
 from .report.records import Region, dtype_name
@@ -48,7 +48,7 @@ from .passes.context import Ends
 from .meta import AUTOCAST_HANDS, record
 from .capture.observe import Observation, observe
 from .policy import Resolved
-from .state import HOOK_DICTS, copy_tree, kept_requires_grad
+from .state import HOOK_DICTS, kept_requires_grad
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,21 @@ def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
 
 
 def convert_module(work: nn.Module, request: Request, inputs: ExampleInputs | None, where: str,
-                   arrive: torch.dtype | None) -> tuple[nn.Module, Report]:
+                   arrive: torch.dtype | None, training: bool | None = None,
+                   memo: Memo | None = None) -> tuple[nn.Module, Report]:
     """Convert ``work`` (a private copy of the model's module at ``where``) on its own, in its current
     training mode only: what a converted graph module makes again at a call when a value its graph fixed
-    changed (:class:`ampfx.runtime.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`."""
-    return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive, memo=Memo())
+    changed (:class:`ampfx.runtime.view.Reconvert`); ``arrive`` as :attr:`_Job.arrive`. With ``training``,
+    ``work`` is converted in that mode, without its own hooks (they fire in the call of the converted module
+    it stands in for): a converted module's other training mode, made when first needed
+    (:class:`ampfx.runtime.graph_module.PendingMode`), with ``memo``, what the first mode's walk learnt."""
+    if training is not None:
+        with kept_requires_grad(work):  # the model's own train() (a norm_eval override keeps batch norm frozen)
+            work.train(training)
+        for hooks in HOOK_DICTS:
+            getattr(work, hooks).clear()
+    return _tree(work, request, inputs, f"{where}." if where else "", other_mode=False, arrive=arrive,
+                 memo=memo if memo is not None else Memo())
 
 
 def _tree(root: nn.Module, request: Request, inputs: ExampleInputs | None, prefix: str,
@@ -173,8 +183,7 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     capture = _capture(work, job.inputs, prefix, request, memo)
     if isinstance(capture, Uncaptured):
         return None, [dataclasses.replace(job, eager=capture.steps)]
-    # the other mode's twin is copied before this mode's conversion changes the subtree (constants, regions)
-    twin = copy_tree(work) if job.other_mode and reads_mode(work, capture, request.policy) else None
+    switches = job.other_mode and reads_mode(work, capture, request.policy)  # the other mode: when first needed
     if capture.constants:
         export.install_constants(work, capture.constants, capture.graph)
     inner = [path for path in capture.leaves if list(work.get_submodule(path).children())]
@@ -189,9 +198,9 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
-    if twin is not None:
-        notes = _other_mode(gm, twin, job, request, capture, memo)
-        job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, *notes))
+    if switches:
+        note = _other_mode(gm, job, capture, memo)
+        job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, note))
     jobs = []
     for path in inner:
         if path in called:  # runs its own Python inside the graph: its children are converted
@@ -199,8 +208,8 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
             job.part.children.append(part)
             jobs.append(_Job(work.get_submodule(path), calls.get(prefix + path), f"{prefix}{path}.", part,
                              eager=(f"traced as a leaf: {capture.leaves[path]}",),
-                             other_mode=job.other_mode and twin is None))
-    return gm, jobs + [_kept_job(gm, path, job, calls, twin is None) for path in capture.kept]
+                             other_mode=job.other_mode and not switches))
+    return gm, jobs + [_kept_job(gm, path, job, calls, not switches) for path in capture.kept]
 
 
 def kept_below(resolved: Resolved, prefix: str) -> frozenset[str]:
@@ -236,30 +245,18 @@ def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
     return low[0] if len(calls) == 1 and low else torch.float32
 
 
-def _other_mode(gm: AmpGraphModule, twin: nn.Module, job: _Job, request: Request, capture: Capture,
-                memo: Memo) -> list[str]:
-    """Convert ``twin`` (a copy of the job's module sharing its tensors) in the other training mode, as
-    ``ampfx.convert(model.train() / .eval())`` would, and make ``gm`` run it in that mode; the notes."""
+def _other_mode(gm: AmpGraphModule, job: _Job, capture: Capture, memo: Memo) -> str:
+    """Make ``gm`` convert its model module in the other training mode when first needed, as
+    ``ampfx.convert(model.train() / .eval())`` would, on the job's example inputs
+    (:class:`~ampfx.runtime.graph_module.PendingMode`); the report's note. Converting it here would spend
+    a second capture (a second export, often) on a mode many uses never call, or call only later."""
     training = not job.module.training
     name, path = ("train" if training else "eval"), job.prefix.rstrip(".") or "<root>"
-    with kept_requires_grad(twin):  # the model's own train() (a norm_eval override keeps batch norm frozen)
-        twin.train(training)
-    if any(getattr(gm, hooks) for hooks in HOOK_DICTS):  # gm runs the module's own hooks in both modes
-        for hooks in HOOK_DICTS:  # (rewrite.keep_hooks): the twin runs inside that call, so without them
-            getattr(twin, hooks).clear()  # (its own dicts: copy_tree copied them)
-    try:
-        alt, report = _tree(twin, request, job.inputs, job.prefix, other_mode=False, arrive=job.arrive,
-                            autocast_in=job.autocast_in, memo=memo)
-    except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why and what to do
-        gm.set_mode_graph(training, ModeUnavailable(training, short(e)))
-        return [f"{path}: the model's Python reads self.training and converting it in {name} mode failed "
-                f"({short(e)}); the converted module raises in {name} mode: convert model.{name}() for that"]
-    alt.ampfx_report = report
-    gm.set_mode_graph(training, alt)
-    runs = "; ".join(f"{r.path or '<root>'}: {r.method}" for r in report.regions)
-    return [f"{path}: the model's Python reads self.training, so its {capture.method} graph holds one mode; in "
-            f"{name} mode the module runs a second conversion, made as ampfx.convert(model.{name}()) makes it "
-            f"({runs}). The records here are this mode's; .mode_module({training}).ampfx_report has that mode's"]
+    gm.set_mode_graph(training, PendingMode(training, job.inputs, memo))
+    return (f"{path}: the model's Python reads self.training, so its {capture.method} graph holds one mode; in "
+            f"{name} mode the module runs a second conversion, made as ampfx.convert(model.{name}()) makes it, "
+            f"when first needed (its first call in {name} mode, .mode_module({training}), a pickle). The records "
+            f"here are this mode's; .mode_module({training}).ampfx_report has that mode's")
 
 
 def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_Job]]:

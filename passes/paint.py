@@ -49,7 +49,7 @@ from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
 from .casts import fp32_slot_inputs, needed_casts, upcast_reads
-from .classify import DYNAMIC, carries_float, original_dtype, other_float, pass_result, selects_float, written
+from .classify import DYNAMIC, carries_float, original_dtype, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)

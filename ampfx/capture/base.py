@@ -52,6 +52,8 @@ class Capture:
     #: random draws the traced Python used in a way a graph cannot keep, one line each (ampfx.capture.draws):
     #: a capture with any is not used
     free_draws: tuple[str, ...] = ()
+    #: (module path, buffer name, values) of the integer buffers the graph holds as constants (ampfx.capture.fold)
+    folded: tuple[tuple[str, str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ What :func:`capture` does with the exported program:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import io
 import logging
@@ -64,7 +63,9 @@ from ..meta import USER_FLOAT32, node_module_path
 from ..policy.module_match import TRACED_PRE_HOOKS
 from ..runtime.guards import read_by_key
 from ..state import kept_attributes, kept_random, untouched, without_hooks
+from . import fold
 from .base import Capture, short
+from .fold import Folding
 from .semantics import Dropped, Watch, python_changes
 from .tracer import dropped_by
 
@@ -282,7 +283,9 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any, folds: Folding | None = None) -> Any:
+    """One export of ``model``; with ``folds``, its small integer buffers are read as their values
+    (:mod:`ampfx.capture.fold`), and ``folds`` says which the forward read."""
     fn = getattr(torch.export, "export_for_training", None) or torch.export.export
     # a copy each time: non-strict export runs the model's Python, which may change Python objects it is
     # given (caches), also when it fails
@@ -291,7 +294,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
     try:
         # kept_attributes: a cache filled with fake tensors is emptied again
-        with kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), \
+        with _folded(model, folds), kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), \
                 Watch(model, export=True) as watch, kept_random(torch_too=False) as draws, _no_stack_traces():
             ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Dropped:  # the watch stopped export where a forward did what the graph would not repeat
@@ -303,6 +306,23 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any) -> Any:
         raise RuntimeError("the model's Python drew a random number (random / numpy) while being exported: the "
                            "graph would take that draw's branch on every call")
     return ep
+
+
+@contextlib.contextmanager
+def _folded(model: nn.Module, folds: Folding | None) -> Iterator[None]:
+    """:func:`ampfx.capture.fold.folding` into ``folds`` (its ``read`` set after the block), or nothing."""
+    if folds is None:
+        yield
+        return
+    with fold.folding(model) as found:
+        yield
+    folds.read = found.read
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """Did export stop at Python asking for a tensor's value (``int(t)``, ``max(t, 0)``, ``if t:``)?"""
+    text = f"{type(e).__name__} {e}"
+    return "DataDependent" in text or "data-dependent" in text
 
 
 @contextlib.contextmanager
@@ -467,7 +487,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     args, kwargs = inputs.ordered(model.forward)
     paths, steps, mode = _module_paths(model), [], _mode(model.training)
     start = time.perf_counter()
-    tries = _size_tries(model.forward, args, kwargs)
+    tries, folds = _size_tries(model.forward, args, kwargs), Folding()
     memo = sizes if sizes is not None else [0]
     first = min(memo[0], len(tries) - 1)
     if first:
@@ -484,7 +504,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
         try:
             with time_limit(share) as unbounded, without_hooks(model, keep=TRACED_PRE_HOOKS), \
                     stall_limit(model, not last):
-                ep = _export(model, args, kwargs, dynamic)
+                ep = _export_folding(model, args, kwargs, dynamic, folds, steps)
             break
         except ExportStalled as e:
             steps.append(f"torch.export with {words} ({mode} mode) stopped after {time.perf_counter() - t:.1f} s: {e}")
@@ -504,7 +524,7 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
     gm = _unlift(ep)
     _inputs_by_key(gm.graph)
     constants, notes = _clean(gm, model, paths)
-    steps.append(f"exported (torch.export, non-strict, training IR, {words})")
+    steps.append(f"exported (torch.export, non-strict, training IR, {words}){_folded_words(folds)}")
     if dynamic is None:
         notes.append("torch.export specialised every input size to the example's: calls with other sizes raise "
                      "GuardError (convert again for other sizes)")
@@ -513,7 +533,29 @@ def capture(model: nn.Module, inputs: ExampleInputs | None, timeout: float | Non
                      "sizes there raise GuardError (convert again for other sizes)")
     if unbounded is not None and timeout:
         notes.append(unbounded)
-    return Capture(graph=gm.graph, method="export", steps=tuple(steps), constants=constants, notes=tuple(notes))
+    return Capture(gm.graph, "export", steps=tuple(steps), constants=constants, notes=tuple(notes), folded=folds.read)
+
+
+def _export_folding(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any, folds: Folding,
+                    steps: list[str]) -> Any:
+    """:func:`_export`; where it stops at Python asking for a tensor's value and the model has small integer
+    buffers (:func:`ampfx.capture.fold.candidates`), once more with them read as their values, and so every
+    try after (``folds.active``)."""
+    if not folds.active:
+        try:
+            return _export(model, args, kwargs, dynamic)
+        except Exception as e:
+            if not _data_dependent(e) or not fold.candidates(model):
+                raise
+            steps.append(f"torch.export ({_mode(model.training)} mode): {_short(e)}; once more with the small "
+                         "integer buffers of the model's modules read as their values")
+            folds.active = True
+    return _export(model, args, kwargs, dynamic, folds)
+
+
+def _folded_words(folds: Folding) -> str:
+    names = [f"{path}.{name}" if path else name for path, name, _ in folds.read]
+    return f"; buffers read as their values: {', '.join(names)}" if names else ""
 
 
 def changes_past_sizes(model: nn.Module, inputs: ExampleInputs,

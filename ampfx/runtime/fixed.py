@@ -261,6 +261,7 @@ class Recorded:
     lifted: tuple[tuple[str, str, float], ...] = ()  # float attributes read at every call: (path, name, largest)
     classes: tuple[tuple[type, str, Any], ...] = ()  # class-level defaults the forward reads (class, name, value)
     objects: tuple[tuple[str, str, dict], ...] = ()  # plain fields of module-level objects (module, global, fields)
+    folded: tuple[tuple[str, str, Any], ...] = ()  # buffers the graph holds the values of: (path, name, values)
 
     def bind(self, module: nn.Module, where: str, root_hooks: bool = False, low: torch.dtype = torch.bfloat16) -> Fixed:
         """The check of these values against ``module`` (the model's module the graph stands for, at
@@ -320,7 +321,10 @@ class Recorded:
             tensors.append((d, attr, dtype, device, name(path) + f".{attr}"))
         ranges = [(m.__dict__, attr, largest, f"{name(path)}.{attr}") for path, attr, largest in self.lifted
                   if (m := at(path)) is not None]
-        fixed = Fixed(eq, same, hooks, any(p or root_hooks for p in self.hooked), tensors, low, ranges=ranges)
+        held = [Held(m._buffers, attr, values, f"{name(path)}.{attr}") for path, attr, values in self.folded
+                if (m := at(path)) is not None]
+        fixed = Fixed(eq, same, hooks, any(p or root_hooks for p in self.hooked), tensors, low, ranges=ranges,
+                      held=held)
         fixed.source = (self, module, where, root_hooks)
         return fixed
 
@@ -340,14 +344,16 @@ def _fields(obj: Any) -> dict | None:
 
 def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
            lifted: frozenset[tuple[str, str]] = frozenset(), largest: float = float("inf"),
-           seen: frozenset[tuple[str, str]] = frozenset()) -> Recorded:
+           seen: frozenset[tuple[str, str]] = frozenset(),
+           folded: tuple[tuple[str, str, Any], ...] = ()) -> Recorded:
     """What a graph of ``root`` fixed: for the modules at ``inlined`` (paths in ``root``, '' for itself,
     whose forwards the graph traced through), their flags, the attributes and globals their code reads and
     whether they have hooks; for the parameters and buffers at ``tensors`` (``get_attr`` targets), dtype
     and device. ``lifted`` attributes are read by the graph at every call (:mod:`ampfx.capture.lift`): not
     fixed. ``seen``: attributes the traced code was seen reading (torch.fx), leaves' too (a parent's
     ``if self.drop.p > 0``), and inlined modules' that their code does not name (read by a helper it calls
-    through an object: ``CHECKS[kind](self)``)."""
+    through an object: ``CHECKS[kind](self)``). ``folded``: ``(path, buffer name, values)`` of the buffers whose values the
+    graph holds (:mod:`ampfx.capture.fold`)."""
     flags, attributes, configs, hooked, globs, classes, objects = [], [], [], [], {}, [], []
     read = set(tensors)  # tensor attributes the graph reads at every call (get_attr): only their dtype matters
     for path in inlined:
@@ -402,7 +408,8 @@ def record(root: nn.Module, inlined: tuple[str, ...], tensors: tuple[str, ...],
             metas.append((owner, attr, t.dtype, t.get_device()))
     return Recorded(tuple(flags), tuple(attributes), tuple(configs), tuple(hooked), tuple(inlined),
                     tuple((h, g, bv, s) for (h, g), (bv, s) in globs.items()), tuple(metas), tuple(root._modules),
-                    tuple((path, attr, largest) for path, attr in sorted(lifted)), tuple(classes), tuple(objects))
+                    tuple((path, attr, largest) for path, attr in sorted(lifted)), tuple(classes), tuple(objects),
+                    tuple(folded))
 
 
 @dataclass(eq=False)
@@ -426,6 +433,8 @@ class Fixed:
     #: float attributes the graph reads at every call, each a number the low dtype holds at most ``largest``:
     #: a value out of that range was not lifted, and one that leaves it converts again (ops kept float32 for it)
     ranges: list[tuple[dict, str, float, str]] = field(default_factory=list)
+    #: buffers whose values the graph holds (:mod:`ampfx.capture.fold`)
+    held: list[Held] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return (f"Fixed({len(self.eq) + len(self.same)} values, {len(self.tensors)} tensors, {len(self.hooks)} hook "
@@ -444,7 +453,7 @@ class Fixed:
         self._kinds = {self.low: torch.float32}
         self._metas = [(self._kinds.get(dtype, dtype), device) for _, _, dtype, device, _ in self.tensors]
         self.seen = RemovableHandle.next_id
-        slots = len(self.eq) + len(self.same) + len(self.tensors) + len(self.ranges)
+        slots = len(self.eq) + len(self.same) + len(self.tensors) + len(self.ranges) + len(self.held)
         self._values_hold = _compile(self) if slots <= COMPILED_SLOTS else self._loop
 
     def holds(self) -> bool:
@@ -469,8 +478,10 @@ class Fixed:
         if self.tensors and [(self._kinds.get(t.dtype, t.dtype), t.get_device()) if (t := d.get(k)) is not None
                              else None for d, k, _, _, _ in self.tensors] != self._metas:
             return False
-        return not self.ranges or all(type(v := d.get(k)) in (float, int) and -top <= v <= top
-                                      for d, k, top, _ in self.ranges)
+        if self.ranges and not all(type(v := d.get(k)) in (float, int) and -top <= v <= top
+                                   for d, k, top, _ in self.ranges):
+            return False
+        return all(h.holds() for h in self.held)
 
     def lowered(self) -> list[str]:
         """The float32 tensors the graph reads that are now in a low dtype other than the conversion's
@@ -511,11 +522,47 @@ class Fixed:
             if not (type(v) in (float, int) and -top <= v <= top):
                 out.append(f"{what} is {_short(v)}: the graph reads it at every call as a number the low dtype holds "
                            f"(at most {top:g})")
+        out.extend(h.change() for h in self.held if not h.holds())
         for (d, what), n, total in zip(self.hooks, *self._hook_ids):
             if len(d) != n or sum(d) != total:
                 out.append(f"hooks of {what} changed since conversion (the graph traced its forward, so hooks "
                            "registered or removed since are not in it)")
         return list(dict.fromkeys(out))
+
+
+class Held:
+    """A buffer whose values a graph holds (:mod:`ampfx.capture.fold`): :meth:`holds` while the buffer at
+    ``d[key]`` has ``values``. The buffer and its version counter are remembered once its values were seen
+    to be the graph's: a call compares two identities, and the values only after a write (an optimizer's,
+    ``load_state_dict``'s, DDP's broadcast) or a new tensor.
+
+    >>> buffers = {"stride": torch.tensor([2, 2])}
+    >>> held = Held(buffers, "stride", [2, 2], "model.stride")
+    >>> held.holds(), buffers["stride"].fill_(2) is not None, held.holds()
+    (True, True, True)
+    >>> buffers["stride"][0] = 3
+    >>> held.holds(), held.change()
+    (False, 'model.stride is [3, 2], the graph was converted with its values [2, 2]')
+    """
+
+    def __init__(self, d: dict, key: str, values: Any, what: str) -> None:
+        self.d, self.key, self.values, self.what = d, key, values, what
+        self.tensor: torch.Tensor | None = None
+        self.version = -1
+
+    def holds(self) -> bool:
+        t = self.d.get(self.key)
+        if t is self.tensor and t is not None and not t.is_inference() and t._version == self.version:
+            return True
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.tolist() != self.values:
+            return False
+        self.tensor, self.version = t, (-1 if t.is_inference() else t._version)
+        return True
+
+    def change(self) -> str:
+        t = self.d.get(self.key)
+        now = t.tolist() if isinstance(t, torch.Tensor) and not t.is_floating_point() else _short(t)
+        return f"{self.what} is {now}, the graph was converted with its values {self.values}"
 
 
 COMPILED_SLOTS = 512
@@ -541,6 +588,9 @@ def _compile(fixed: Fixed) -> Any:
     for i, (d, k, top, _) in enumerate(fixed.ranges):
         names[f"r{i}"], names[f"rk{i}"], names[f"top{i}"] = d, k, top
         terms.append(f"type(y := r{i}.get(rk{i})) in NUM and -top{i} <= y <= top{i}")
+    for i, h in enumerate(fixed.held):
+        names[f"h{i}"] = h
+        terms.append(f"h{i}.holds()")
     source = (f"def make({', '.join(names)}):\n"
               f"    def values_hold():\n        return {' and '.join(terms) or 'True'}\n"
               f"    return values_hold\n")

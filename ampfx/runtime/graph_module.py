@@ -236,9 +236,34 @@ class AmpGraphModule(fx.GraphModule):
 
     def mode_module(self, training: bool) -> nn.Module:
         """The module that runs when this one is in mode ``training`` (itself, or the other mode's
-        conversion, whose ``ampfx_report`` says what it runs)."""
+        conversion, whose ``ampfx_report`` says what it runs; made now if it was not yet: :class:`PendingMode`)."""
         alt = self.__dict__.get("_ampfx_alt")
-        return alt[1] if alt is not None and alt[0] == training else self
+        if alt is None or alt[0] != training:
+            return self
+        return self._other_mode(alt, None) if isinstance(alt[1], PendingMode) else alt[1]
+
+    @torch.compiler.disable
+    def _other_mode(self, alt: tuple[bool, PendingMode], call: tuple[tuple, dict] | None) -> nn.Module:
+        """Make the other training mode's conversion that ``alt`` waits for (:class:`PendingMode`), keep it in
+        its place and return it (a :class:`ModeUnavailable` where converting in that mode failed). ``call``:
+        the arguments of the call that needs it (their device picks the inputs it is converted on)."""
+        training, pending = alt
+        make = self.__dict__.get("_ampfx_reconvert")
+        if make is None:  # not armed yet (a run during conversion): the model module's own Python, as it is
+            return self.__dict__["_ampfx_model"]
+        args, kwargs = pending.arguments(self.__dict__["_ampfx_model"], call)
+        name = "train" if training else "eval"
+        log.info("ampfx: converting %s in %s mode, at its first use in that mode", _name(self), name)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                made = make(self, args, kwargs, [f"the {name}-mode conversion, made at its first use in {name} mode "
+                                                  f"as ampfx.convert(model.{name}()) makes it"],
+                            training=training, memo=pending.memo)
+        except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why
+            made = ModeUnavailable(training, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                                   if str(e).strip() else type(e).__name__)
+        self.__dict__["_ampfx_alt"] = (training, made)
+        return made
 
     def variants(self) -> list[nn.Module]:
         """The conversions made again at call time because what this graph fixed changed (each has an
@@ -254,11 +279,15 @@ class AmpGraphModule(fx.GraphModule):
         if fixed is None:  # a loaded copy, or during conversion: the training flag chooses
             if alt is None or self.training != alt[0]:
                 return None
+            if isinstance(alt[1], PendingMode):
+                return self._other_mode(alt, (args, kwargs))
             if "_ampfx_model" not in d:  # a loaded copy: its flags are its own, the other mode's follow them
                 _copy_flags(self, alt[1])
             return alt[1]
         if fixed.holds():
             return None
+        if alt is not None and isinstance(alt[1], PendingMode) and self.training == alt[0]:
+            alt = (alt[0], self._other_mode(alt, (args, kwargs)))
         if alt is not None and "_ampfx_model" not in d:  # a loaded copy: the other mode follows its flags
             _copy_flags(self, alt[1])
         if alt is not None and _holds(alt[1], alt[0], self):
@@ -378,6 +407,9 @@ class AmpGraphModule(fx.GraphModule):
     def __reduce__(self):  # noqa: ANN204
         """A standalone copy: the model module's attributes become this module's own, and nothing is
         checked against a model (a loaded module shares no tensors with one)."""
+        alt = self.__dict__.get("_ampfx_alt")
+        if alt is not None and isinstance(alt[1], PendingMode):  # a loaded copy cannot convert: made now
+            self._other_mode(alt, None)
         fn, (body, *rest) = super().__reduce__()
         model = body.pop("_ampfx_model", None)
         fixed = body.pop("_ampfx_fixed", None)
@@ -447,6 +479,42 @@ def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         return module(*args, **kwargs) if own else module._run_graph(args, kwargs)
     runner = getattr(type(module), "_ampfx_run", None)
     return runner(module, args, kwargs) if runner is not None else module.forward(*args, **kwargs)
+
+
+def _name(gm: AmpGraphModule) -> str:
+    where = gm.__dict__.get("_ampfx_where", "")
+    return f"model.{where}" if where else "the model"
+
+
+class PendingMode(nn.Module):
+    """Stands in for the other training mode's conversion until it is first needed: the first call in that
+    mode, :meth:`AmpGraphModule.mode_module`, or a pickle (a loaded copy cannot convert). It is then made as
+    ``ampfx.convert(model.train(mode))`` makes it, with the model module as it is then, on ``inputs`` (the
+    example inputs the converted module was given; the call's own where it runs on another device), and
+    ``memo`` (what the first mode's capture learnt: the export size try it ended on).
+
+    >>> PendingMode(False, None, None)
+    PendingMode(eval mode: converted when first needed)
+    """
+
+    def __init__(self, training: bool, inputs: Any, memo: Any) -> None:
+        super().__init__()
+        self.mode, self.inputs, self.memo = training, inputs, memo
+
+    def extra_repr(self) -> str:
+        return f"{'train' if self.mode else 'eval'} mode: converted when first needed"
+
+    def arguments(self, model: nn.Module, call: tuple[tuple, dict] | None) -> tuple[tuple, dict]:
+        """The ``(args, kwargs)`` to convert ``model`` on: the example inputs, or ``call`` (the arguments of
+        the call that needs the conversion) where there are none or they are on another device."""
+        if self.inputs is None or (call is not None and _device(call) != self.inputs.device()):
+            return call if call is not None else ((), {})
+        return self.inputs.ordered(model.forward)
+
+
+def _device(call: tuple[tuple, dict]) -> str | None:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(call) if isinstance(t, torch.Tensor)]
+    return tensors[0].device.type if tensors else None
 
 
 class ModeUnavailable(nn.Module):

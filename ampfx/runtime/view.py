@@ -312,23 +312,28 @@ def _unchanged(r: nn.Module, m: nn.Module) -> bool:
 class Reconvert:
     """Converts a graph module's model module again, with the values it has now, on the inputs of the call
     that found its graph's fixed values changed (:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_reconvert`).
-    At most ``limit`` times per module (``Policy.reconvert_limit``)."""
+    At most ``limit`` times per module (``Policy.reconvert_limit``). With ``training``, it makes the other
+    training mode's conversion instead, when first needed
+    (:class:`~ampfx.runtime.graph_module.PendingMode`; ``memo``: what the first mode's capture learnt)."""
 
-    convert: Callable[[nn.Module, Any, str, Any], tuple[nn.Module, Any]]  # (model module, call, path, arrive)
+    #: (model module, call, path, arrive, training mode or None, memo or None)
+    convert: Callable[[nn.Module, Any, str, Any, Any, Any], tuple[nn.Module, Any]]
     arrive: torch.dtype | None
     limit: int
     arm: Callable[[Views], None] = lambda views: None  # gives the new conversion's graphs their own Reconvert
 
-    def __call__(self, gm: AmpGraphModule, args: tuple, kwargs: dict, changes: list[str]) -> nn.Module:
+    def __call__(self, gm: AmpGraphModule, args: tuple, kwargs: dict, changes: list[str],
+                 training: bool | None = None, memo: Any = None) -> nn.Module:
         model = gm.__dict__["_ampfx_model"]
         where = gm.__dict__.get("_ampfx_where", "")
         if self.arrive not in (None, torch.float32):  # the caller's graph hands it low values: the model's are float32
             args, kwargs = runtime._arguments_in(torch.float32, self.arrive, model, args, kwargs)
-        result, report = self.convert(model, (args, kwargs), where, self.arrive)
+        result, report = self.convert(model, (args, kwargs), where, self.arrive, training, memo)
         made, views = rebase_part(result, model, where)
         self.arm(views)
-        note = f"converted again at a call: {'; '.join(changes[:3])}"
-        made.__dict__["ampfx_report"] = dataclasses.replace(report, notes=(*report.notes, note))
+        note = f"converted again at a call: {'; '.join(changes[:3])}" if training is None else "; ".join(changes)
+        # an attribute of its own (a mirror's __dict__ is the model module's)
+        made.ampfx_report = dataclasses.replace(report, notes=(*report.notes, note))
         return made
 
     def __deepcopy__(self, memo: dict) -> "Reconvert":

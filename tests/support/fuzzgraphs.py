@@ -534,8 +534,9 @@ def graph_modules(amp: nn.Module) -> list[torch.fx.GraphModule]:
         if isinstance(m, torch.fx.GraphModule):
             out.append(m)
             alt = m.__dict__.get("_ampfx_alt")
-            if alt is not None and isinstance(alt[1], torch.fx.GraphModule):
-                out.append(alt[1])
+            other = m.mode_module(alt[0]) if alt is not None else None  # made now if not yet
+            if isinstance(other, torch.fx.GraphModule):
+                out.append(other)
     return out
 
 
@@ -576,8 +577,7 @@ def recorded_call(amp: nn.Module, inputs: tuple, sink: list[str]) -> Any:
 
     def make(m: torch.fx.GraphModule) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            alt = m.__dict__.get("_ampfx_alt")
-            g = alt[1] if alt is not None and m.training == alt[0] else m
+            g = m.mode_module(m.training)
             if not isinstance(g, torch.fx.GraphModule):
                 return g(*args, **kwargs)
             if kwargs:
