@@ -25,7 +25,9 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
     E.g. a block ``relu(bn(conv(x)))`` under bfloat16 reads ``x`` only through a cast to bfloat16 and
     computes its output in bfloat16 (cast back to float32 only to be returned): ``Ends((bf16,), (bf16,))``,
     so its caller hands it bfloat16 and takes bfloat16 back. A pre-norm transformer block reads ``x``
-    in float32 (its norm and residual add) and returns the float32 stream: ``Ends((fp32,), (fp32,))``.
+    in float32 only because it is handed float32 (its norm and residual add read a float32 stream:
+    :data:`_HANDED`) and returns the float32 stream: ``Ends((None,), (fp32,))``, painted by its caller as an
+    infer op.
     """
     def out_of(n: fx.Node) -> Any:
         d = record(n)
@@ -57,8 +59,17 @@ def _read_as(user: fx.Node, value: fx.Node, ctx: PassContext, out_of: Any) -> An
         return _METADATA if metadata else None
     if d.dtype not in CASTABLE:
         return None
+    if d.dtype == torch.float32 and d.rule in _HANDED:
+        return None  # float32 because it was handed float32: the block's caller decides, not its ops
     casts = needed_casts(user, d.dtype, out_of, ctx.keeps_output_dtype)
     return next((to for v, to in casts if v is value), torch.float32)
+
+
+_HANDED = frozenset({Rule.FIDELITY_STREAM, Rule.PAINT_DEFAULT})
+"""Rules that make a reader float32 only because what it reads arrived float32 (a graph input read as a
+float32 stream, an infer op with no low neighbour): in a kept module's graph, handed float32 to read its
+boundary, they say nothing of what the module itself needs. A pre-norm block's norm and residual add read
+its input so: its caller paints the call as an infer op, from its own neighbours."""
 
 
 def cast_region_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
