@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from ampfx import Policy, meta
 from ampfx.passes import PIPELINE, PassContext, shapes
@@ -73,3 +74,16 @@ def rec(gm: fx.GraphModule, name: str) -> Any:
 def calls(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
     """The ``call_function`` nodes calling ``target``, in graph order."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+class Weights(nn.Module):
+    """``fn(self, x)`` with 4x4 weights ``w`` and ``v`` and a bias ``b``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.w, self.v = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.fn(self, x)

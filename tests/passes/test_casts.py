@@ -8,22 +8,9 @@ import torch.nn.functional as F
 from ampfx import CastInfo, Decision, meta, runtime
 from ampfx.passes import casts
 
-from .helpers import calls, node, rec, run
+from .helpers import Weights, calls, node, rec, run
 
 BF16_TOL = dict(atol=5e-2, rtol=5e-2)
-
-
-class Weights(nn.Module):
-    """``fn(self, x)`` with 4x4 weights ``w`` and ``v`` and a bias ``b``."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.w, self.v = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
-        self.b = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        return self.fn(self, x)
 
 
 def converted(fn, x=None, **options):

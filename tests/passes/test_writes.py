@@ -2,27 +2,15 @@
 before any cast; the graph itself is not touched (the casts pass carries the decisions out)."""
 import torch
 import torch.fx as fx
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ampfx.passes import paint, writes
 
-from .helpers import rec, run
-
-
-class Net(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.w, self.v = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
-        self.b = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        return self.fn(self, x)
+from .helpers import Weights, rec, run
 
 
 def decided(fn, x):
-    gm, _ = run(Net(fn), (x,), upto=writes.decide_writes, probe=True)
+    gm, _ = run(Weights(fn), (x,), upto=writes.decide_writes, probe=True)
     return gm
 
 
@@ -33,7 +21,7 @@ def _code(gm: fx.GraphModule) -> str:
 
 def test_a_softmax_read_only_low_writes_the_low_dtype_and_the_graph_is_untouched():
     fn = lambda m, x: torch.softmax(F.linear(x, m.w) @ F.linear(x, m.v).T, -1) @ x  # noqa: E731
-    painted, _ = run(Net(fn), (torch.randn(6, 4),), upto=paint.paint, probe=True)
+    painted, _ = run(Weights(fn), (torch.randn(6, 4),), upto=paint.paint, probe=True)
     gm = decided(fn, torch.randn(6, 4))
     d = rec(gm, "softmax")
     assert (d.rule, d.dtype, d.out) == ("cost:write-low", torch.float32, torch.bfloat16)
