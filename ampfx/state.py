@@ -105,6 +105,38 @@ def kept_rng(*tensors: torch.Tensor) -> Iterator[None]:
         yield
 
 
+def _top_level() -> int:
+    """The level of the innermost torch.func transform (vmap, grad, jvp) open now; 0 outside any."""
+    top = torch._C._functorch.peek_interpreter_stack()
+    return 0 if top is None else top.level()
+
+
+_CLOSE = {"Vmap": "_vmap_decrement_nesting", "Grad": "_grad_decrement_nesting", "Jvp": "_jvp_decrement_nesting",
+          "Functionalize": "_func_decrement_nesting"}
+
+
+@contextlib.contextmanager
+def kept_transforms() -> Iterator[None]:
+    """The torch.func transforms open on entry are the ones open on exit. A graph run node by node (an
+    exported graph holds ``vmap`` as ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting`` nodes, as
+    HF's attention masks write it) that fails between the two would leave a vmap level open for the rest
+    of the process: every later random op then raises, and ``backward()`` says it runs inside a transform.
+
+    >>> import torch
+    >>> with kept_transforms():
+    ...     _ = torch._C._functorch._vmap_increment_nesting(2, "error")   # opened, never closed
+    >>> torch._C._functorch.peek_interpreter_stack() is None
+    True
+    """
+    level = _top_level()
+    try:
+        yield
+    finally:
+        while _top_level() > level:
+            kind = torch._C._functorch.peek_interpreter_stack().key().name
+            getattr(torch._C._functorch, _CLOSE[kind])()
+
+
 @dataclass
 class Draws:
     """Whether a block run under :func:`kept_random` drew random numbers (set on exit)."""

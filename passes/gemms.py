@@ -30,7 +30,7 @@ from ..inputs import ExampleInputs
 from ..meta import RECORD, record
 from ..ops.shape_memo import ShapeMemo
 from ..report.records import Decision, Rule
-from ..state import kept_attributes, kept_buffers, kept_rng
+from ..state import kept_attributes, kept_buffers, kept_rng, kept_transforms
 
 
 class _Count(TorchDispatchMode):
@@ -88,8 +88,8 @@ class _Counting(fx.Interpreter):
                         and t.dtype == torch.float32 else t, out)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if self.memo is None:
-            return super().call_function(target, args, kwargs)
+        if self.memo is None or getattr(target, "__module__", None) == "torch._C._functorch":
+            return super().call_function(target, args, kwargs)  # a transform's level: never a memo's result
         return self._reused(self.memo.key_of_call(target, args, kwargs),
                             lambda: super(_Counting, self).call_function(target, args, kwargs), args, kwargs)
 
@@ -114,13 +114,13 @@ def count_gemms(gm: fx.GraphModule, example_inputs: Any, dtype: torch.dtype) -> 
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode, _Count(dtype) as count:
+            with kept_transforms(), mode, _Count(dtype) as count:
                 fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
                 _Counting(gm, count, ShapeMemo()).run(*fakes)
             how = "fake"
         except Exception:  # noqa: BLE001 - data-dependent Python cannot run on fake tensors: run for real
             try:
-                with _Count(dtype) as count:
+                with kept_transforms(), _Count(dtype) as count:
                     _Counting(gm, count).run(*args)
                 how = "real"
             except Exception as e:  # noqa: BLE001 - a count is not worth failing a conversion for

@@ -30,7 +30,7 @@ from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..report.records import dtype_name
 from ..ops.shape_memo import ShapeMemo
-from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, modes
+from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, kept_transforms, modes
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ class _MetaProp(fx.Interpreter):
 
     def _memo_call(self, target: Any, args: Any, kwargs: Any, run: Any) -> Any:
         """A repeated call with the same sizes reuses its result (:class:`~ampfx.ops.shape_memo.ShapeMemo`)."""
+        if getattr(target, "__module__", None) == "torch._C._functorch":
+            return run(target, args, kwargs)  # a transform's level (vmap in an exported graph): never a memo's
         key = self.memo.key_of_call(target, args, kwargs)
         found = self.memo.find(key)
         if found is None:
@@ -191,7 +193,7 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
     if not dynamic_dims:
         try:
             prop = _MetaProp(gm, symbols)
-            with torch.no_grad():
+            with kept_transforms(), torch.no_grad():
                 prop.run(*[prop.meta(a) for a in args])
             return "meta", "shapes from meta-tensor propagation (no real compute)", symbols
         except Exception:  # noqa: BLE001 - fake tensors handle more (data-dependent leaves fail on both)
@@ -203,7 +205,8 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
 
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if dynamic_dims else None)
         fake_args = _fake_inputs(mode, args, dynamic_dims, symbols)
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+        with kept_transforms():
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
         for node in gm.graph.nodes:
             if "val" in node.meta:
                 _record(node, node.meta["val"], symbols)
@@ -219,7 +222,7 @@ def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]
 def _run_real(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols,
               note: str) -> tuple[str, str, Symbols]:
     """Run the graph on the example inputs (eval mode, no grad) and record every node's output."""
-    with modes(gm, training=False), torch.no_grad(), kept_rng(*gm.parameters()):
+    with modes(gm, training=False), torch.no_grad(), kept_rng(*gm.parameters()), kept_transforms():
         interp = fx.Interpreter(gm)
         env_run = interp.run_node
 

@@ -3,6 +3,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ampfx
+
 from ampfx.passes import gemms
 
 from support.lean import GemmCounter
@@ -66,3 +68,30 @@ def test_a_node_that_cannot_run_on_fake_tensors_is_counted_by_a_real_run():
     assert gemms.count_gemms(gm, (x, w), torch.bfloat16) == "real"
     node = next(n for n in gm.graph.nodes if n.target is _clipped)
     assert (rec(gm, node.name).gemms, rec(gm, node.name).gemms_low) == (1, 0)
+
+
+class _VmappedMask(nn.Module):
+    """A causal mask made with nested ``torch.vmap``, as HF's attention masks are: torch.export writes it
+    as ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting`` nodes in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.1)
+
+    def forward(self, x):
+        idx = torch.arange(x.shape[1])
+        mask = torch.vmap(lambda i: torch.vmap(lambda j: j <= i)(idx))(idx)
+        h = self.fc(x)
+        scores = (h @ h.transpose(-1, -2)).masked_fill(~mask, -1e4)
+        return self.drop(torch.softmax(scores, -1) @ h)
+
+
+def test_counting_a_graph_that_opens_vmap_levels_leaves_none_open():
+    """Each vmap level the graph opens is its own (never a remembered result of another call), and none
+    stays open after the count: a level left open made every later dropout raise and backward() refuse."""
+    x = torch.randn(2, 5, 8)
+    amp = ampfx.convert(_VmappedMask().train(), "bf16", example_inputs=(x,))
+    assert amp.ampfx_report.regions[-1].method == "export"
+    assert torch._C._functorch.peek_interpreter_stack() is None
+    assert amp.ampfx_report.gemms == 3
+    amp(x).float().sum().backward()
