@@ -88,7 +88,7 @@ class _Counting(fx.Interpreter):
                         and t.dtype == torch.float32 else t, out)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if self.memo is None or getattr(target, "__module__", None) == "torch._C._functorch":
+        if self.memo is None or target in ops.TRANSFORM_CALLS:
             return super().call_function(target, args, kwargs)  # a transform's level: never a memo's result
         return self._reused(self.memo.key_of_call(target, args, kwargs),
                             lambda: super(_Counting, self).call_function(target, args, kwargs), args, kwargs)

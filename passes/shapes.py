@@ -25,7 +25,7 @@ import torch.fx as fx
 import sympy
 from torch.utils._pytree import tree_leaves
 
-from .. import integrations
+from .. import integrations, ops
 from ..inputs import ExampleInputs
 from ..meta import OUT_INFOS
 from ..report.records import dtype_name
@@ -167,7 +167,7 @@ class _MetaProp(fx.Interpreter):
 
     def _memo_call(self, target: Any, args: Any, kwargs: Any, run: Any) -> Any:
         """A repeated call with the same sizes reuses its result (:class:`~ampfx.ops.shape_memo.ShapeMemo`)."""
-        if getattr(target, "__module__", None) == "torch._C._functorch":
+        if target in ops.TRANSFORM_CALLS:
             return run(target, args, kwargs)  # a transform's level (vmap in an exported graph): never a memo's
         key = self.memo.key_of_call(target, args, kwargs)
         found = self.memo.find(key)

@@ -314,26 +314,31 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
                 continue
             mode = "fx" if mode == "fx, whole model failed" else mode
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
-            _finish(graph, fixed)
-            try:
-                _keep_output_types(graph, tracer.returned)
-            except TypeError as e:
-                steps.append(f"root forward: {e}")
-                raise RootUntraceable(e, steps) from e
-            steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else "")
-                         + (f", into torch.fx.wrap-ped {', '.join(tracer.traced_into)}" if tracer.traced_into else ""))
-            boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
-                                             if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
-            kept_draws = tracer.drawing.kept
-            if kept_draws:
-                steps.append(_kept_draws(kept_draws))
-            return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
-                           python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
-                           read=frozenset(tracer.lifting.seen) | tracer.lifting.fixed(),
-                           traced_into=tuple(tracer.traced_into),
-                           functions=_opaque_functions(graph, whole, tracer.user_functions),
-                           free_draws=tracer.drawing.free)
+            return _captured(graph, tracer, mode, leaves, fixed, steps, kept, whole, python_state)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
+
+
+def _captured(graph: fx.Graph, tracer: AmpTracer, mode: str, leaves: dict[str, str], fixed: dict[str, Any],
+              steps: list[str], kept: frozenset[str], whole: dict[str, str], python_state: bool) -> Capture:
+    """The :class:`Capture` of a trace :func:`trace` accepts: the graph finished (fixed arguments, the
+    forward's own output containers), and the step that says how."""
+    _finish(graph, fixed)
+    try:
+        _keep_output_types(graph, tracer.returned)
+    except TypeError as e:
+        steps.append(f"root forward: {e}")
+        raise RootUntraceable(e, steps) from e
+    steps.append(f"traced ({mode})" + (f" with leaves {sorted(leaves)}" if leaves else "")
+                 + (f", into torch.fx.wrap-ped {', '.join(tracer.traced_into)}" if tracer.traced_into else ""))
+    boundaries = tuple(dict.fromkeys(str(n.target) for n in graph.nodes
+                                     if n.op == "call_module" and str(n.target) in kept and n.target not in leaves))
+    if tracer.drawing.kept:
+        steps.append(_kept_draws(tracer.drawing.kept))
+    return Capture(graph, mode, leaves, fixed, tuple(steps), dropped=dropped_by(tracer.watch),
+                   python_state=python_state, kept=boundaries, lifted=tracer.lifting.lifted(),
+                   read=frozenset(tracer.lifting.seen) | tracer.lifting.fixed(),
+                   traced_into=tuple(tracer.traced_into),
+                   functions=_opaque_functions(graph, whole, tracer.user_functions), free_draws=tracer.drawing.free)
 
 
 def _kept_draws(draws: tuple) -> str:

@@ -491,6 +491,14 @@ TRACE_THROUGH: tuple[type, ...] = tuple(
 their parameters become ``get_attr`` nodes the cast pass casts once, and attention internals are
 visible to the policy. Every other ``torch.nn`` module stays a leaf (its mode stays switchable)."""
 
+# --------------------------------------------------------------------------- torch.func's own calls
+TRANSFORM_CALLS: frozenset = frozenset(fn for fn in vars(torch._C._functorch).values() if callable(fn))
+"""The calls with which a graph opens and closes a torch.func level and moves values across it
+(``_vmap_increment_nesting``, ``_add_batch_dim``, ...: torch.export writes ``torch.vmap`` as these, as in HF's
+attention masks). Their results belong to one level: a run that reuses results of calls with equal sizes
+(:class:`~ampfx.ops.shape_memo.ShapeMemo`) never reuses theirs."""
+
+
 # --------------------------------------------------------------------------- what the report counts as a GEMM
 ATEN_GEMMS: frozenset = frozenset(getattr(torch.ops.aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "addbmm",  # what linear, matmul, einsum and bilinear come down to
