@@ -39,7 +39,7 @@ class Backbone(nn.Module):
         self.c1 = nn.Conv2d(3, 8, 3, padding=1)
         self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1)
 
-    def forward(self, x):  # noqa: ANN001, ANN201 - unannotated: fx keeps this file's string annotations as globals
+    def forward(self, x: torch.Tensor) -> collections.OrderedDict:  # string annotations (this file's __future__)
         a = torch.relu(self.c1(x))
         return collections.OrderedDict([("0", a), ("1", torch.relu(self.c2(a)))])
 
@@ -238,7 +238,9 @@ def test_converted_output_keeps_container_types(kind: str, tracer: str) -> None:
 
 
 def test_ordered_dict_output_survives_copy_and_pickle() -> None:
-    """A copy and a pickled and loaded converted module still return the OrderedDict."""
+    """A copy and a pickled and loaded converted module still return the OrderedDict; the forward's string
+    annotations (``from __future__ import annotations``) do not stop the pickle (torch.fx's own graph
+    module of it does not pickle: its code names them as globals)."""
     torch.manual_seed(0)
     model, x = Backbone(), torch.randn(1, 3, 8, 8)
     amp = ampfx.convert(model, torch.bfloat16, (x,), tracer="fx")

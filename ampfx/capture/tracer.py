@@ -462,9 +462,13 @@ def _finish(graph: fx.Graph, fixed: dict[str, Any]) -> None:
     ampfx's importable equivalent. A function kept whole that its library also
     ``torch.fx.wrap``-s (torchvision's ``stochastic_depth``) is recorded as
     itself, not as ampfx's wrapper. Containers fixed while tracing become one
-    argument again (:func:`_unflatten_fixed`)."""
+    argument again (:func:`_unflatten_fixed`). An annotation that is a string (a forward in a module
+    with ``from __future__ import annotations``) is dropped from the graph: fx cannot pickle a graph module
+    whose generated code names one, and the code runs the same without it."""
     _unflatten_fixed(graph, fixed)
     for node in graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
         if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
                 and node.target[:-2] in fixed:
             node.target = node.target[:-2]
