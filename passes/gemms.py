@@ -6,7 +6,8 @@ compute, no memory), in the dtypes the passes chose, while a dispatch mode count
 dtype of their first input. Each node's ``Decision`` gets ``gemms`` and ``gemms_low``: a leaf module or
 an opaque function counts every GEMM it runs, so the report's total (``Report.gemms``) is what one
 forward runs, not how many nodes are on the allow list. Where a node cannot run on fake tensors
-(data-dependent Python in an opaque function), the graph runs for real on the example inputs, without
+(data-dependent Python in an opaque function, a leaf of a library whose kernels crash on them: DGL's), the
+graph runs for real on the example inputs, without
 gradients, buffers and random state put back. Kernel choices follow the real ones: fake tensors keep
 their device and dtype, so a leaf counts the products the kernels it picks on that device run
 (``nn.MultiheadAttention`` four on CPU, three without attention weights).
@@ -25,7 +26,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .. import ops
+from .. import integrations, ops
 from ..inputs import ExampleInputs
 from ..meta import RECORD, record
 from ..ops.shape_memo import ShapeMemo
@@ -111,6 +112,8 @@ def count_gemms(gm: fx.GraphModule, example_inputs: Any, dtype: torch.dtype) -> 
     args = ExampleInputs.of(example_inputs).positional(gm)
     with kept_buffers(gm), kept_attributes(gm, bookkeeping=False), kept_rng(*gm.parameters()), torch.no_grad():
         try:
+            if not all(integrations.runs_on_fake_tensors(m) for m in gm.modules()):
+                raise NotImplementedError("a leaf cannot run on fake tensors")  # DGL's kernels crash on them
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             mode = FakeTensorMode(allow_non_fake_inputs=True)
