@@ -16,6 +16,7 @@ from ..report.records import COMPUTE, CastInfo, Decision, Rule
 from ..runtime import CASTABLE
 from .casts import needed_casts
 from .context import Ends, PassContext
+from .writes import out_of
 
 
 def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
@@ -29,10 +30,6 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
     :data:`_HANDED`) and returns the float32 stream: ``Ends((None,), (fp32,))``, painted by its caller as an
     infer op.
     """
-    def out_of(n: fx.Node) -> Any:
-        d = record(n)
-        return d.out if isinstance(d, Decision) else None
-
     reads = []
     for p in gm.graph.find_nodes(op="placeholder"):
         if out_of(p) != torch.float32:

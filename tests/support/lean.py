@@ -22,24 +22,19 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampfx
+from ampfx.ops import ATEN_GEMMS
 from ampfx.tools.measure import measure_step, saved_bytes
 
-GEMMS = frozenset({torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-                   torch.ops.aten.convolution, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-                   torch.ops.aten._scaled_dot_product_efficient_attention,
-                   torch.ops.aten._scaled_dot_product_flash_attention})
-"""ATen GEMMs (what a forward's linear, matmul, conv and fused attention come down to on CPU)."""
-
-
 class GemmCounter(TorchDispatchMode):
-    """Counts the ATen GEMMs called while active, by dtype of their first input."""
+    """Counts the ATen GEMMs (``ampfx.ops.ATEN_GEMMS``) called while active, by dtype of their first input: what
+    ran, counted at dispatch, against which the report's own count (``Report.gemms``, made at conversion) is checked."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_dtype: dict[torch.dtype, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func.overloadpacket in GEMMS and isinstance(args[0], torch.Tensor):
+        if func.overloadpacket in ATEN_GEMMS and isinstance(args[0], torch.Tensor):
             self.by_dtype[args[0].dtype] = self.by_dtype.get(args[0].dtype, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -117,13 +112,4 @@ def against_autocast(model: nn.Module, inputs: tuple, loss: Callable[[Any], torc
     report = amp.ampfx_report
     return Cost(casts=counts[0], casts_autocast=counts[1], saved=saved[0], saved_autocast=saved[1],
                 gemms_run=gemms.total, gemms_low=gemms.by_dtype.get(dtype, 0),
-                gemms_reported=gemms_reported(report), report=report)
-
-
-def gemms_reported(report: Any) -> int:
-    """The GEMMs ``report`` counts: ``report.gemms`` where the report has it, else its compute nodes
-    on the allow list (GEMMs and convolutions)."""
-    if hasattr(report, "gemms"):
-        return report.gemms
-    from ampfx.ops import ENTRIES, Category  # noqa: PLC0415 - only for reports without a count of their own
-    return sum(1 for r in report.compute if r.op in ENTRIES and ENTRIES[r.op].category is Category.ALLOW)
+                gemms_reported=report.gemms, report=report)
