@@ -58,13 +58,15 @@ class Analysis:
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
                   prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any],
                   arrive: torch.dtype | None = None, kept_ends: Mapping[str, Ends] | None = None,
-                  autocast_arrive: Any = None) -> tuple[AmpGraphModule, Report]:
+                  autocast_arrive: Any = None, *, enter: torch.dtype | None = None,
+                  hands_on: bool = False) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
     ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
     observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it;
     ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries (:func:`kept_ends`);
-    ``autocast_arrive``: the dtype ``torch.autocast`` would hand a kept ``work`` its float inputs in (reporting).
+    ``autocast_arrive``: the dtype ``torch.autocast`` would hand a kept ``work`` its float inputs in (reporting);
+    ``enter``, ``hands_on``: :attr:`ampfx.passes.context.PassContext.enter` and ``hands_on``.
     Raises :class:`NotReproduced` when the graph does not run on ``inputs``."""
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
@@ -74,7 +76,8 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
     ctx = _context(work, capture, inputs, request, prefix, analysis, regions=regions, leaf_facts=leaf_facts,
-                   arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive)
+                   arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive, enter=enter,
+                   hands_on=hands_on)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
     if inputs is not None:

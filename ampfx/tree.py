@@ -37,6 +37,7 @@ from .policy import module_match
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured
 from .capture.tracer import AmpTracer, reads_mode
+from .runtime import handing
 from .runtime.graph_module import AmpGraphModule, PendingMode
 from .inputs import ExampleInputs
 from .report import Report
@@ -44,8 +45,10 @@ from .report.records import Region, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of, kept_ends
+from .passes import boundary
 from .passes.context import Ends
 from .meta import AUTOCAST_HANDS, record
+from .capture import observe as observing
 from .capture.observe import Observation, observe
 from .policy import Resolved
 from .state import HOOK_DICTS, kept_requires_grad
@@ -76,6 +79,9 @@ class Memo:
     captures: dict[str, tuple[nn.Module, bool, Capture]] = field(default_factory=dict)
     """By module path: a kept module's capture its caller made to read its boundary (:func:`_kept_ends`),
     with the module and its training mode then, for that module's own job."""
+    computed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """By module path: the dtypes a converted graph computes its float outputs in (for the children of a
+    module that keeps its Python that its outputs are moved to: :func:`_entered`)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,10 @@ class _Job:
     other_mode: bool = True  # False: a module around it converts the other training mode for it
     arrive: torch.dtype | None = None  # a kept module: the dtype its float inputs and outputs cross its boundary in
     autocast_in: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
+    # a child of a module that keeps its Python (observe.Links): whether its float outputs only reach other converted
+    # children through moves (it returns them as computed), and the children's outputs its float inputs are moved from
+    hands_on: bool = False
+    fed_by: frozenset[tuple[str, int]] | None = None  # (module path with a trailing dot, float output index)
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
@@ -192,12 +202,17 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     try:
         gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
                                             calls.leaf_facts(work, prefix, job.inputs), job.arrive,
-                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in)
+                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in,
+                                            enter=(enter := _entered(job, memo)), hands_on=job.hands_on)
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
         if not list(work.children()):
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
+    ends = boundary.output_dtypes(gm)
+    memo.computed[prefix] = tuple(computed for _, computed in ends)
+    if job.hands_on or enter is not None:  # handed low values by its siblings, or handing them its own
+        gm.set_linked(handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None))
     if switches:
         note = _other_mode(gm, job, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, note))
@@ -235,6 +250,16 @@ def _kept_job(gm: AmpGraphModule, path: str, job: _Job, calls: _Observed, other_
     handed = calls_of[0].meta.get(AUTOCAST_HANDS) if len(calls_of) == 1 else None
     return _Job(module, inputs, f"{job.prefix}{path}.", part, place=(gm.get_submodule(parent), name),
                 other_mode=job.other_mode and other_mode, arrive=arrive, autocast_in=handed)
+
+
+def _entered(job: _Job, memo: Memo) -> torch.dtype | None:
+    """The low dtype ``job``'s float inputs arrive in, where each is moved from an output of a child of
+    the same module (converted before it) that its graph computes in that dtype; else ``None``."""
+    if job.fed_by is None:
+        return None
+    dtypes = {memo.computed.get(path, ())[k:k + 1] for path, k in job.fed_by}
+    low = dtypes.pop() if len(dtypes) == 1 else ()
+    return low[0] if low and low[0] in (torch.float16, torch.bfloat16) else None
 
 
 def boundary_dtype(gm: AmpGraphModule, path: str) -> torch.dtype:
@@ -298,7 +323,34 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                                  other_mode=job.other_mode))
 
     visit(job.module, "")
+    jobs = _linked(job, jobs, calls)
+    if any(j.hands_on for j in jobs):  # its Python sees float32 wherever it does more than move them
+        handing.hand_on(job.module, request.policy.dtype)
     return None, jobs
+
+
+def _linked(job: _Job, jobs: list[_Job], calls: _Observed) -> list[_Job]:
+    """The jobs of the children of ``job``'s module, which keeps its Python, in the order it calls them, with
+    what the observation run showed of the values they pass each other (:class:`ampfx.capture.observe.Links`).
+    Where its Python moves the outputs of one into another, every child returns its float outputs in the dtype
+    it computes them in, and a child whose float inputs are all so moved takes them in that dtype, where its
+    sibling's graph computes them low (:func:`_entered`). The module's Python sees float32 wherever it does
+    more than move them, at one cast a value, the cast the child's graph made before
+    (:mod:`ampfx.runtime.handing`); so no boundary costs more than it did, and moved values cost none."""
+    seen = calls.links(job.prefix.rstrip(".")) if job.inputs is not None and len(jobs) > 1 else None
+    if seen is None:
+        return jobs
+    where = {j.prefix: j.prefix.rstrip(".") for j in jobs}
+    if not seen.hands_on(set(where.values())):
+        return jobs
+    order = list(seen.calls)
+    jobs = sorted(jobs, key=lambda j: order.index(where[j.prefix]) if where[j.prefix] in order else len(order))
+    linked = []
+    for j in jobs:
+        fed_by = seen.fed_by(where[j.prefix])
+        fed_by = None if fed_by is None else frozenset((f"{p}.", k) for p, k in fed_by)
+        linked.append(dataclasses.replace(j, hands_on=True, fed_by=fed_by))
+    return linked
 
 
 class _Observed:
@@ -335,7 +387,8 @@ class _Observed:
             try:
                 seen = observe(self.root, self.inputs, watch=self.watch, calls=lambda p: self._covers(self._full(p)))
                 self.seen = Observation({self._full(p): c for p, c in seen.calls.items()},
-                                        {self._full(p): s for p, s in seen.seen.items()})
+                                        {self._full(p): s for p, s in seen.seen.items()},
+                                        {self._full(p): links.renamed(self._full) for p, links in seen.links.items()})
             except Exception as e:  # noqa: BLE001 - raised where the calls are needed, see get()
                 self.error = e
         return self.seen or Observation()
@@ -343,6 +396,12 @@ class _Observed:
     def _full(self, path: str) -> str:
         """A path under the observed root as a path in the model."""
         return f"{self.prefix}{path}" if path else self.prefix.rstrip(".")
+
+    def links(self, path: str) -> observing.Links | None:
+        """How the children of the module at ``path`` pass values through its Python (``None``: not seen)."""
+        if self.inputs is None:
+            return None
+        return self._run().links.get(path)
 
     def get(self, path: str) -> ExampleInputs | None:
         """What the module at ``path`` received first (``None``: not called, or no example inputs)."""

@@ -15,6 +15,7 @@ from ..ops import Category, Result
 from ..report.records import COMPUTE, CastInfo, Decision, Rule
 from ..runtime import CASTABLE
 from .casts import needed_casts
+from .classify import original_dtype
 from .context import Ends, PassContext
 from .writes import out_of
 
@@ -39,6 +40,20 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
     output = next(iter(gm.graph.find_nodes(op="output")))
     returns = tuple(out_of(v) for v in tree_leaves(output.args) if isinstance(v, fx.Node) and out_of(v) in CASTABLE)
     return Ends(reads=tuple(reads), returns=returns)
+
+
+def output_dtypes(gm: fx.GraphModule) -> tuple[tuple[Any, Any], ...]:
+    """For each float output of the converted ``gm``, in order: the dtype the model returned it in and the
+    dtype the graph computes it in (before any cast for returning it)."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    found = []
+    for v in tree_leaves(output.args):
+        if isinstance(v, fx.Node) and isinstance(record(v), CastInfo) and v.args:
+            v = v.args[0]
+        d = record(v) if isinstance(v, fx.Node) else None
+        if isinstance(d, Decision) and d.out in CASTABLE:
+            found.append((original_dtype(v), d.out))
+    return tuple(found)
 
 
 _METADATA = "metadata"

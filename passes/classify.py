@@ -295,20 +295,26 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
                      module=(ctx.prefix + module) if module else ctx.prefix.rstrip("."), kind=node.op,
                      shapes=tuple(str(i) for i in (out_infos(node) or ())))
         if node.op in ("placeholder", "get_attr", "output"):
-            d = _structure(node, gm, where, ctx.arrive)
+            d = _structure(node, gm, where, ctx)
         else:
             d = _compute(node, gm, ctx, decided, where)
         decided[node] = d
         node.meta[RECORD] = d
 
 
-def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], arrive: torch.dtype | None = None) -> Decision:
+def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], ctx: PassContext) -> Decision:
     """Graph inputs, parameters and buffers, the output: never converted themselves. A kept module's
-    float32 inputs arrive in ``arrive`` (the dtype its caller's graph gives them), when that is set."""
+    float32 inputs arrive in ``ctx.arrive`` (the dtype its caller's graph gives them), when that is set;
+    a region's in ``ctx.enter`` (other regions hand them so)."""
     what = {"placeholder": "graph input: kept as given",
             "get_attr": "parameter or buffer: stays float32 (master copy); cast after get_attr where a "
                         "consumer wants low precision",
-            "output": "graph output: float results return in their original dtype"}[node.op]
+            "output": "graph output: float results return in the dtype they are computed in (the module's Python "
+                      "only moves them to other converted modules)" if ctx.hands_on else
+                      "graph output: float results return in their original dtype"}[node.op]
+    arrive = ctx.arrive if ctx.arrive is not None else ctx.enter
+    how = ("input of a kept module: arrives in {}, as its caller's graph gives it" if ctx.arrive is not None else
+           "input of a region: arrives in {}, as the regions its module's Python moves it from compute it")
     out = None
     if node.op == "get_attr":
         val = attr_of(gm, str(node.target))
@@ -323,8 +329,7 @@ def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], arrive:
         if arrive is not None and arrive != torch.float32 and infos and out == torch.float32:
             # painted as a low source, as the low op feeding it in the caller's graph would be
             return Decision(op=node.op, category=Category.ALLOW, dtype=arrive, rule=Rule.STRUCTURE, out=arrive,
-                            reason=f"input of a kept module: arrives in {dtype_name(arrive)}, as its caller's graph "
-                                   "gives it", **where)
+                            reason=how.format(dtype_name(arrive)), **where)
     return Decision(op=node.op, category=Category.PASS, dtype=None, rule=Rule.STRUCTURE, reason=what, out=out,
                     **where)
 

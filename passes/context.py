@@ -66,6 +66,10 @@ class PassContext:
     kept_ends: Mapping[str, Ends] = field(default_factory=dict)
     arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
     autocast_arrive: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
+    # a child of a module that keeps its Python: its float inputs arrive in ``enter`` (other converted children hand
+    # them, only moved between), and with ``hands_on`` its float outputs leave in the dtype they are computed in
+    enter: Any = None
+    hands_on: bool = False
     symbols: Any = None
     leaf_facts: Mapping[str, Any] = field(default_factory=dict)
 
@@ -73,9 +77,10 @@ class PassContext:
     def keeps_output_dtype(self) -> bool:
         """Do this graph's outputs return in their original dtype (``Policy.keep_output_dtype``)? A kept
         module whose caller hands it low values (``arrive``) returns them low: its outputs' dtype is the
-        boundary's."""
+        boundary's; a child whose outputs other children take as they come (``hands_on``) returns them as
+        computed."""
         low_boundary = self.arrive is not None and self.arrive != torch.float32
-        return self.policy.keep_output_dtype and not low_boundary
+        return self.policy.keep_output_dtype and not low_boundary and not self.hands_on
 
     @property
     def has_shapes(self) -> bool:

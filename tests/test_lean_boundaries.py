@@ -95,3 +95,98 @@ def test_kept_blocks_see_their_inputs_in_the_dtype_autocast_hands_them():
     assert inputs == {"stages.s0": torch.float32, "stages.s1": torch.bfloat16, "stages.s2": torch.bfloat16}
     assert report.autocast_unknown() == []
     assert {r.autocast for r in report.records if r.rule == "keep_modules"} == {torch.bfloat16}
+
+
+class Stage(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+class PreNorm(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.ln(x))
+
+
+class SteeredStage(Stage):
+    """A child that keeps its Python too (a value steers it); its ``nn.Linear`` leaves run as they are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.detach().abs().amax()) > 1e6:
+            x = x / 2
+        return super().forward(x)
+
+
+class EagerParent(nn.Module):
+    """Python steered by a tensor's value (neither torch.fx nor torch.export captures it): its children
+    are converted one by one, and between them its Python only moves and reshapes their outputs
+    (``glue`` adds a computation of its own on the first child's output)."""
+
+    def __init__(self, middle: type[nn.Module] = Stage, glue: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Stage(), middle(), Stage()
+        self.glue = glue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.detach().abs().amax()) > 1e6:
+            x = x / 2
+        h = self.a(x)
+        h = h * 2 if self.glue else h
+        h = self.b(h.transpose(0, 1).contiguous().flatten(0, 1))
+        return self.c(h.view(x.shape[1], x.shape[0], -1).transpose(0, 1))
+
+
+@pytest.mark.parametrize("middle", [Stage, PreNorm])
+def test_regions_under_an_eager_parent_hand_each_other_the_low_dtype_through_reshapes(middle):
+    """Children of a module that keeps its Python, whose outputs its Python only moves and reshapes into
+    the next child: each returns what it computes low in the low dtype and the next takes it so, as
+    under autocast, instead of float32 both ways. The next child's input is not a float32 stream (a
+    pre-norm block's residual add is not kept float32 for an upcast made at the boundary)."""
+    torch.manual_seed(0)
+    net, x = EagerParent(middle), torch.randn(4, 8, 16)
+    cost = against_autocast(net, (x,))
+    assert cost.casts <= cost.casts_autocast, cost
+    assert cost.saved <= cost.saved_autocast, cost
+    assert cost.gemms_reported == cost.gemms_run == cost.gemms_low, cost
+    b_input = next(r for r in cost.report.records if r.module == "b" and r.kind == "placeholder")
+    assert b_input.out == torch.bfloat16, b_input
+    assert not [r for r in cost.report.records if r.module.startswith("b") and r.rule == "fidelity:stream"]
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+    assert _within(*_errors(net, amp, x)), _errors(net, amp, x)
+
+
+def test_the_eager_parent_computes_in_float32_on_what_a_child_hands_it():
+    """Where the parent's own Python computes on a child's output (``h * 2``), it computes in float32 on
+    the value the child returned before, exactly (the reference: its ``forward`` run without the handing,
+    each child returning float32)."""
+    torch.manual_seed(0)
+    net, x = EagerParent(glue=True), torch.randn(4, 8, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+    seen = []
+    amp.a.register_forward_hook(lambda m, a, out: seen.append(out.dtype))  # the parent's Python sees float32
+    out = amp(x)
+    assert seen == [torch.float32] and out.dtype == torch.float32
+    torch.testing.assert_close(out, type(amp).forward(amp, x), rtol=0, atol=0)
+    assert _within(*_errors(net, amp, x)), _errors(net, amp, x)
+
+
+def test_an_eager_child_handed_low_values_runs_its_python_on_float32():
+    """A child that keeps its Python itself (its linear leaves run as they are, in float32) runs it on the
+    float32 values it ran on before: its Python sees float32, and its output is exactly that of the
+    converted module whose children all return float32."""
+    torch.manual_seed(0)
+    net, x = EagerParent(SteeredStage), torch.randn(4, 8, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+    seen = []
+    amp.b.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    out = amp(x)
+    assert seen == [torch.float32]
+    torch.testing.assert_close(out, type(amp).forward(amp, x), rtol=0, atol=0)
+    assert _within(*_errors(net, amp, x)), _errors(net, amp, x)

@@ -670,6 +670,29 @@ def aliases_of(name: str) -> list[Any]:
         f"lib::{q}" for q, v in _BY_QUALNAME.items() if v == name]
 
 
+# --------------------------------------------------------------------------- values handed through Python
+MOVES: frozenset[str] = frozenset({*_views, "getitem", "cat", "stack", "max", "min", "amax", "amin", "abs", "neg",
+                                    "relu", "max_pool"})
+"""Ops (canonical names) that move, copy, reshape or select values without arithmetic (``max`` and ``abs`` too,
+exact in any float format): what they make of low-precision values is, upcast, what they make of those values
+upcast. Where a module's Python only moves a converted child's outputs into other converted children, those
+hand each other the low dtype (:mod:`ampfx.runtime.handing`)."""
+
+MOVE_METHODS: frozenset[str] = frozenset({"to", "cpu", "cuda", "data", "T", "mT", "H", "mH"})
+"""``Tensor`` methods and attributes that move a tensor when no dtype is named (a device move, a view)."""
+
+TO_PYTHON: frozenset[str] = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__"})
+"""``Tensor`` methods that read values into Python numbers: the same numbers from a low-precision tensor as from
+its float32 upcast."""
+
+SIZE_ATTRS: frozenset[str] = frozenset({
+    "shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+    "device", "is_cuda", "is_cpu", "is_meta", "layout", "is_sparse", "is_quantized", "is_floating_point",
+    "is_complex", "requires_grad", "is_leaf", "__len__", "get_device", "names"})
+"""``Tensor`` methods and attributes that read what a tensor is, not its values: the same for a tensor
+and its low-precision copy (``dtype`` and ``element_size`` are not)."""
+
+
 # --------------------------------------------------------------------------- facts the passes ask
 INPLACE_OPERATORS: frozenset[Callable] = frozenset(
     {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv})

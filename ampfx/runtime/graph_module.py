@@ -38,6 +38,7 @@ a pickled and loaded module is standalone (the model module's attributes kept as
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import types
@@ -63,7 +64,8 @@ _LOCAL = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_trace
                     "_replace_hooks", "_deepcopy_hooks", "forward", "graph", "code", *TREE, *HOOKS})
 """``GraphModule``'s own attributes: kept on this module, never written to the model module."""
 _MISSING = object()
-DISPATCHED = frozenset({"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low", "_ampfx_weights"})
+DISPATCHED = frozenset({"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low", "_ampfx_weights",
+                        "_ampfx_linked"})
 """What a graph module's call does besides running its graph: any of these installs the dispatch."""
 MADE = ("_ampfx", "_tensor_constant", "_torchbind_obj")
 """Attributes a capture made (constants torch.fx and ampfx set on the traced copy): the graph module's own."""
@@ -221,6 +223,12 @@ class AmpGraphModule(fx.GraphModule):
         graph nor another conversion holds (:class:`ampfx.runtime.view.Reconvert`); ``None``: raise instead."""
         self.__dict__["_ampfx_reconvert"] = reconvert
 
+    def set_linked(self, linked: Any) -> None:
+        """Run inside ``linked.run`` (:class:`ampfx.runtime.handing.Linked`): a child of a module that keeps its
+        Python, handed low values by its siblings or handing them its own."""
+        self.__dict__["_ampfx_linked"] = linked
+        self._install_dispatch()
+
     def set_guard(self, guard: Any) -> None:
         """Call ``guard(args, kwargs)`` (:mod:`ampfx.runtime.guards`) before this module's own graph runs: after
         the choice of conversion, so a call in the other training mode is checked by that mode's
@@ -364,6 +372,13 @@ class AmpGraphModule(fx.GraphModule):
             check = self.__dict__.get("_ampfx_check")
             if check is not None:
                 check(self)
+            linked = self.__dict__.get("_ampfx_linked")
+            if linked is not None:
+                return linked.run(functools.partial(type(self)._ampfx_dispatched, self), args, kwargs)
+            target = self._runner(args, kwargs)
+            return self._run_graph(args, kwargs) if target is None else run(target, args, kwargs)
+
+        def dispatched(self: AmpGraphModule, args: tuple, kwargs: dict) -> Any:
             target = self._runner(args, kwargs)
             return self._run_graph(args, kwargs) if target is None else run(target, args, kwargs)
 
@@ -375,6 +390,7 @@ class AmpGraphModule(fx.GraphModule):
         forward.__signature__ = inspect.signature(graph_forward)
         forward._ampfx_dispatch = True
         cls._ampfx_graph_forward = graph_forward
+        cls._ampfx_dispatched = types.FunctionType(dispatched.__code__.replace(), dispatched.__globals__, "dispatched")
         cls.forward = forward
 
     # --- copies ---------------------------------------------------------------------------------------

@@ -41,12 +41,13 @@ import torch.nn as nn
 
 from .. import runtime
 from ..errors import StaleModelError
+from . import handing
 from .graph_module import HOOKS, AmpGraphModule
 from ..state import CONTAINERS, origin_of, same_contents
 
 log = logging.getLogger(__name__)
 
-_SLOTS = ("_ampfx_modules", "_ampfx_model", "_ampfx_cross", "_ampfx_check", "ampfx_report")
+_SLOTS = ("_ampfx_modules", "_ampfx_model", "_ampfx_cross", "_ampfx_check", "_ampfx_hand", "ampfx_report")
 
 
 class Mirror:
@@ -55,7 +56,9 @@ class Mirror:
     flag, hook, parameter and buffer is the model module's), with its own ``_modules``. Attribute writes
     go through the model module (torch's registration hooks fire there). ``_ampfx_cross``: a kept module
     whose caller's graph gives it low-precision values and that keeps its Python takes them in float32
-    and returns its float32 outputs low (:func:`ampfx.runtime.cross_in_float32`, done here without hooks)."""
+    and returns its float32 outputs low (:func:`ampfx.runtime.cross_in_float32`, done here without hooks).
+    ``_ampfx_hand``: its converted children hand each other low values through its Python, which runs in a
+    :class:`~ampfx.runtime.handing.Handing` mode (:func:`ampfx.runtime.handing.hand_on`, here without hooks)."""
 
     __slots__ = ()
 
@@ -106,7 +109,7 @@ class Mirror:
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A mirror of the copy of the model module (``copy.deepcopy`` of a converted module copies the model
         along and stays a view of the copy)."""
-        made = mirror(copy.deepcopy(self._ampfx_model, memo), {}, self._ampfx_cross)
+        made = mirror(copy.deepcopy(self._ampfx_model, memo), {}, self._ampfx_cross, self._ampfx_hand)
         memo[id(self)] = made
         object.__setattr__(made, "_ampfx_modules", copy.deepcopy(self._ampfx_modules, memo))
         report = getattr(self, "ampfx_report", None)
@@ -119,22 +122,26 @@ class Mirror:
         nothing with the model."""
         state = {k: v for k, v in self.__dict__.items() if k != "_modules"}
         state["_modules"] = dict(self._ampfx_modules)
-        return (_materialize, (type(self)._ampfx_base, state, self._ampfx_cross))
+        return (_materialize, (type(self)._ampfx_base, state, self._ampfx_cross, self._ampfx_hand))
 
 
 def _crossed(module: Mirror, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)``; for a mirror that crosses its boundary low (``_ampfx_cross``), with its low
     inputs in float32 and its float32 outputs back in the low dtype."""
-    low = module._ampfx_cross
+    low, hand = module._ampfx_cross, module._ampfx_hand
+    if hand is not None:
+        call = functools.partial(handing.run_parent, hand, call)
     if low is None:
         return call(*args, **kwargs)
     args, kwargs = runtime._arguments_in(torch.float32, low, module, args, kwargs)
     return runtime._outputs_in(low, module, args, call(*args, **kwargs))
 
 
-def _materialize(cls: type, state: dict, cross: torch.dtype | None) -> nn.Module:
+def _materialize(cls: type, state: dict, cross: torch.dtype | None, hand: torch.dtype | None = None) -> nn.Module:
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
+    if hand is not None:
+        handing.hand_on(obj, hand)
     if cross is not None:
         runtime.cross_in_float32(obj, cross)
     return obj
@@ -154,7 +161,8 @@ def mirror_class(cls: type) -> type:
     return made
 
 
-def mirror(model: nn.Module, children: dict, cross: torch.dtype | None = None) -> nn.Module:
+def mirror(model: nn.Module, children: dict, cross: torch.dtype | None = None,
+           hand: torch.dtype | None = None) -> nn.Module:
     """A :class:`Mirror` of ``model`` with ``children`` as its own submodules."""
     if isinstance(model, torch.jit.ScriptModule):
         raise StaleModelError(f"a TorchScript module ({type(model).__name__}) cannot stand for converted "
@@ -162,7 +170,7 @@ def mirror(model: nn.Module, children: dict, cross: torch.dtype | None = None) -
     cls = mirror_class(type(model))
     obj = cls.__new__(cls)
     object.__setattr__(obj, "__dict__", model.__dict__)
-    for name, value in zip(_SLOTS[:4], (children, model, cross, None)):
+    for name, value in zip(_SLOTS[:5], (children, model, cross, None, hand)):
         object.__setattr__(obj, name, value)
     return obj
 
@@ -216,11 +224,11 @@ def _view(r: nn.Module | None, m: nn.Module | None, views: Views, where: str, ro
     if m is None or origin_of(r) is not m:  # made by the conversion (a holder, ModeUnavailable)
         r.__dict__["_modules"] = children
         return r
-    cross = _cross(r)
-    if not root and cross is None and _unchanged(r, m) and list(children) == list(m._modules) \
+    cross, hand = _cross(r), handing.handed_dtype(r)
+    if not root and cross is None and hand is None and _unchanged(r, m) and list(children) == list(m._modules) \
             and all(children[k] is m._modules[k] for k in children):
         return m
-    made = mirror(m, children, cross)
+    made = mirror(m, children, cross, hand)
     if "ampfx_report" in r.__dict__:  # the other mode's conversion, which keeps its Python: what it runs
         made.ampfx_report = r.__dict__["ampfx_report"]
     views.hold(m, made)

@@ -1,0 +1,249 @@
+"""Low-precision values handed between converted children through their parent's own Python.
+
+A module that keeps its Python (control flow on tensor values) has its children converted one by one.
+Where its Python only moves a child's outputs into other converted children (views, transposes, a
+``cat``: :data:`ampfx.ops.MOVES`), the child returns them in the low dtype it computes them in and the
+next child takes them so, as under ``torch.autocast``, instead of a cast to float32 and back at every
+boundary. The observation run shows where that pays (:mod:`ampfx.capture.observe`); this module makes
+it safe on every call, whatever path the parent's Python takes:
+
+- while the parent's Python runs, a :class:`Handing` mode (a ``TorchFunctionMode``) follows the low
+  values the children hand it: ops that move them keep them low, and ``h.dtype`` says float32; anything
+  else that reads or writes one (an add, ``h += 1``, an ``nn.Linear`` the parent calls itself) finds it
+  back in float32, one cast, the one the child's graph made before, with its views (a write through one
+  is seen through the others, as in the model);
+- a converted child called there runs outside the mode (:meth:`Linked.run`) and hands its low outputs
+  to it; the same child called anywhere else returns its outputs in their original dtypes;
+- what the parent returns is float32 again (:meth:`Handing.lift`).
+
+So the parent's Python sees the values it saw before, exactly (an upcast from the low dtype is exact):
+only values that go from child to child through moves stay low.
+
+>>> import torch
+>>> with Handing(torch.bfloat16) as mode:
+...     h = torch.ones(2, 3, dtype=torch.bfloat16)
+...     mode.hand(h, (torch.float32,))
+...     moved = h.t().contiguous()            # a move: still the child's low value
+...     summed = h + torch.ones(2, 3)         # read in float32
+...     seen = h.dtype
+>>> moved.dtype, summed.dtype, seen
+(torch.bfloat16, torch.float32, torch.float32)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode_temporarily
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import ops
+
+MOVE, SIZE, DTYPE, WRITE, COMPUTE = "move", "size", "dtype", "write", "compute"
+
+
+def kind(func: Callable, args: tuple, kwargs: dict) -> str:
+    """What ``func`` (as ``__torch_function__`` receives it: a function, a ``Tensor`` method, an attribute's
+    ``__get__``) does with the tensors it reads: moves them (:data:`MOVE`), reads their sizes (:data:`SIZE`) or
+    dtype (:data:`DTYPE`) or what is the same for a low value and its upcast (:data:`SIZE`: ``h.shape``,
+    ``h.item()``), writes into its first argument (:data:`WRITE`), or computes (:data:`COMPUTE`).
+
+    >>> kind(torch.Tensor.view, (), {}), kind(torch.cat, (), {}), kind(torch.Tensor.add, (), {})
+    ('move', 'move', 'compute')
+    >>> kind(torch.Tensor.to, (torch.ones(1), torch.float16), {}), kind(torch.Tensor.add_, (), {})
+    ('compute', 'write')
+    """
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # an attribute: Tensor.shape, Tensor.T
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    if name in ops.SIZE_ATTRS or name in ops.TO_PYTHON:  # the same for a low value and its upcast
+        return SIZE
+    if name == "dtype":
+        return DTYPE
+    if name in ops.MOVE_METHODS:
+        named = [v for v in tree_leaves((args[1:], kwargs)) if isinstance(v, (torch.dtype, torch.Tensor, str))]
+        return COMPUTE if any(not isinstance(v, str) or "Tensor" in v for v in named) else MOVE
+    if name == "__setitem__" or ops.is_inplace_name(name):
+        return WRITE
+    if name == "__getitem__" or (ops.lookup_name(func) or ops.lookup_name(name)) in ops.MOVES:
+        return MOVE
+    return COMPUTE
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class Handing(TorchFunctionMode):
+    """The mode a parent's Python runs in while its converted children hand each other ``low`` values
+    (see the module docstring). ``made``: the low tensors handed to it, and those moves made of them (kept
+    alive for the call, so that their ids stay theirs).
+
+    The first time its Python does more than move one of them, that value goes back to float32, as the
+    child's graph cast it before, and stays there: every handed tensor sharing its storage gets a float32
+    view of one float32 copy of that storage (:meth:`_lift`), so a write into one (``h += 1``, through a view,
+    into ``h.float()``, which was ``h`` itself) is seen through every other, as in the model."""
+
+    def __init__(self, low: torch.dtype) -> None:
+        super().__init__()
+        self.low = low
+        self.made: dict[int, torch.Tensor] = {}
+        self.lifted: dict[int, torch.Tensor] = {}  # by id of a handed tensor: its float32 view, from then on
+
+    def hand(self, value: Any, originals: tuple[torch.dtype, ...] | None = None) -> None:
+        """The ``low`` float tensors of ``value``, a child's outputs, are handed values (with ``originals``,
+        only those whose original dtype, in the order of ``value``'s float tensors, is float32)."""
+        for k, t in enumerate(_floats(value)):
+            original = originals[k] if originals is not None and k < len(originals) else torch.float32
+            if t.dtype == self.low and original == torch.float32:
+                self.made[id(t)] = t
+
+    def handed(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and self.made.get(id(t)) is t
+
+    def lift(self, value: Any) -> Any:
+        """``value`` with its handed tensors in float32, the dtype the parent's Python was written for."""
+        return tree_map(lambda v: self._lift(v) if self.handed(v) else v, value)
+
+    def resolve(self, value: Any) -> Any:
+        """``value`` with each handed tensor that went back to float32 in its float32 view (what the Python may
+        have written since); the others as they are."""
+        return tree_map(lambda v: self.lifted[id(v)] if self.handed(v) and id(v) in self.lifted else v, value)
+
+    def _lift(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in float32 from now on, with every handed tensor sharing its storage (see the class docstring)."""
+        hit = self.lifted.get(id(t))
+        if hit is not None:
+            return hit
+        size = t.untyped_storage().nbytes() // t.element_size()
+        if t.numel() == 0 or size == 0:
+            self.lifted[id(t)] = t.to(torch.float32)
+            return self.lifted[id(t)]
+        whole = t.as_strided((size,), (1,), 0).to(torch.float32)  # one copy: the cast the child's graph made
+        key = _storage(t)
+        for m in list(self.made.values()):
+            if id(m) not in self.lifted and m.device == t.device and _storage(m) == key:
+                self.lifted[id(m)] = whole.as_strided(m.size(), m.stride(), m.storage_offset())
+        return self.lifted[id(t)]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        floats = _floats((args, kwargs))
+        read = [t for t in floats if self.handed(t)]
+        if not read:
+            return func(*args, **kwargs)
+        what = kind(func, args, kwargs)
+        if what == SIZE:
+            return func(*args, **kwargs)
+        if what == DTYPE:
+            return torch.float32
+        if what == MOVE and len(read) == len(floats) and not any(id(t) in self.lifted for t in read):
+            out = func(*args, **kwargs)
+            for t in _floats(out):
+                self.made[id(t)] = t
+            return out
+        args, kwargs = self.lift((args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def current() -> Handing | None:
+    """The :class:`Handing` mode the code now running is in, or ``None``."""
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack and isinstance(stack[-1], Handing) else None
+
+
+def run_parent(low: torch.dtype, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, the forward of a module whose converted children hand each other ``low``
+    values, in a :class:`Handing` mode; what it returns, in float32 where it is a handed value."""
+    mode = Handing(low)
+    with mode:
+        out = call(*args, **kwargs)
+    return mode.lift(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linked:
+    """A converted child of such a module (set on its graph module). ``originals``: the original dtype of
+    each float output where its graph returns them as it computes them (low ones included), ``None``
+    where it only takes handed values."""
+
+    originals: tuple[torch.dtype, ...] | None = None
+
+    def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``: the graph outside its parent's :class:`Handing` mode, its outputs handed to that
+        mode; called anywhere else, its outputs in their original dtypes."""
+        mode = current()
+        if mode is None:
+            return self.restore(call(*args))
+        with _pop_mode_temporarily():
+            out = call(*mode.resolve(args))
+        if self.originals is not None:
+            mode.hand(out, self.originals)
+        return out
+
+    def restore(self, out: Any) -> Any:
+        if self.originals is None:
+            return out
+        floats = iter(range(len(self.originals)))
+
+        def back(v: Any) -> Any:
+            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                return v
+            k = next(floats, None)
+            want = self.originals[k] if k is not None else v.dtype
+            return v.to(want) if v.dtype != want else v
+        return tree_map(back, out)
+
+
+class _Enter:
+    """Forward pre-hook of :func:`hand_on`: the module's Python runs in a :class:`Handing` mode."""
+
+    def __init__(self, low: torch.dtype) -> None:
+        self.low, self.open = low, []
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        mode = Handing(self.low)
+        mode.__enter__()
+        self.open.append(mode)
+
+    def __getstate__(self) -> dict:
+        return {"low": self.low, "open": []}
+
+
+class _Leave:
+    """Forward hook of :func:`hand_on` (always called): leaves the mode, its result in float32."""
+
+    def __init__(self, enter: _Enter) -> None:
+        self.enter = enter
+
+    def __call__(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if not self.enter.open:
+            return out
+        mode = self.enter.open.pop()
+        mode.__exit__(None, None, None)
+        return mode.lift(out)
+
+
+def hand_on(module: torch.nn.Module, low: torch.dtype) -> None:
+    """Make ``module`` (one of ampfx's own: the private copy conversion works on, a loaded copy) run its Python
+    in a :class:`Handing` mode, as :func:`run_parent` runs a converted module's (which cannot take hooks: its
+    hook dicts are the model module's).
+
+    >>> net = torch.nn.Sequential(torch.nn.Identity())
+    >>> hand_on(net, torch.bfloat16)
+    >>> handed_dtype(net)
+    torch.bfloat16
+    """
+    enter = _Enter(low)
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(_Leave(enter), prepend=True, always_call=True)
+
+
+def handed_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The low dtype ``module``'s children hand each other through its Python (:func:`hand_on`), or ``None``."""
+    return next((h.low for h in module._forward_pre_hooks.values() if isinstance(h, _Enter)), None)
