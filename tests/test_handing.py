@@ -12,10 +12,12 @@ import io
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampfx
 from ampfx.runtime import handing
-from tests.support.lean import against_autocast
+from ampfx.tools.measure import measure_step, saved_bytes
+from tests.support.lean import _fresh, against_autocast
 
 
 class Stage(nn.Module):
@@ -138,3 +140,67 @@ def test_a_moving_parent_costs_no_more_than_autocast():
     cost = against_autocast(net, (x, torch.tensor(0)), loss=lambda out: out.float().square().mean())
     assert cost.casts <= cost.casts_autocast, cost
     assert cost.saved <= cost.saved_autocast, cost
+
+
+class LossAndLogits(nn.Module):
+    """The parent computes a loss on one child's output and returns that output too (a language model's
+    head: ``loss, logits``), through views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = Stage(), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if float(x.detach().abs().amax()) > 1e6:
+            x = x / 2
+        logits = self.head(self.body(x).transpose(0, 1))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 10).float(), y.reshape(-1))
+        return loss, logits
+
+
+@pytest.mark.parametrize("k", range(8))
+def test_no_path_makes_more_casts_than_without_the_handing(k):
+    """On every path of ``Branchy``, a training step casts no more (and saves no more for backward) than the
+    same converted module whose children all return their original dtypes: a value the Python computes with
+    costs the one cast the child made before."""
+    net, amp, x = _converted()
+
+    def step(run) -> None:
+        _fresh(net)  # weights an optimizer step just wrote: each step casts them again
+        run(x.clone().requires_grad_(), k).square().mean().backward()
+    with_handing = measure_step(lambda: step(lambda v, j: amp(v, torch.tensor(j)))).count
+    without = measure_step(lambda: step(lambda v, j: _before(amp, v, j))).count
+    assert with_handing <= without, (with_handing, without)
+    saved = [saved_bytes(lambda: step(lambda v, j: amp(v, torch.tensor(j)))),
+             saved_bytes(lambda: step(lambda v, j: _before(amp, v, j)))]
+    assert saved[0] <= saved[1], saved
+    if k == 0:  # the path conversion saw: strictly cheaper
+        assert with_handing < without, (with_handing, without)
+
+
+class _Upcasts(TorchDispatchMode):
+    """Counts the casts from bfloat16 to float32 of tensors of ``numel`` elements."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten._to_copy and args[0].dtype == torch.bfloat16 and \
+                kwargs.get("dtype") == torch.float32 and args[0].numel() == self.numel:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_a_value_read_through_a_view_and_returned_is_cast_once():
+    """Pattern: a loss computed on a view of the head's output, which is returned too: one cast of the
+    logits (the one the head's graph made before), not one per use; the same values as before."""
+    torch.manual_seed(0)
+    net, x, y = LossAndLogits(), torch.randn(4, 8, 16), torch.randint(0, 10, (8, 4))
+    amp = ampfx.convert(net, "bf16", example_inputs=(x, y))
+    assert amp._ampfx_hand == torch.bfloat16
+    with torch.no_grad(), _Upcasts(8 * 4 * 10) as upcasts:
+        got = amp(x, y)
+    assert upcasts.count == 1
+    torch.testing.assert_close(got, type(amp).forward(amp, x, y), rtol=0, atol=0)

@@ -10,8 +10,8 @@ it safe on every call, whatever path the parent's Python takes:
 - while the parent's Python runs, a :class:`Handing` mode (a ``TorchFunctionMode``) follows the low
   values the children hand it: ops that move them keep them low, and ``h.dtype`` says float32; anything
   else that reads or writes one (an add, ``h += 1``, an ``nn.Linear`` the parent calls itself) finds it
-  back in float32, one cast, the one the child's graph made before, with its views (a write through one
-  is seen through the others, as in the model);
+  back in float32, one cast, the one the child's graph made before (a write through one view is seen
+  through the others, as in the model);
 - a converted child called there runs outside the mode (:meth:`Linked.run`) and hands its low outputs
   to it; the same child called anywhere else returns its outputs in their original dtypes;
 - what the parent returns is float32 again (:meth:`Handing.lift`).
@@ -80,20 +80,25 @@ class Handing(TorchFunctionMode):
     (see the module docstring). ``made``: the low tensors handed to it, and those moves made of them (kept
     alive for the call, so that their ids stay theirs).
 
-    The first time its Python does more than move one of them, that value goes back to float32, as the
-    child's graph cast it before, and stays there: every handed tensor sharing its storage gets a float32
-    view of one float32 copy of that storage (:meth:`_lift`), so a write into one (``h += 1``, through a view,
-    into ``h.float()``, which was ``h`` itself) is seen through every other, as in the model."""
+    Where its Python does more than move one of them, the op reads it in float32: a view of one float32
+    copy of its storage (one cast a value, as the child's graph made one for its output before; a part of
+    a storage no whole view reads is copied alone). Where it writes into one (``h += 1``, through a view)
+    or an op returns what shares a copy's storage (``h.float()``, which was ``h`` itself in the model), that
+    storage goes back to float32 for good (:meth:`_settle`): every handed tensor in it is a float32 view of
+    one copy from then on, so a write through one is seen through every other, as in the model, and no
+    graph output is written in place (autograd may have saved it)."""
 
     def __init__(self, low: torch.dtype) -> None:
         super().__init__()
         self.low = low
         self.made: dict[int, torch.Tensor] = {}
-        self.lifted: dict[int, torch.Tensor] = {}  # by id of a handed tensor: its float32 view, from then on
+        self.copies: dict[tuple, torch.Tensor] = {}  # by storage (or tensor, for a part): float32, until a child runs
+        self.settled: dict[int, torch.Tensor] = {}  # by id of a handed tensor: its float32 view, from then on
 
     def hand(self, value: Any, originals: tuple[torch.dtype, ...] | None = None) -> None:
         """The ``low`` float tensors of ``value``, a child's outputs, are handed values (with ``originals``,
         only those whose original dtype, in the order of ``value``'s float tensors, is float32)."""
+        self.copies.clear()  # a child ran: it may have written into what it was handed
         for k, t in enumerate(_floats(value)):
             original = originals[k] if originals is not None and k < len(originals) else torch.float32
             if t.dtype == self.low and original == torch.float32:
@@ -107,25 +112,49 @@ class Handing(TorchFunctionMode):
         return tree_map(lambda v: self._lift(v) if self.handed(v) else v, value)
 
     def resolve(self, value: Any) -> Any:
-        """``value`` with each handed tensor that went back to float32 in its float32 view (what the Python may
-        have written since); the others as they are."""
-        return tree_map(lambda v: self.lifted[id(v)] if self.handed(v) and id(v) in self.lifted else v, value)
+        """``value`` with each handed tensor that went back to float32 for good in its float32 view (what the
+        Python may have written since); the others as they are."""
+        return tree_map(lambda v: self.settled[id(v)] if self.handed(v) and id(v) in self.settled else v, value)
 
     def _lift(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in float32 from now on, with every handed tensor sharing its storage (see the class docstring)."""
-        hit = self.lifted.get(id(t))
+        hit = self.settled.get(id(t))
         if hit is not None:
             return hit
-        size = t.untyped_storage().nbytes() // t.element_size()
-        if t.numel() == 0 or size == 0:
-            self.lifted[id(t)] = t.to(torch.float32)
-            return self.lifted[id(t)]
-        whole = t.as_strided((size,), (1,), 0).to(torch.float32)  # one copy: the cast the child's graph made
+        whole = self.copies.get(_storage(t))
+        if whole is None and _spans(t):
+            whole = self.copies[_storage(t)] = t.reshape(-1).to(torch.float32)
+        if whole is not None:
+            return _view(whole, t)
+        part = self.copies.get(("part", id(t)))
+        if part is None or part[0] is not t:
+            part = self.copies[("part", id(t))] = (t, t.to(torch.float32))
+        return part[1]
+
+    def _settle(self, t: torch.Tensor) -> None:
+        """Every handed tensor sharing ``t``'s storage in float32 for good (see the class docstring)."""
+        if id(t) in self.settled:
+            return
         key = _storage(t)
+        whole = self.copies.pop(key, None)
+        if whole is None:
+            size = t.untyped_storage().nbytes() // t.element_size()
+            whole = (t.reshape(-1) if _spans(t) else t.as_strided((size,), (1,), 0)).to(torch.float32)
         for m in list(self.made.values()):
-            if id(m) not in self.lifted and m.device == t.device and _storage(m) == key:
-                self.lifted[id(m)] = whole.as_strided(m.size(), m.stride(), m.storage_offset())
-        return self.lifted[id(t)]
+            if id(m) not in self.settled and _storage(m) == key:
+                self.settled[id(m)] = _view(whole, m)
+                self.copies.pop(("part", id(m)), None)
+
+    def _copies_in(self, read: list[torch.Tensor]) -> dict[tuple, torch.Tensor]:
+        """The storages of the float32 copies ``read`` was lifted to, with a handed tensor each."""
+        found = {}
+        for t in read:
+            if id(t) in self.settled:
+                continue
+            part = self.copies.get(("part", id(t)))
+            copy = part[1] if part is not None and part[0] is t else self.copies.get(_storage(t))
+            if copy is not None:
+                found[_storage(copy)] = t
+        return found
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -138,17 +167,40 @@ class Handing(TorchFunctionMode):
             return func(*args, **kwargs)
         if what == DTYPE:
             return torch.float32
-        if what == MOVE and len(read) == len(floats) and not any(id(t) in self.lifted for t in read):
+        if what == MOVE and len(read) == len(floats) and not any(id(t) in self.settled for t in read):
             out = func(*args, **kwargs)
             for t in _floats(out):
                 self.made[id(t)] = t
             return out
-        args, kwargs = self.lift((args, kwargs))
-        return func(*args, **kwargs)
+        if what == WRITE and args and self.handed(args[0]):
+            self._settle(args[0])
+        lifted = self.lift((args, kwargs))
+        out = func(*lifted[0], **lifted[1])
+        copies = self._copies_in(read)
+        shared = [copies[_storage(o)] for o in _floats(out) if _storage(o) in copies]
+        if not shared:
+            return out
+        for t in shared:  # it returned a copy (or a view of one) the Python now holds: float32 for good
+            self._settle(t)
+        again = self.lift((args, kwargs))
+        if all(a is b for a, b in zip(tree_leaves(again), tree_leaves(lifted))):
+            return out
+        return func(*again[0], **again[1])
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _spans(t: torch.Tensor) -> bool:
+    """Is ``t`` its whole storage, in order (a plain view of a copy of it, no ``as_strided``)?"""
+    return t.storage_offset() == 0 and t.is_contiguous() and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def _view(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """What ``t`` is of its storage, taken of ``whole``, a float32 copy of that storage."""
+    return whole.view(t.shape) if _spans(t) else whole.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr()
 
 
 def current() -> Handing | None:
