@@ -34,7 +34,7 @@ from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
-from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity
+from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity, shapes
 from .passes.context import Ends, PassContext
 from .policy import Policy, Resolved
 from .request import Request
@@ -147,6 +147,7 @@ def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, 
     ``dynamic_dims`` and calibration batches describe the model's own inputs: they apply to the root
     graph only (a region's inputs have other dimensions)."""
     if inputs is None:
+        shapes.forget(gm)
         return Analysis()
     steps = dict(ANALYSES)
     try:
@@ -201,15 +202,15 @@ def planned_low(gm: AmpGraphModule, ctx: PassContext) -> set[str]:
 
 def run_passes(gm: AmpGraphModule, ctx: PassContext, seen: Observer | None = None) -> None:
     """The pipeline (:data:`ampfx.passes.PIPELINE`, each step observed by ``seen``), then lint and one
-    recompile; fake tensors leave the meta (deepcopy, pickling)."""
+    recompile; fake tensors leave the meta (they keep their ``ShapeEnv`` alive; a graph holding them
+    does not pickle): ``tensor_meta``, plain data, stays."""
     seen = seen if seen is not None else Observer(ctx.prefix.rstrip("."))
     for pass_ in PIPELINE:
         seen.run(pass_.__name__, pass_, gm, ctx)
     gm.graph.lint()
     gm.recompile()
     for node in gm.graph.nodes:
-        for key in ("val", "tensor_meta"):
-            node.meta.pop(key, None)
+        node.meta.pop("val", None)
 
 
 def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:

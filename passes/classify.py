@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import integrations, ops
 from ..ops import custom_ops, probes
 from ..policy import decide
-from ..meta import RECORD, node_module_path, out_infos, user_float32
+from ..meta import RECORD, describe, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
 from ..report.records import Decision, Rule, dtype_name
@@ -210,10 +210,11 @@ def makes_complex(node: fx.Node) -> torch.dtype | None:
     reads data ampfx converts, so the lists decide it, but never in a low dtype: bfloat16 has
     no complex dtype and float16's (``complex32``) has few kernels.
 
-    >>> from ampfx.meta import OUT_INFOS
-    >>> from ampfx.passes.shapes import TensorInfo
+    >>> from ampfx.meta import TENSOR_META
+    >>> from torch.fx.passes.shape_prop import _extract_tensor_metadata
     >>> g = fx.Graph(); x = g.placeholder("x"); z = g.call_function(torch.fft.rfft, (x,))
-    >>> x.meta[OUT_INFOS], z.meta[OUT_INFOS] = (TensorInfo((8,), torch.float32),), (TensorInfo((5,), torch.complex64),)
+    >>> x.meta[TENSOR_META] = _extract_tensor_metadata(torch.empty(8, device="meta"))
+    >>> z.meta[TENSOR_META] = _extract_tensor_metadata(torch.empty(5, dtype=torch.complex64, device="meta"))
     >>> makes_complex(z), makes_complex(x)
     (torch.complex64, None)
     """
@@ -293,7 +294,7 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
         module = node_module_path(node)
         where = dict(node=node.name, target=target_str(node),
                      module=(ctx.prefix + module) if module else ctx.prefix.rstrip("."), kind=node.op,
-                     shapes=tuple(str(i) for i in (out_infos(node) or ())))
+                     shapes=tuple(describe(i) for i in (out_infos(node) or ())))
         if node.op in ("placeholder", "get_attr", "output"):
             d = _structure(node, gm, where, ctx.arrive)
         else:
@@ -334,7 +335,7 @@ def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     """An op: the precedence chain (:func:`_verdict`), then, for another library's leaf module,
     that library's rules (:func:`ampfx.integrations.refine`, given the facts about the leaf)."""
     name = op_name(node, gm, ctx.policy)
-    where.update(in_shapes=tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
+    where.update(in_shapes=tuple(describe(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
                  op=name, inplace=is_inplace(node, gm))
     d = _verdict(node, gm, ctx, decided, name).decision(**where)
     if node.op == "call_module" and d.rule not in decide.FINAL_RULES:

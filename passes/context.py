@@ -79,5 +79,5 @@ class PassContext:
 
     @property
     def has_shapes(self) -> bool:
-        """Were shapes propagated from example inputs (``node.meta`` holds ``OUT_INFOS``)?"""
+        """Were shapes propagated from example inputs (``node.meta`` holds ``TENSOR_META``)?"""
         return self.symbols is not None

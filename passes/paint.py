@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import RECORD, decision, out_infos
+from ..meta import RECORD, decision, numel, out_infos
 from ..ops import Category, Result
 from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
@@ -380,7 +380,7 @@ def _numel(n: fx.Node, ctx: PassContext) -> int:
     infos = out_infos(n)
     if not infos:
         return 1
-    count = infos[0].numel()
+    count = numel(infos[0])
     if not isinstance(count, int):
         count = ctx.symbols.bounds(count)[0] if ctx.symbols is not None else 1
     return max(int(count), 1)
