@@ -2,7 +2,7 @@
 is converted by :mod:`ampfx.tree`, as converting the model in that mode would).
 
 :func:`convert_graph` is the part of :func:`ampfx.convert` that runs once per
-captured graph (the whole model, or one region of it):
+captured graph (the whole model, or one part of it):
 
 1. **analyses** — :data:`ampfx.passes.ANALYSES`: shapes and dtypes from the example inputs,
    calibration statistics when ``calibrate=`` batches were given, and the precision check of
@@ -39,7 +39,7 @@ from .passes.context import Ends, PassContext
 from .policy import Policy, Resolved
 from .request import Request
 from .report import Report
-from .report.records import COMPUTE, CastInfo, Decision, Region
+from .report.records import COMPUTE, CastInfo, Decision, Part
 from .policy.module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 
@@ -56,11 +56,11 @@ class Analysis:
 
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-                  prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any],
+                  prefix: str, eager_leaves: frozenset[str], leaf_facts: Mapping[str, Any],
                   arrive: torch.dtype | None = None, kept_ends: Mapping[str, Ends] | None = None,
                   autocast_arrive: Any = None) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
-    ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
+    ``eager_leaves`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
     observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it;
     ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries (:func:`kept_ends`);
@@ -73,7 +73,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     before = gm.code
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
-    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=regions, leaf_facts=leaf_facts,
+    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=eager_leaves, leaf_facts=leaf_facts,
                    arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
@@ -117,7 +117,7 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     except NotReproduced:
         return None
     inner = frozenset(p for p in capture.leaves if list(work.get_submodule(p).children()))
-    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=inner, arrive=torch.float32)
+    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=inner, arrive=torch.float32)
     under_autocast = tuple((d, autocast.returns_under_autocast(dry, dataclasses.replace(ctx, autocast_arrive=d)))
                            for d in (torch.float32, request.policy.dtype))
     for pass_ in DECIDING:
@@ -145,7 +145,7 @@ def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, 
             seen: Observer) -> Analysis:
     """Shapes from ``inputs``, then calibration (:data:`ampfx.passes.ANALYSES`, observed by ``seen``).
     ``dynamic_dims`` and calibration batches describe the model's own inputs: they apply to the root
-    graph only (a region's inputs have other dimensions)."""
+    graph only (a part's inputs have other dimensions)."""
     if inputs is None:
         shapes.forget(gm)
         return Analysis()
@@ -240,8 +240,8 @@ def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str,
                     for n in gm.graph.nodes if isinstance(r := record(n), Decision))
     casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
     path = prefix.rstrip(".")
-    region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
-                    why=capture.why, functions=tuple(capture.functions.items()))
-    return Report(dtype=policy.dtype, records=records, casts=casts, regions=(region,),
+    part = Part(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
+                why=capture.why, functions=tuple(capture.functions.items()))
+    return Report(dtype=policy.dtype, records=records, casts=casts, parts=(part,),
                   leaf_param_casts=leaf_param_casts(gm), shapes=shape_note, code_before={path: before},
                   code_after={path: gm.code}, notes=tuple(notes))

@@ -350,7 +350,7 @@ def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
 def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
              name: str) -> decide.Verdict:
     """The precedence chain for one op, first match wins: a PASS table entry; no float data; a
-    region (a module that runs eagerly); the model's own float32 request (traced inside
+    module kept eager (it runs its own Python); the model's own float32 request (traced inside
     ``torch.autocast(..., enabled=False)``); ``fp32_modules`` / ``module_filter_fn``; the lists
     (unlisted, or listed and then checked for a working kernel and representable constants)."""
     entry = ops.ENTRIES.get(name)
@@ -359,9 +359,9 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
     if ctx.policy.category_of(name) is None and entry is not None and entry.category is Category.PASS:
         return decide.Verdict(Category.PASS, None, Rule.TABLE, entry.reason)
-    region = node.op == "call_module" and str(node.target) in ctx.regions
+    eager = node.op == "call_module" and str(node.target) in ctx.eager_leaves
     kept = ctx.kept.get(str(node.target)) if node.op == "call_module" else None
-    other = None if region or kept else _other_float(node, gm, decided)
+    other = None if eager or kept else _other_float(node, gm, decided)
     if other is not None:
         held = dtype_name(other[0], none="a float dtype ampfx does not convert")
         return decide.Verdict(Category.FP32, other[0], Rule.OTHER_FLOAT,
@@ -380,8 +380,8 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
                                   where + "its forward pre-hooks keep its own Python, written for float32 inputs, so "
                                           "float32 crosses the boundary both ways")
         return _kept_verdict(ctx.kept_ends.get(str(node.target)), ctx.policy.dtype, where)
-    if region:
-        return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
+    if eager:
+        return decide.Verdict(Category.FP32, torch.float32, Rule.EAGER,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")
     if (asked := user_float32(node)) is not None:
