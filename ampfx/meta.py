@@ -5,8 +5,17 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 
 - ``RECORD`` (``node.meta['ampfx']``): the node's :class:`~ampfx.report.records.Decision`,
   or a :class:`~ampfx.report.records.CastInfo` for a cast ampfx inserted;
-- ``OUT_INFOS``: a tuple of :class:`~ampfx.passes.shapes.TensorInfo`, the dtype and
-  sizes of each tensor the node produced before conversion (shape propagation);
+- ``TENSOR_META`` (``node.meta['tensor_meta']``, torch's own key, written by shape propagation as
+  :class:`torch.fx.passes.shape_prop.ShapeProp` writes it): a
+  :class:`~torch.fx.passes.shape_prop.TensorMetadata` for each tensor the node produced before
+  conversion, in the shape of its result (tuples, lists and dicts mirrored, other values ``None``).
+  It differs from ShapeProp's in three ways: a symbolic size or stride is a sympy expression over
+  the names ``dynamic_dims`` gave (``8*batch``), never a ``SymInt`` (the meta holds no
+  ``ShapeEnv``, and a graph pickles); every node propagation ran has the key, values that are not
+  tensors stand as ``None`` (ShapeProp keeps them, and writes no key for a node without a tensor);
+  a value of another class torch's pytree flattens holds the tuple of its tensors' metadata (no
+  user class is rebuilt). It describes the graph before conversion: passes do not rewrite it when
+  they change a node's dtype or pad it. Read it through :func:`out_infos`;
 - ``CALIB``: what calibration saw of the node's output and gradient;
 - ``SENSITIVITY``: how far rounding the node's result alone to the low dtype moved the output and
   the gradients in calibration (:class:`~ampfx.passes.sensitivity.Errors`), for nodes over the threshold;
@@ -27,10 +36,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch.fx as fx
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from .report.records import dtype_name
 
 RECORD = "ampfx"
-OUT_INFOS = "ampfx_out"
+TENSOR_META = "tensor_meta"
 CALIB = "ampfx_calib"
 SENSITIVITY = "ampfx_sensitivity"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
@@ -49,9 +62,65 @@ def decision(node: fx.Node) -> Any:
     return node.meta[RECORD]
 
 
-def out_infos(node: fx.Node) -> tuple | None:
-    """The dtype and sizes of each tensor ``node`` produced before conversion, or ``None`` without shapes."""
-    return node.meta.get(OUT_INFOS)
+def out_infos(node: fx.Node) -> tuple[TensorMetadata, ...] | None:
+    """The metadata of each tensor ``node`` produced before conversion, in the order torch's pytree
+    flattens its result (``()``: no tensor), or ``None`` without shapes.
+
+    >>> from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    >>> import torch
+    >>> n = fx.Graph().placeholder("x")
+    >>> n.meta[TENSOR_META] = (_extract_tensor_metadata(torch.empty(2, 3, device="meta")), None)
+    >>> [(tuple(i.shape), i.dtype) for i in out_infos(n)]
+    [((2, 3), torch.float32)]
+    """
+    if TENSOR_META not in node.meta:
+        return None
+    found = node.meta[TENSOR_META]
+    return (found,) if isinstance(found, TensorMetadata) else tuple(_flat(found))
+
+
+def _flat(found: Any) -> Any:
+    if isinstance(found, TensorMetadata):
+        yield found
+    elif isinstance(found, (tuple, list)):
+        for item in found:
+            yield from _flat(item)
+    elif isinstance(found, dict):
+        for item in found.values():
+            yield from _flat(item)
+
+
+def tensor_meta(node: fx.Node) -> Any:
+    """What shape propagation recorded of ``node``'s result, in its shape (a ``TensorMetadata`` for a
+    tensor, a tuple of them for a tuple of tensors), or ``None``: read :func:`out_infos` for its tensors."""
+    return node.meta.get(TENSOR_META)
+
+
+def describe(info: TensorMetadata) -> str:
+    """How the report writes a tensor: ``dtype[sizes]``.
+
+    >>> import torch
+    >>> batch = sympy.Symbol("batch", integer=True, positive=True)
+    >>> describe(TensorMetadata((batch, 3), torch.float16, False, (3, 1), None, False, {}))
+    'float16[batch, 3]'
+    """
+    return f"{dtype_name(info.dtype)}[{', '.join(str(s) for s in info.shape)}]"
+
+
+def numel(info: TensorMetadata) -> int | sympy.Expr:
+    """The number of elements: an int for static sizes, a sympy product for symbolic ones.
+
+    >>> import torch
+    >>> batch = sympy.Symbol("batch", integer=True, positive=True)
+    >>> numel(TensorMetadata((batch, 3), torch.float16, False, (3, 1), None, False, {}))
+    3*batch
+    """
+    if any(isinstance(s, sympy.Expr) for s in info.shape):
+        return sympy.Mul(*info.shape)
+    out = 1
+    for s in info.shape:
+        out *= int(s)
+    return out
 
 
 def calib(node: fx.Node) -> Any:

@@ -2,7 +2,7 @@
 is converted by :mod:`ampfx.tree`, as converting the model in that mode would).
 
 :func:`convert_graph` is the part of :func:`ampfx.convert` that runs once per
-captured graph (the whole model, or one region of it):
+captured graph (the whole model, or one part of it):
 
 1. **analyses** — :data:`ampfx.passes.ANALYSES`: shapes and dtypes from the example inputs,
    calibration statistics when ``calibrate=`` batches were given, and the precision check of
@@ -34,12 +34,12 @@ from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
-from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity
+from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity, shapes
 from .passes.context import Ends, PassContext
 from .policy import Policy, Resolved
 from .request import Request
 from .report import Report
-from .report.records import COMPUTE, CastInfo, Decision, Region
+from .report.records import COMPUTE, CastInfo, Decision, Part
 from .policy.module_match import TRACED_PRE_HOOKS
 from .state import keep_hooks
 
@@ -56,12 +56,12 @@ class Analysis:
 
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-                  prefix: str, regions: frozenset[str], leaf_facts: Mapping[str, Any],
+                  prefix: str, eager_leaves: frozenset[str], leaf_facts: Mapping[str, Any],
                   arrive: torch.dtype | None = None, kept_ends: Mapping[str, Ends] | None = None,
                   autocast_arrive: Any = None, *, enter: torch.dtype | None = None,
                   hands_on: bool = False) -> tuple[AmpGraphModule, Report]:
     """The converted graph module of ``work`` and its report (see the module docstring).
-    ``regions`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
+    ``eager_leaves`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
     observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
     caller's graph gives it its float inputs in that dtype and takes its outputs back in it;
     ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries (:func:`kept_ends`);
@@ -75,9 +75,9 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     before = gm.code
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
-    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=regions, leaf_facts=leaf_facts,
-                   arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive, enter=enter,
-                   hands_on=hands_on)
+    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=eager_leaves,
+                   leaf_facts=leaf_facts, arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive,
+                   enter=enter, hands_on=hands_on)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
     if inputs is not None:
@@ -120,7 +120,7 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     except NotReproduced:
         return None
     inner = frozenset(p for p in capture.leaves if list(work.get_submodule(p).children()))
-    ctx = _context(work, capture, inputs, request, prefix, analysis, regions=inner, arrive=torch.float32)
+    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=inner, arrive=torch.float32)
     under_autocast = tuple((d, autocast.returns_under_autocast(dry, dataclasses.replace(ctx, autocast_arrive=d)))
                            for d in (torch.float32, request.policy.dtype))
     for pass_ in DECIDING:
@@ -148,8 +148,9 @@ def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, 
             seen: Observer) -> Analysis:
     """Shapes from ``inputs``, then calibration (:data:`ampfx.passes.ANALYSES`, observed by ``seen``).
     ``dynamic_dims`` and calibration batches describe the model's own inputs: they apply to the root
-    graph only (a region's inputs have other dimensions)."""
+    graph only (a part's inputs have other dimensions)."""
     if inputs is None:
+        shapes.forget(gm)
         return Analysis()
     steps = dict(ANALYSES)
     try:
@@ -204,15 +205,15 @@ def planned_low(gm: AmpGraphModule, ctx: PassContext) -> set[str]:
 
 def run_passes(gm: AmpGraphModule, ctx: PassContext, seen: Observer | None = None) -> None:
     """The pipeline (:data:`ampfx.passes.PIPELINE`, each step observed by ``seen``), then lint and one
-    recompile; fake tensors leave the meta (deepcopy, pickling)."""
+    recompile; fake tensors leave the meta (they keep their ``ShapeEnv`` alive; a graph holding them
+    does not pickle): ``tensor_meta``, plain data, stays."""
     seen = seen if seen is not None else Observer(ctx.prefix.rstrip("."))
     for pass_ in PIPELINE:
         seen.run(pass_.__name__, pass_, gm, ctx)
     gm.graph.lint()
     gm.recompile()
     for node in gm.graph.nodes:
-        for key in ("val", "tensor_meta"):
-            node.meta.pop(key, None)
+        node.meta.pop("val", None)
 
 
 def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:
@@ -242,8 +243,8 @@ def graph_report(gm: AmpGraphModule, capture: Capture, prefix: str, before: str,
                     for n in gm.graph.nodes if isinstance(r := record(n), Decision))
     casts = tuple(r for r in map(record, gm.graph.nodes) if isinstance(r, CastInfo))
     path = prefix.rstrip(".")
-    region = Region(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
-                    why=capture.why, functions=tuple(capture.functions.items()))
-    return Report(dtype=policy.dtype, records=records, casts=casts, regions=(region,),
+    part = Part(path=path, method=capture.method, steps=tuple(capture.steps), leaves=tuple(capture.leaves.items()),
+                why=capture.why, functions=tuple(capture.functions.items()))
+    return Report(dtype=policy.dtype, records=records, casts=casts, parts=(part,),
                   leaf_param_casts=leaf_param_casts(gm), shapes=shape_note, code_before={path: before},
                   code_after={path: gm.code}, notes=tuple(notes))

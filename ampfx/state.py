@@ -1,6 +1,6 @@
 """Running a model during conversion without leaving a trace on it.
 
-Shape propagation, calibration, recording the inputs of regions and tracing
+Shape propagation, calibration, recording the inputs of the parts converted on their own and tracing
 the other training mode all run or trace the model; these context managers
 put back what that may change.
 

@@ -16,7 +16,7 @@ the order the tree is visited, so the merged report reads top-down.
 would: a captured module whose graph depends on the mode
 (:func:`ampfx.capture.tracer.reads_mode`) runs, whenever it is in that mode, a
 conversion of its model module in that mode (this same loop: capture ladder,
-verification, regions), made when first needed: its first call in that mode,
+verification, modules kept eager), made when first needed: its first call in that mode,
 ``mode_module``, a pickle (:class:`ampfx.runtime.graph_module.PendingMode`,
 :meth:`ampfx.runtime.graph_module.AmpGraphModule.set_mode_graph`); a conversion
 whose root keeps its Python runs that Python. Inside a module that switches so,
@@ -41,7 +41,7 @@ from .runtime import handing
 from .runtime.graph_module import AmpGraphModule, PendingMode
 from .inputs import ExampleInputs
 from .report import Report
-from .report.records import Region, dtype_name
+from .report.records import Part, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of, kept_ends
@@ -59,11 +59,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Part:
     """One module's share of the report: its own graph's report, its children's parts, and
-    regions it records itself (after its children's, as :meth:`Report.merge` places them)."""
+    parts it records itself (after its children's, as :meth:`Report.merge` places them)."""
 
     report: Report | None = None
     children: list[_Part] = field(default_factory=list)
-    regions: list[Region] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
                                             calls.leaf_facts(work, prefix, job.inputs), job.arrive,
                                             _kept_ends(work, capture, job, calls, request, memo), job.autocast_in,
                                             enter=(enter := _entered(job, memo)), hands_on=job.hands_on)
-    except NotReproduced as e:  # the graph does not reproduce the module on its inputs: a region instead
+    except NotReproduced as e:  # the graph does not reproduce the module on its inputs: eager instead
         if not list(work.children()):
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
@@ -295,7 +295,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                                               f"to {dtype_name(job.arrive)}, the dtype its caller's graph reads"))
     log.info("ampfx: %s cannot be traced (%s); converting its children separately", prefix or "<root>",
              list(job.eager[-1:]))
-    part.regions.append(Region(prefix.rstrip("."), "eager (children converted separately)", job.eager))
+    part.parts.append(Part(prefix.rstrip("."), "eager (children converted separately)", job.eager))
     jobs: list[_Job] = []
 
     def visit(parent: nn.Module, path: str) -> None:
@@ -307,7 +307,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
             if not called and list(child.children()):
                 visit(child, f"{sub}.")
             elif not called:
-                part.regions.append(Region(full, "left as is: not called on the example inputs"))
+                part.parts.append(Part(full, "left as is: not called on the example inputs"))
             elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy,
                                                           calls.facts_of(child, full, inputs), prefix,
                                                           device_of(child, inputs), request.resolved)) is not None:
@@ -315,7 +315,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                 part.children.append(_Part(report=leaf[1]))
             elif (not list(child.children()) and type(child) not in ops.TRACE_THROUGH
                   and AmpTracer(request.policy, named=request.resolved.below(prefix)).is_leaf_module(child, sub)):
-                part.regions.append(Region(full, "left as is: a single torch.nn leaf module called from eager code"))
+                part.parts.append(Part(full, "left as is: a single torch.nn leaf module called from eager code"))
             else:
                 child_part = _Part()
                 part.children.append(child_part)
@@ -427,7 +427,7 @@ def _merge(part: _Part, dtype: torch.dtype) -> Report:
     """The report of ``part`` and everything below it, in visiting order."""
     children = [_merge(c, dtype) for c in part.children]
     if part.report is None:
-        return Report.merge(dtype, children, regions=tuple(part.regions))
+        return Report.merge(dtype, children, parts=tuple(part.parts))
     if not children:
         return part.report
     own = part.report

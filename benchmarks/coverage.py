@@ -31,7 +31,7 @@ MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_
           "hf_gpt2_lm_nocache", "hf_t5_nocache", "hf_llama_nocache", "hf_bart_nocache", "hf_vit", "hf_albert",
           "timm_convnext_atto", "timm_swin_tiny", "tv_regnet_y_400mf", "tv_densenet121",
           "tv_r3d_18", "diffusers_unet2d", "nn_lstm_cls", "nn_gru_cls", "nn_transformer",
-          "timm_mobilevit_xxs", "timm_efficientvit_m0"]  # conv/attention hybrids: slow exports, many regions
+          "timm_mobilevit_xxs", "timm_efficientvit_m0"]  # conv/attention hybrids: slow exports, many parts
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
 CONVERT_S = 10.0
@@ -262,10 +262,10 @@ def run_case(name, dt):
             r["problems"].append(f"{key} {r[key]} > {CONVERT_S} s")
     rep = amp.ampfx_report
     r["summary"] = rep.summary()
-    r["methods"] = [(reg.path, reg.method) for reg in rep.regions]
-    r["leaves"] = [p for reg in rep.regions for p, _ in reg.leaves]
-    r["leaf_reasons"] = {p: why for reg in rep.regions for p, why in reg.leaves}
-    r["steps"] = [list(reg.steps) for reg in rep.regions]
+    r["methods"] = [(reg.path, reg.method) for reg in rep.parts]
+    r["leaves"] = [p for reg in rep.parts for p, _ in reg.leaves]
+    r["leaf_reasons"] = {p: why for reg in rep.parts for p, why in reg.leaves}
+    r["steps"] = [list(reg.steps) for reg in rep.parts]
     r["converted"] = len(rep.low())
     r["total"] = len(rep.compute)
     r["n_casts_inserted"] = len(rep.casts)
@@ -377,7 +377,7 @@ def fmt(x, digits=2):
 
 
 def root_method(methods):
-    """How the root was captured, from the report's ``(path, method)`` regions: the root is the region
+    """How the root was captured, from the report's ``(path, method)`` parts: the root is the part
     at path ``""``, listed after its children (``None`` without one)."""
     return next((how for path, how in methods if path == ""), None)
 
@@ -388,13 +388,13 @@ def root_left_eager(methods):
 
 
 def capture(res):
-    """How the root was captured, and how many regions were converted separately."""
+    """How the root was captured, and how many parts were converted separately."""
     methods = res.get("methods") or []
     if not methods:
         return "-"
     root = root_method(methods) or methods[0][1]
-    regions = sum(1 for path, how in methods if path and not how.startswith("left as is"))
-    return root + (f" + {regions} regions" if regions else "")
+    parts = sum(1 for path, how in methods if path and not how.startswith("left as is"))
+    return root + (f" + {parts} parts" if parts else "")
 
 
 def main():

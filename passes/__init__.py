@@ -39,7 +39,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
     autocast.stamp_autocast,  # autocast's dtype copied into each node's Decision
-    boundary.cast_region_inputs,  # a region's float inputs cast to the dtypes its graph was converted for
+    boundary.cast_part_inputs,  # a part's float inputs cast to the dtypes its graph was converted for
 ]
 """The passes, in order: each ``pass_(gm, ctx)``."""
 

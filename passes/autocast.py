@@ -7,7 +7,7 @@ buffers keep their dtype (float32 without example inputs); an op autocast lists 
 (:mod:`ampfx.ops.autocast_lists`: the low dtype, float32, or the widest input); every other op gives what its
 inputs give it under type promotion (0-dim tensors do not decide against tensors with dimensions), a
 normalisation its data input's dtype, an explicit cast its target. Non-float values get ``None``; what
-cannot be known (an opaque user leaf or function, a region that runs eagerly, a recurrent module, an op
+cannot be known (an opaque user leaf or function, a module kept eager, a recurrent module, an op
 whose ATen kernel depends on its arguments) gets :data:`UNKNOWN`, and so do float values computed from it
 by unlisted ops. Devices without a table (``mps``...) leave every node at ``None``. :func:`stamp_autocast`, after
 the passes, copies the results into ``Decision.autocast``.
@@ -123,7 +123,7 @@ def _kind(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> Cast | str | N
             return UNKNOWN  # a custom op: no autocast list names it, its dtype rule is its own
         return autocast_lists.kind_of_aten(device, packet.__name__, target._overloadname if exact else None)
     if node.op == "call_module":
-        return UNKNOWN if str(target) in ctx.regions or str(target) in ctx.kept else _module_kind(gm.get_submodule(str(target)), device)
+        return UNKNOWN if str(target) in ctx.eager_leaves or str(target) in ctx.kept else _module_kind(gm.get_submodule(str(target)), device)
     if node.op == "call_function" and not ops.qualified_name(target).startswith(_TORCH_RULES):
         return UNKNOWN  # a function of the model's (or another library's) kept whole
     name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")

@@ -1,4 +1,4 @@
-"""A region's boundary: casting its float inputs to the dtypes its graph was converted for (regions
+"""A part's boundary: casting its float inputs to the dtypes its graph was converted for (parts
 only: a graph converted below the model's root, whose inputs come from eager code around it), and
 reading what a kept module's graph does at its boundary (:func:`ends`, for its caller's painting)."""
 from __future__ import annotations
@@ -84,8 +84,8 @@ boundary, they say nothing of what the module itself needs. A pre-norm block's n
 its input so: its caller paints the call as an infer op, from its own neighbours."""
 
 
-def cast_region_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """A region's float inputs are cast to the dtype its graph was converted for, whatever the eager
+def cast_part_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """A part's float inputs are cast to the dtype its graph was converted for, whatever the eager
     code around it hands it: an input recorded as bfloat16 and handed float32 would otherwise reach
     a bfloat16 op, whose weight is cast, uncast (``mat1 and mat2 must have the same dtype``).
     Integer and bool inputs, and the casts ampfx already put on an input, are left alone; the cast
@@ -116,4 +116,4 @@ def cast_region_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
             user.replace_input_with(node, cast)
         cast.meta[RECORD] = CastInfo(node=cast.name, value=node.name, source="as handed", to=want,
                                      consumers=tuple(u.name for u in users),
-                                     reason="region input: cast to the dtype its graph was converted for")
+                                     reason="part input: cast to the dtype its graph was converted for")

@@ -332,7 +332,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> None:
         if (node.op == "call_module" and want in (torch.float16, torch.bfloat16) and d.category is Category.ALLOW
                 and d.rule is not Rule.KEPT):  # a kept module's call runs its own converted graph
             leaf_params += _run_low(gm, node, d, want)
-        elif (node.op == "call_module" and want == torch.float32 and d.rule not in (Rule.KEPT, Rule.REGION)
+        elif (node.op == "call_module" and want == torch.float32 and d.rule not in (Rule.KEPT, Rule.EAGER)
               and _owns_float(gm.get_submodule(str(node.target)))):
             _run_float32(graph, node)
     gm.meta[LEAF_PARAM_CASTS] = leaf_params

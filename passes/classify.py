@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import integrations, ops
 from ..ops import custom_ops, probes
 from ..policy import decide
-from ..meta import RECORD, node_module_path, out_infos, user_float32
+from ..meta import RECORD, describe, node_module_path, out_infos, user_float32
 from ..ops import Category, Result
 from ..policy import Policy
 from ..report.records import Decision, Rule, dtype_name
@@ -210,10 +210,11 @@ def makes_complex(node: fx.Node) -> torch.dtype | None:
     reads data ampfx converts, so the lists decide it, but never in a low dtype: bfloat16 has
     no complex dtype and float16's (``complex32``) has few kernels.
 
-    >>> from ampfx.meta import OUT_INFOS
-    >>> from ampfx.passes.shapes import TensorInfo
+    >>> from ampfx.meta import TENSOR_META
+    >>> from torch.fx.passes.shape_prop import _extract_tensor_metadata
     >>> g = fx.Graph(); x = g.placeholder("x"); z = g.call_function(torch.fft.rfft, (x,))
-    >>> x.meta[OUT_INFOS], z.meta[OUT_INFOS] = (TensorInfo((8,), torch.float32),), (TensorInfo((5,), torch.complex64),)
+    >>> x.meta[TENSOR_META] = _extract_tensor_metadata(torch.empty(8, device="meta"))
+    >>> z.meta[TENSOR_META] = _extract_tensor_metadata(torch.empty(5, dtype=torch.complex64, device="meta"))
     >>> makes_complex(z), makes_complex(x)
     (torch.complex64, None)
     """
@@ -293,7 +294,7 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
         module = node_module_path(node)
         where = dict(node=node.name, target=target_str(node),
                      module=(ctx.prefix + module) if module else ctx.prefix.rstrip("."), kind=node.op,
-                     shapes=tuple(str(i) for i in (out_infos(node) or ())))
+                     shapes=tuple(describe(i) for i in (out_infos(node) or ())))
         if node.op in ("placeholder", "get_attr", "output"):
             d = _structure(node, gm, where, ctx)
         else:
@@ -305,16 +306,16 @@ def classify(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], ctx: PassContext) -> Decision:
     """Graph inputs, parameters and buffers, the output: never converted themselves. A kept module's
     float32 inputs arrive in ``ctx.arrive`` (the dtype its caller's graph gives them), when that is set;
-    a region's in ``ctx.enter`` (other regions hand them so)."""
+    a part's in ``ctx.enter`` (the parts its module's Python moves them from compute them so)."""
     what = {"placeholder": "graph input: kept as given",
             "get_attr": "parameter or buffer: stays float32 (master copy); cast after get_attr where a "
                         "consumer wants low precision",
-            "output": "graph output: float results return in the dtype they are computed in (the module's Python "
-                      "only moves them to other converted modules)" if ctx.hands_on else
+            "output": "graph output: float results return in the dtype they are computed in (the parts beside it "
+                      "take them so; their parent's Python sees them in float32)" if ctx.hands_on else
                       "graph output: float results return in their original dtype"}[node.op]
     arrive = ctx.arrive if ctx.arrive is not None else ctx.enter
     how = ("input of a kept module: arrives in {}, as its caller's graph gives it" if ctx.arrive is not None else
-           "input of a region: arrives in {}, as the regions its module's Python moves it from compute it")
+           "input of a part: arrives in {}, as the parts its module's Python moves it from compute it")
     out = None
     if node.op == "get_attr":
         val = attr_of(gm, str(node.target))
@@ -339,7 +340,7 @@ def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     """An op: the precedence chain (:func:`_verdict`), then, for another library's leaf module,
     that library's rules (:func:`ampfx.integrations.refine`, given the facts about the leaf)."""
     name = op_name(node, gm, ctx.policy)
-    where.update(in_shapes=tuple(str(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
+    where.update(in_shapes=tuple(describe(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
                  op=name, inplace=is_inplace(node, gm))
     d = _verdict(node, gm, ctx, decided, name).decision(**where)
     if node.op == "call_module" and d.rule not in decide.FINAL_RULES:
@@ -354,7 +355,7 @@ def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
 def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
              name: str) -> decide.Verdict:
     """The precedence chain for one op, first match wins: a PASS table entry; no float data; a
-    region (a module that runs eagerly); the model's own float32 request (traced inside
+    module kept eager (it runs its own Python); the model's own float32 request (traced inside
     ``torch.autocast(..., enabled=False)``); ``fp32_modules`` / ``module_filter_fn``; the lists
     (unlisted, or listed and then checked for a working kernel and representable constants)."""
     entry = ops.ENTRIES.get(name)
@@ -363,9 +364,9 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
     out_float = infos is None or any(i.dtype in CASTABLE for i in infos)
     if ctx.policy.category_of(name) is None and entry is not None and entry.category is Category.PASS:
         return decide.Verdict(Category.PASS, None, Rule.TABLE, entry.reason)
-    region = node.op == "call_module" and str(node.target) in ctx.regions
+    eager = node.op == "call_module" and str(node.target) in ctx.eager_leaves
     kept = ctx.kept.get(str(node.target)) if node.op == "call_module" else None
-    other = None if region or kept else _other_float(node, gm, decided)
+    other = None if eager or kept else _other_float(node, gm, decided)
     if other is not None:
         held = dtype_name(other[0], none="a float dtype ampfx does not convert")
         return decide.Verdict(Category.FP32, other[0], Rule.OTHER_FLOAT,
@@ -384,8 +385,8 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
                                   where + "its forward pre-hooks keep its own Python, written for float32 inputs, so "
                                           "float32 crosses the boundary both ways")
         return _kept_verdict(ctx.kept_ends.get(str(node.target)), ctx.policy.dtype, where)
-    if region:
-        return decide.Verdict(Category.FP32, torch.float32, Rule.REGION,
+    if eager:
+        return decide.Verdict(Category.FP32, torch.float32, Rule.EAGER,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")
     if (asked := user_float32(node)) is not None:

@@ -39,9 +39,9 @@ class PassContext:
     """The policy, what it resolved to in the model, and the facts about one conversion that no single
     node carries.
 
-    ``prefix`` is the module path of the converted region inside the user's
+    ``prefix`` is the module path of the converted part inside the user's
     model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
-    module traced as a leaf to why; ``regions`` are the leaves that run their
+    module traced as a leaf to why; ``eager_leaves`` are the leaves that run their
     own Python with their children converted separately; ``kept`` maps each
     leaf ``keep_modules`` keeps as a module boundary to why, ``kept_ends`` those whose own graph was
     read first to what it does at its boundary (:class:`Ends`). ``symbols`` (a
@@ -61,7 +61,7 @@ class PassContext:
     device: str = "cpu"
     prefix: str = ""
     leaves: Mapping[str, str] = field(default_factory=dict)
-    regions: frozenset[str] = frozenset()
+    eager_leaves: frozenset[str] = frozenset()
     kept: Mapping[str, str] = field(default_factory=dict)
     kept_ends: Mapping[str, Ends] = field(default_factory=dict)
     arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
@@ -84,5 +84,5 @@ class PassContext:
 
     @property
     def has_shapes(self) -> bool:
-        """Were shapes propagated from example inputs (``node.meta`` holds ``OUT_INFOS``)?"""
+        """Were shapes propagated from example inputs (``node.meta`` holds ``TENSOR_META``)?"""
         return self.symbols is not None

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops, runtime
-from ..meta import OUT_INFOS, RECORD, decision, out_infos, record
+from ..meta import RECORD, TENSOR_META, decision, out_infos, record
 from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
 from .classify import attr_of
@@ -179,8 +179,8 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
             with gm.graph.inserting_after(node):
                 narrow = gm.graph.call_function(torch.narrow, (node, -1, 0, n))
             node.replace_all_uses_with(narrow, delete_user_cb=lambda u: u is not narrow)
-            if OUT_INFOS in node.meta:
-                narrow.meta[OUT_INFOS] = out_infos(node)  # the original sizes again
+            if TENSOR_META in node.meta:
+                narrow.meta[TENSOR_META] = node.meta[TENSOR_META]  # the original sizes again
             narrow.meta[RECORD] = Decision(node=narrow.name, op="narrow", target="torch.narrow", module=d.module,
                                          category=d.category, dtype=low, rule=Rule.PAD,
                                          reason=f"slices {node.name}'s padded output back to N={n}",

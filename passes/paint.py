@@ -19,8 +19,8 @@ Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
 
 Steps 4 and 5 repeat until nothing changes. Step 6 moves an infer/clear op
 painted low to float32 where that removes a cast and adds none; step 7 moves a
-whole connected region of them where that needs fewer casts and moves no more
-bytes (a region of clear ops only, whose values are the same either way, may move
+whole connected cluster of them where that needs fewer casts and moves no more
+bytes (a cluster of clear ops only, whose values are the same either way, may move
 up to :data:`LAUNCH_BYTES` more per cast saved). A slot the op's entry pins to
 float32 (a norm's weight and bias, ``OpEntry.fp32_args``) is not counted as a
 float input in step 4.
@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import RECORD, decision, out_infos
+from ..meta import RECORD, decision, numel, out_infos
 from ..ops import Category, Result
 from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
@@ -109,7 +109,7 @@ def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
     _save_casts(nodes, cat, color, denied, decided, low, ctx.keeps_output_dtype)
     _record_paint(nodes, cat, ins, outs, color, low)
     _values(gm, low)
-    if _float32_regions(gm, ctx):
+    if _float32_clusters(gm, ctx):
         _values(gm, low)
 
 
@@ -244,31 +244,31 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
 
 LAUNCH_BYTES = 16 * 1024
 """What a cast costs beyond its bytes, in bytes: its launch (microseconds, in which a CPU core moves tens of
-kilobytes and a GPU megabytes). Counted where only cost differs: a region of clear ops (copies,
+kilobytes and a GPU megabytes). Counted where only cost differs: a cluster of clear ops (copies,
 concatenations, views) holds the same values cast before it or after it. A diffusion model's timestep
 embedding ``cat([cos(t), sin(t)])`` feeding a GEMM is cast once after the ``cat`` rather than twice
 before it, for a few hundred bytes more."""
 
 
-def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    """Step 7: a connected region of infer/clear ops painted low computes in
+def _float32_clusters(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Step 7: a connected cluster of infer/clear ops painted low computes in
     float32 instead when that needs fewer casts and moves no more bytes; a
-    region of clear ops only may move :data:`LAUNCH_BYTES` more per cast saved
-    (its values do not depend on where the cast is). Returns whether any region moved.
+    cluster of clear ops only may move :data:`LAUNCH_BYTES` more per cast saved
+    (its values do not depend on where the cast is). Returns whether any cluster moved.
 
     Casts are counted as :func:`~ampfx.passes.casts.needed_casts` would insert
-    them (one per value and dtype, shared with consumers outside the region;
+    them (one per value and dtype, shared with consumers outside the cluster;
     type promotion reads low inputs of a float32 add/mul beside a float32
     tensor directly). A graph converted in training mode also weighs the
     gradients: each cast has one in backward, and so has each low value a
     float32 op reads as it is (:func:`~ampfx.passes.casts.upcast_reads`).
-    Bytes are those the region's ops and its casts read and write, from the
+    Bytes are those the cluster's ops and its casts read and write, from the
     example shapes (each value counts as one element without).
 
     E.g. ``exp(gemm(x) * scale)`` under bfloat16: step 4 paints the product
     low (fed by a GEMM), so the float32 ``scale`` is cast down and the product
     up for ``exp``. In float32 the product reads the GEMM's output as it is and
-    nothing is cast. Regions with a low consumer (another GEMM) stay low: in
+    nothing is cast. Clusters with a low consumer (another GEMM) stay low: in
     float32 they would need a cast for it. Nor do a CNN's pooled features
     ``cat([f.mean((2, 3)) for f in stages])`` in training: in float32 each mean
     reads its low stage as it is, and each gradient is cast back.
@@ -284,24 +284,24 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
             users_of.setdefault(pair, set()).add(n)
 
     moved = False
-    for region in _low_regions(nodes, dec, low):
-        members = set(region)
-        consumers = {u for n in region for u in n.users if u not in members}
+    for cluster in _low_clusters(nodes, dec, low):
+        members = set(cluster)
+        consumers = {u for n in cluster for u in n.users if u not in members}
         if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
                                   and dec[u].out in CASTABLE) for u in consumers):
-            continue  # a consumer whose own dtype would follow the region's: leave it
+            continue  # a consumer whose own dtype would follow the cluster's: leave it
         touched = members | consumers
-        cost = {option: _region_cost(region, touched, option, dec, users_of, keep, ctx)
+        cost = {option: _cluster_cost(cluster, touched, option, dec, users_of, keep, ctx)
                 for option in (low, torch.float32)}
         (n_low, up_low, bytes_low, _), (n_fp32, up_fp32, bytes_fp32, per_node) = cost[low], cost[torch.float32]
-        exact = all(dec[n].category is Category.CLEAR for n in region)  # same values cast before or after
+        exact = all(dec[n].category is Category.CLEAR for n in cluster)  # same values cast before or after
         launches = (n_low - n_fp32) * LAUNCH_BYTES if exact else 0
         if not (n_fp32 < n_low and bytes_fp32 <= bytes_low + launches):
             continue
         if gm.training and 2 * n_fp32 + up_fp32 >= 2 * n_low + up_low:
             continue  # a step's casts, gradients included
         grads = f" (and {up_fp32} gradient casts of low values it reads as they are)" if gm.training and up_fp32 else ""
-        _move_to_float32(region, dec, f"{n_low} casts -> {n_fp32}{grads}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
+        _move_to_float32(cluster, dec, f"{n_low} casts -> {n_fp32}{grads}, bytes moved {bytes_low:,} -> {bytes_fp32:,}")
         for n in touched:
             for pair in needs[n]:
                 users_of[pair].discard(n)
@@ -312,8 +312,8 @@ def _float32_regions(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return moved
 
 
-def _low_regions(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.dtype) -> list[list[fx.Node]]:
-    """The connected regions (in graph order) of infer/clear ops whose value is
+def _low_clusters(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.dtype) -> list[list[fx.Node]]:
+    """The connected clusters (in graph order) of infer/clear ops whose value is
     ``low``, not in place; a selection joins only when what it selects from does."""
     def candidate(n: fx.Node) -> bool:
         d = dec[n]
@@ -333,27 +333,27 @@ def _low_regions(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.
         for p in n.all_input_nodes:
             if p in parent:
                 parent[root(p)] = root(n)
-    regions: dict[fx.Node, list[fx.Node]] = {}
+    clusters: dict[fx.Node, list[fx.Node]] = {}
     for n in parent:
-        regions.setdefault(root(n), []).append(n)
-    return list(regions.values())
+        clusters.setdefault(root(n), []).append(n)
+    return list(clusters.values())
 
 
-def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dtype, dec: dict[fx.Node, Decision],
-                 users_of: dict[tuple, set[fx.Node]], keep: bool,
-                 ctx: PassContext) -> tuple[int, int, int, dict[fx.Node, set]]:
-    """``(casts, upcast reads, bytes moved, each touched node's casts)`` if ``region``'s
+def _cluster_cost(cluster: list[fx.Node], touched: set[fx.Node], option: torch.dtype, dec: dict[fx.Node, Decision],
+                  users_of: dict[tuple, set[fx.Node]], keep: bool,
+                  ctx: PassContext) -> tuple[int, int, int, dict[fx.Node, set]]:
+    """``(casts, upcast reads, bytes moved, each touched node's casts)`` if ``cluster``'s
     values were ``option``: the casts no node outside ``touched`` shares, the low values
-    touched nodes read as they are in float32, the bytes the casts and the region's ops
+    touched nodes read as they are in float32, the bytes the casts and the cluster's ops
     (views aside) read and write."""
-    members = set(region)
+    members = set(cluster)
     out_of = (lambda n: option if n in members else dec[n].out)
     want = {n: option if n in members and dec[n].rule is not Rule.SELECT else dec[n].dtype for n in touched}
     per_node = {n: needed_casts(n, want[n], out_of, keep) for n in touched}
     new = {pair for pairs in per_node.values() for pair in pairs if not (users_of.get(pair, set()) - touched)}
     upcasts = sum(len(upcast_reads(n, want[n], out_of)) for n in touched)
     moved_bytes = sum(_numel(v, ctx) * (_itemsize(out_of(v)) + _itemsize(to)) for v, to in new)
-    for n in region:  # the region's ops read their inputs and write their outputs
+    for n in cluster:  # the cluster's ops read their inputs and write their outputs
         if ops.is_view(dec[n].op):
             continue
         casted = dict(per_node[n])
@@ -363,14 +363,14 @@ def _region_cost(region: list[fx.Node], touched: set[fx.Node], option: torch.dty
     return len(new), upcasts, moved_bytes, per_node
 
 
-def _move_to_float32(region: list[fx.Node], dec: dict[fx.Node, Decision], counts: str) -> None:
-    """Record that ``region`` computes (selections aside) and produces float32."""
-    names = ", ".join(n.name for n in region[:4]) + (f" and {len(region) - 4} more" if len(region) > 4 else "")
-    for n in region:
+def _move_to_float32(cluster: list[fx.Node], dec: dict[fx.Node, Decision], counts: str) -> None:
+    """Record that ``cluster`` computes (selections aside) and produces float32."""
+    names = ", ".join(n.name for n in cluster[:4]) + (f" and {len(cluster) - 4} more" if len(cluster) > 4 else "")
+    for n in cluster:
         if dec[n].rule is not Rule.SELECT:
             dec[n] = dataclasses.replace(
                 dec[n], dtype=torch.float32, rule=Rule.PAINT_SAVE_CAST,
-                reason=f"its region of infer/clear ops ({names}) computes in float32: {counts} "
+                reason=f"its cluster of infer/clear ops ({names}) computes in float32: {counts} "
                        f"(was {dec[n].rule})")
         dec[n] = n.meta[RECORD] = dataclasses.replace(dec[n], out=torch.float32)
 
@@ -380,7 +380,7 @@ def _numel(n: fx.Node, ctx: PassContext) -> int:
     infos = out_infos(n)
     if not infos:
         return 1
-    count = infos[0].numel()
+    count = numel(infos[0])
     if not isinstance(count, int):
         count = ctx.symbols.bounds(count)[0] if ctx.symbols is not None else 1
     return max(int(count), 1)

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import RECORD, out_infos, record
+from ..meta import RECORD, numel, out_infos, record
 from ..ops import Category
 from ..report.records import Decision, Rule
 from .context import PassContext
@@ -50,7 +50,7 @@ def reduced_count(node: fx.Node) -> int | sympy.Expr | None:
         return None
     shape_in = ins[0].shape
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    ratio = sympy.simplify(sympy.sympify(ins[0].numel()) / sympy.sympify(outs[0].numel()))
+    ratio = sympy.simplify(sympy.sympify(numel(ins[0])) / sympy.sympify(numel(outs[0])))
     if ratio == 1 and isinstance(dim, int) and -len(shape_in) <= dim < len(shape_in):
         ratio = sympy.sympify(shape_in[dim])  # cumsum, normalize: reduce along dim, keep the shape
     if ratio.is_number:

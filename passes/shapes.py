@@ -2,18 +2,26 @@
 
 With ``example_inputs`` the graph is run on ``meta`` tensors, or on
 ``FakeTensor``s when sizes are symbolic or meta propagation fails (no real
-arithmetic, no activation memory either way), and each node gets
-``node.meta['ampfx_out'] = (TensorInfo, ...)``, one entry per tensor in its
-output. If fake propagation fails (a leaf that cannot run on fake tensors),
-the graph runs for real on the example inputs in eval mode under
+arithmetic, no activation memory either way), and each node gets torch's
+``node.meta['tensor_meta']``: a ``TensorMetadata`` per tensor in its output,
+as :class:`torch.fx.passes.shape_prop.ShapeProp` records it (the differences,
+symbolic sizes as named sympy expressions among them, are listed in
+:mod:`ampfx.meta`). If fake propagation fails (a leaf that cannot run on fake
+tensors), the graph runs for real on the example inputs in eval mode under
 ``no_grad``, and the report says so. Buffers are restored afterwards either
 way (a batch-norm leaf counts its batches even on fake tensors).
-Without example inputs no node gets ``ampfx_out`` and the passes use the
+Without example inputs no node gets ``tensor_meta`` and the passes use the
 conservative defaults (graph inputs are assumed float32; casts check the
 dtype at run time).
 
+torch's ``node.meta['val']`` (a fake tensor per value, as torch.export leaves it) is not what
+the passes read: the meta and real runs make no fake tensors, a fake tensor keeps its
+``FakeTensorMode`` and ``ShapeEnv`` alive with the converted module, and a graph holding
+fake tensors does not pickle. It is removed after the passes.
+
 Before: ``linear = torch._C._nn.linear(x, w, b)`` with ``meta = {}``.
-After:  same graph, ``linear.meta['ampfx_out'] == (TensorInfo((8, 4), torch.float32),)``.
+After:  same graph, ``linear.meta['tensor_meta']`` is ``TensorMetadata(shape=torch.Size([8, 4]),
+dtype=torch.float32, ...)``; ``meta.describe(meta.out_infos(linear)[0]) == "float32[8, 4]"``.
 """
 from __future__ import annotations
 
@@ -23,36 +31,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 import sympy
-from torch.utils._pytree import tree_leaves
+from torch.fx.immutable_collections import immutable_dict
+from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
+from torch.utils._pytree import tree_is_leaf, tree_leaves
 
 from .. import integrations, ops
 from ..inputs import ExampleInputs
-from ..meta import OUT_INFOS
-from ..report.records import dtype_name
+from ..meta import TENSOR_META
 from ..ops.shape_memo import ShapeMemo
 from ..state import copy_tree, kept_attributes, kept_buffers, kept_rng, kept_transforms, modes
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shape and dtype of one output tensor. Sizes are ints, or sympy
-    expressions over the symbols named in ``dynamic_dims`` (e.g. ``8*batch``)."""
-
-    shape: tuple
-    dtype: torch.dtype
-
-    def __str__(self) -> str:
-        return f"{dtype_name(self.dtype)}[{', '.join(str(s) for s in self.shape)}]"
-
-    def numel(self) -> int | sympy.Expr:
-        return sympy.Mul(*self.shape) if any(isinstance(s, sympy.Expr) for s in self.shape) else _prod(self.shape)
-
-
-def _prod(sizes: tuple) -> int:
-    out = 1
-    for s in sizes:
-        out *= int(s)
-    return out
 
 
 @dataclass
@@ -79,9 +66,29 @@ class Symbols:
 
 
 def _record(node: fx.Node, value: Any, symbols: Symbols) -> None:
-    infos = tuple(TensorInfo(tuple(symbols.size(s) for s in t.shape), t.dtype)
-                  for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    node.meta[OUT_INFOS] = infos
+    node.meta[TENSOR_META] = _mirror(value, symbols)
+
+
+def _mirror(value: Any, symbols: Symbols) -> Any:
+    """``value`` with each tensor replaced by its ``TensorMetadata`` (symbolic sizes named), the
+    tuples, lists and dicts torch's pytree flattens mirrored (immutable), and any other value ``None``,
+    or the tuple of the tensors torch's pytree finds in it (another class it flattens). No class of
+    the user's is rebuilt; the tensors are those, and in the order, torch's pytree flattens."""
+    if isinstance(value, torch.Tensor):
+        return _metadata(value, symbols)
+    if isinstance(value, (tuple, list)) and not tree_is_leaf(value):
+        return tuple(_mirror(v, symbols) for v in value)
+    if isinstance(value, dict) and not tree_is_leaf(value):
+        return immutable_dict((k, _mirror(v, symbols)) for k, v in value.items())
+    inside = tuple(_metadata(t, symbols) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return inside or None
+
+
+def _metadata(t: torch.Tensor, symbols: Symbols) -> TensorMetadata:
+    found = _extract_tensor_metadata(t)
+    shape = tuple(symbols.size(s) for s in found.shape)
+    return found._replace(shape=torch.Size(shape) if all(isinstance(s, int) for s in shape) else shape,
+                          stride=tuple(symbols.size(s) for s in found.stride))
 
 
 def propagate(gm: fx.GraphModule, example_inputs: Any,
@@ -90,9 +97,16 @@ def propagate(gm: fx.GraphModule, example_inputs: Any,
     ``"fake"`` or ``"real"``. ``dynamic_dims`` (``{0: "batch"}``) makes those
     dimensions of every tensor input symbolic, named as given."""
     args = ExampleInputs.of(example_inputs).positional(gm)
+    forget(gm)  # torch.export's own, with its ShapeEnv's sizes: every node gets ours
     # leaves may update buffers in place (batch-norm counters) and fill caches (with fake tensors)
     with kept_buffers(gm), kept_attributes(gm, bookkeeping=False):
         return _propagate(gm, args, dynamic_dims or {})
+
+
+def forget(gm: fx.GraphModule) -> None:
+    """Remove every node's ``tensor_meta``: the graph has no shapes (torch.export writes its own)."""
+    for node in gm.graph.nodes:
+        node.meta.pop(TENSOR_META, None)
 
 
 def _fake_inputs(mode: Any, args: list[Any], dynamic_dims: dict[int, str], symbols: Symbols) -> list[Any]:

@@ -23,9 +23,10 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from .. import ops
-from ..meta import OUT_INFOS, out_infos
+from ..meta import TENSOR_META, out_infos, tensor_meta
 from ..ops import Category
 from .classify import is_inplace, op_key, view_group
 from .context import PassContext
@@ -47,9 +48,9 @@ def unpack(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _rows(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node] | None:
     """``node[0] .. node[n-1]`` (the getitem nodes, in order) if ``node`` is a tensor whose static first
     dimension ``n`` they all select, each once; else ``None``."""
-    infos, val = out_infos(node), node.meta.get("val")
+    infos = out_infos(node)
     if not infos or len(infos) != 1 or not infos[0].shape or not isinstance(infos[0].shape[0], int) or (
-            val is not None and not isinstance(val, torch.Tensor)):  # one tensor, not a tuple of one
+            not isinstance(tensor_meta(node), TensorMetadata)):  # one tensor, not a tuple of one
         return None
     n = infos[0].shape[0]
     picks = {}
@@ -110,7 +111,7 @@ def _to_unbind(gm: fx.GraphModule, node: fx.Node, rows: list[fx.Node]) -> None:
     with gm.graph.inserting_after(node):
         unbind = gm.graph.call_function(torch.unbind, (node, 0))
     unbind.meta.update({k: v for k, v in rows[0].meta.items() if k == "nn_module_stack"})
-    unbind.meta[OUT_INFOS] = tuple(info for g in rows for info in (out_infos(g) or ()))
+    unbind.meta[TENSOR_META] = tuple(info for g in rows for info in (out_infos(g) or ()))
     if all("val" in g.meta for g in rows):
         unbind.meta["val"] = tuple(g.meta["val"] for g in rows)
     for i, g in enumerate(rows):

@@ -442,9 +442,9 @@ def test_failing_submodule_becomes_a_leaf_whose_children_are_converted(with_shap
     m, x = Outer(), torch.randn(3, 8)
     gm = ampfx.convert(m, "bf16", example_inputs=(x,) if with_shapes else None)
     rep = gm.ampfx_report
-    assert record(rep, node="b")[0].rule == "region"
+    assert record(rep, node="b")[0].rule == "eager"
     assert record(rep, module="b.lin", op="linear")[0].dtype == torch.bfloat16
-    assert "made a leaf" in " ".join(s for reg in rep.regions for s in reg.steps)
+    assert "made a leaf" in " ".join(s for reg in rep.parts for s in reg.steps)
     torch.testing.assert_close(gm(x), m(x), atol=0.05, rtol=0.05)
 
 
@@ -454,7 +454,7 @@ def test_untraceable_root_keeps_its_python_and_converts_each_child():
     rep = out.ampfx_report
     assert isinstance(out, Root) and out._get_name() == "Root" and isinstance(out.enc, torch.fx.GraphModule)
     assert {r.module for r in rep.records if r.op == "linear"} == {"enc.a", "enc.b.lin", "enc.c", "head"}
-    assert any(reg.path == "" and "eager" in reg.method for reg in rep.regions)
+    assert any(reg.path == "" and "eager" in reg.method for reg in rep.parts)
     torch.testing.assert_close(out(x), m(x), atol=0.05, rtol=0.05)
     assert sorted(out.state_dict()) == sorted(m.state_dict())
 
@@ -563,7 +563,7 @@ def test_region_inputs_return_to_their_original_dtype():
     for ex in ((x,), None):
         gm = ampfx.convert(m, torch.bfloat16, example_inputs=ex)
         torch.testing.assert_close(gm(x), m(x), atol=0.1, rtol=0.05)
-        assert record(gm.ampfx_report, node="block")[0].rule == "region"
+        assert record(gm.ampfx_report, node="block")[0].rule == "eager"
 
 
 def test_transformer_encoder_layers_in_a_module_list_are_converted():
@@ -652,7 +652,7 @@ def test_graph_that_does_not_run_on_its_example_becomes_a_region():
 
     m, x = M(), torch.randn(2, 8)
     out = ampfx.convert(m, "bf16", example_inputs={"x": x, "head_mask": [None, None]})
-    assert any("does not run on the example inputs" in s for reg in out.ampfx_report.regions for s in reg.steps)
+    assert any("does not run on the example inputs" in s for reg in out.ampfx_report.parts for s in reg.steps)
     assert {r.module for r in out.ampfx_report.records if r.op == "linear"} == {"lin", "lin2"}
     torch.testing.assert_close(out(x, head_mask=[None, None]), m(x), atol=0.05, rtol=0.05)
 

@@ -314,7 +314,7 @@ def test_exported_graph_keeps_the_ops_own_backward():
     holds the op itself, so the capture is kept (method 'export') and gradients match the model's."""
     model = Scaled()
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(X,), tracer="export", allowlist_add=(scale2,))
-    assert [r.method for r in amp.ampfx_report.regions] == ["export"]
+    assert [r.method for r in amp.ampfx_report.parts] == ["export"]
     (got,) = torch.autograd.grad(amp(X).sum(), model.a.weight)  # the converted module shares the parameters
     (want,) = torch.autograd.grad(model(X).sum(), model.a.weight)
     assert rel(got, want) < 2e-2

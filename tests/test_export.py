@@ -145,7 +145,7 @@ def test_export_converts_with_module_paths_and_fp32_accuracy(dtype):
     m, x = Net().eval(), torch.randn(2, 6, 16)
     amp = ampfx.convert(m, dtype, example_inputs=(x,), tracer="export")
     rep = amp.ampfx_report
-    assert [(r.path, r.method) for r in rep.regions] == [("", "export")]
+    assert [(r.path, r.method) for r in rep.parts] == [("", "export")]
     assert all(str(n.target).startswith(("aten.", "<built-in", "ampfx")) or n.target is runtime_cast
                for n in amp.graph.nodes if n.op == "call_function")
     by_module = {(r.op, r.module) for r in rep.compute}
@@ -286,7 +286,7 @@ def test_auto_exports_what_fx_cannot_trace():
     x, mask = torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.long)
     mask[1, -2:] = 0
     amp = ampfx.convert(m, "bf16", example_inputs={"x": x, "mask": mask})
-    (region,) = amp.ampfx_report.regions
+    (region,) = amp.ampfx_report.parts
     assert region.method == "export"
     assert any("torch.fx could not trace" in s for s in region.steps)
     (fill,) = [r for r in amp.ampfx_report.compute if r.op == "masked_fill"]
@@ -303,7 +303,7 @@ def test_auto_exports_when_the_fx_graph_does_not_reproduce_the_model():
     m, x = IsInstance(), torch.randn(3, 8)
     assert not torch.equal(torch.fx.symbolic_trace(m)(x), m(x))
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    (region,) = amp.ampfx_report.regions
+    (region,) = amp.ampfx_report.parts
     assert region.method == "export"
     assert any("does not reproduce" in s or "differs from the model's" in s for s in region.steps)
     with torch.no_grad():
@@ -313,7 +313,7 @@ def test_auto_exports_when_the_fx_graph_does_not_reproduce_the_model():
 def test_auto_keeps_fx_where_it_works():
     m, x = Net(), torch.randn(2, 6, 16)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    assert {r.method for r in amp.ampfx_report.regions} == {"fx"}  # the root, and each kept block
+    assert {r.method for r in amp.ampfx_report.parts} == {"fx"}  # the root, and each kept block
     assert any(n.op == "call_module" for n in amp.graph.nodes)  # module structure kept (leaf modules)
 
 
@@ -324,7 +324,7 @@ def test_neither_capture_works_falls_back_to_children_and_says_why():
     torch.manual_seed(0)
     m, x = Outer(), torch.randn(3, 8)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
-    regions = {r.path: r for r in amp.ampfx_report.regions}
+    regions = {r.path: r for r in amp.ampfx_report.parts}
     assert {p: r.method for p, r in regions.items()} == {
         "": "eager (children converted separately)", "b": "eager (children converted separately)",
         "a": "export", "b.lin": "export", "c": "export"}
@@ -338,7 +338,7 @@ def test_auto_keeps_fx_leaves_when_export_fails():
     """Under auto, an fx capture that needed leaves is kept when export fails too; the steps say so."""
     m, x = Outer(), torch.randn(3, 8)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    regions = {r.path: r for r in amp.ampfx_report.regions}
+    regions = {r.path: r for r in amp.ampfx_report.parts}
     steps = regions[""].steps
     assert regions[""].method == "fx" and regions["b"].method.startswith("eager")
     assert any(s.startswith("auto: torch.fx needed leaves (b)") for s in steps)
@@ -364,7 +364,7 @@ def test_a_hook_on_the_converted_module_itself_does_not_stop_export():
     m, x = _clamped(), torch.randn(2, 16)
     m.register_forward_hook(lambda mod, args, out: setattr(mod, "last_output", out.detach()))
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    assert amp.ampfx_report.regions[0].method == "export", amp.ampfx_report.regions[0].steps
+    assert amp.ampfx_report.parts[0].method == "export", amp.ampfx_report.parts[0].steps
     out = amp(x)
     assert torch.equal(amp.last_output, out.detach())  # the hook runs around the graph, given the converted module
 
@@ -381,7 +381,7 @@ def test_an_fx_graph_with_leaves_is_run_only_when_it_is_kept(monkeypatch):
     runs.clear()
 
     amp = ampfx.convert(_clamped(), "bf16", example_inputs=(torch.randn(2, 16),))
-    assert amp.ampfx_report.regions[0].method == "export" and runs == []
+    assert amp.ampfx_report.parts[0].method == "export" and runs == []
 
 
 # ------------------------------------------------------------------ errors
@@ -436,7 +436,7 @@ def test_a_mode_that_does_not_export_is_converted_as_converting_in_that_mode_wou
     m, x = EvalOnlyBranch(), torch.randn(3, 8)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
     assert any("in eval mode the module runs a second conversion" in n for n in amp.ampfx_report.notes)
-    assert any(r.path == "" and "eager" in r.method for r in amp.mode_module(False).ampfx_report.regions)
+    assert any(r.path == "" and "eager" in r.method for r in amp.mode_module(False).ampfx_report.parts)
     assert amp(x).shape == (3, 8)
     want = m.eval()(x)
     for model in (amp, pickle.loads(pickle.dumps(amp))):
@@ -487,14 +487,14 @@ def test_an_export_over_its_time_limit_takes_the_next_rung_and_leaves_no_timer()
         amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=0.5)
     finally:
         export_mod._export = real
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert root.method.startswith("eager") and "longer than export_timeout=0.5 s" in root.steps[-1]
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL)[0] == 0
     assert len(m._forward_hooks) == 1
     assert rel_err(amp(x, mask), m(x, mask)) < 0.02
     for off in ({"export_timeout": None}, {"environ": {"AMPFX_EXPORT_TIMEOUT": "off"}}):
         amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), **off)
-        assert next(r for r in amp.ampfx_report.regions if r.path == "").method == "export"
+        assert next(r for r in amp.ampfx_report.parts if r.path == "").method == "export"
 
 
 def test_export_timeout_is_checked_and_read_from_the_environment():
@@ -549,7 +549,7 @@ def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
     torch.manual_seed(0)
     m, x, mask = SlowOnDynamicWidth(), torch.randn(2, 5, 16), torch.ones(2, 5)
     amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=2)
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert root.method == "export" and any("Dim.AUTO) (train mode) stopped after" in s for s in root.steps)
     assert any("dynamic first (batch) dimension" in n for n in amp.ampfx_report.notes)
     x3, mask3 = torch.randn(3, 5, 16), torch.ones(3, 5)
@@ -575,7 +575,7 @@ def test_the_other_training_mode_starts_from_the_sizes_the_first_export_ended_wi
     t = time.perf_counter()
     amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=4)
     assert time.perf_counter() - t < 4
-    other = next(r for r in amp.mode_module(False).ampfx_report.regions if r.path == "")
+    other = next(r for r in amp.mode_module(False).ampfx_report.parts if r.path == "")
     assert other.method == "export" and any("as the other training mode's export did" in s for s in other.steps)
     m.eval()
     assert rel_err(amp.eval()(x, mask), m(x, mask)) < 0.02
@@ -595,7 +595,7 @@ def test_a_timeout_during_torchs_own_lazy_imports_leaves_export_working():
         "m, x, mask = SlowToExport(), torch.randn(2, 5, 16), torch.ones(2, 5)\n"
         "for t in (0.5, None):\n"
         "    amp = ampfx.convert(m, 'bf16', example_inputs=(x, mask), export_timeout=t)\n"
-        "print(next(r for r in amp.ampfx_report.regions if r.path == '').method)\n")
+        "print(next(r for r in amp.ampfx_report.parts if r.path == '').method)\n")
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -632,7 +632,7 @@ def test_a_dynamic_export_that_stalls_on_one_module_gives_way_at_once():
     t = time.perf_counter()
     amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=60)
     assert time.perf_counter() - t < 12
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     stalled = [s for s in root.steps if "stalled" in s]
     assert root.method == "export" and len(stalled) == 1 and "'stall'" in stalled[0], root.steps
     assert any("dynamic first (batch) dimension" in n for n in amp.ampfx_report.notes)
@@ -695,7 +695,7 @@ def test_modules_of_a_class_export_found_unfaithful_are_not_exported_again_in_th
     torch.manual_seed(0)
     m, x = _TwoCaches().eval(), torch.randn(2, 16)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    regions = {r.path: r for r in amp.ampfx_report.regions}
+    regions = {r.path: r for r in amp.ampfx_report.parts}
     for path in ("first", "second"):
         assert any("torch.export not tried: an earlier export in this training mode" in s
                    for s in regions[path].steps), regions[path].steps
@@ -749,8 +749,8 @@ def test_export_is_not_tried_where_the_models_own_run_fills_a_cache(monkeypatch)
     torch.manual_seed(0)
     m, x = _LeafCaches().train(), torch.randn(2, 16)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-    assert calls == [True] and amp.ampfx_report.regions[0].method == "export"
-    root = amp.mode_module(False).ampfx_report.regions[0]
+    assert calls == [True] and amp.ampfx_report.parts[0].method == "export"
+    root = amp.mode_module(False).ampfx_report.parts[0]
     assert root.method == "fx" and any("torch.export not tried: the model's own run shows" in s and "'first'" in s
                                        and "attribute 'cache' changed in place" in s for s in root.steps), root.steps
     assert rel_err(amp(x), m(x)) < 0.02
@@ -786,7 +786,7 @@ def test_a_pruned_or_weight_normed_module_exported_on_its_own_recomputes_its_wei
             nn.utils.weight_norm(lin)
     m, x = _Counts(lin), torch.randn(3, 8)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
-    assert {r.path: r.method for r in amp.ampfx_report.regions}["inner"] == "export"
+    assert {r.path: r.method for r in amp.ampfx_report.parts}["inner"] == "export"
     amp(x).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lin.parameters())
     with torch.no_grad():

@@ -36,9 +36,9 @@ def test_coverage_flags_a_root_left_eager():
     its children) ran eagerly; reading the first region instead saw a child and never fired."""
     coverage = _coverage()
     rep = ampfx.convert(BranchOnValue(), torch.bfloat16, example_inputs=(torch.randn(2, 8),)).ampfx_report
-    methods = [(reg.path, reg.method) for reg in rep.regions]
+    methods = [(reg.path, reg.method) for reg in rep.parts]
     assert methods[0][0] != "" and methods[-1][0] == ""  # the root is listed last
     assert coverage.root_left_eager(methods)
     assert coverage.capture({"methods": methods}).startswith("eager")
     traced = ampfx.convert(nn.Sequential(nn.Linear(8, 8)), torch.bfloat16).ampfx_report
-    assert not coverage.root_left_eager([(reg.path, reg.method) for reg in traced.regions])
+    assert not coverage.root_left_eager([(reg.path, reg.method) for reg in traced.parts])

@@ -73,7 +73,7 @@ def test_repeated_blocks_are_kept_by_default_at_the_same_paths():
     assert [r.target for r in kept] == ["blocks.0", "blocks.1", "blocks.2"]
     assert all("repeated block" in r.reason for r in kept)
     assert any(r.module.startswith("blocks.2") and r.op == "linear" for r in records)  # the block's own records
-    assert {r.path for r in amp.ampfx_report.regions} >= {"", "blocks.0", "blocks.1", "blocks.2"}
+    assert {r.path for r in amp.ampfx_report.parts} >= {"", "blocks.0", "blocks.1", "blocks.2"}
 
 
 def test_no_keep_traces_through_and_env_replaces_the_default():
@@ -319,7 +319,7 @@ def test_a_kept_block_that_cannot_be_captured_takes_float32_and_returns_the_boun
     torch.manual_seed(0)
     net, x = Stack(Untraceable), torch.randn(8, 16)
     amp = ampfx.convert(net, "bf16", example_inputs=(x,), float32_stream=False)  # the stream crosses low
-    region = next(r for r in amp.ampfx_report.regions if r.path == "blocks.1")
+    region = next(r for r in amp.ampfx_report.parts if r.path == "blocks.1")
     assert region.method.startswith("eager") and "cast to float32 on entry" in region.steps[-1]
     seen = []
     amp.blocks[1].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
@@ -354,10 +354,10 @@ def test_auto_kept_blocks_give_way_to_one_exported_graph_where_fx_needs_leaves()
     torch.manual_seed(0)
     net, x = BlocksAndALeaf(), torch.randn(8, 16)
     amp = ampfx.convert(net, "bf16", example_inputs=(x,))
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert root.method == "export" and any("inlines modules" in n for n in amp.ampfx_report.notes)
     named = ampfx.convert(net, "bf16", example_inputs=(x,), keep_modules=("blocks.*",))
-    root = next(r for r in named.ampfx_report.regions if r.path == "")
+    root = next(r for r in named.ampfx_report.parts if r.path == "")
     assert root.method == "fx" and isinstance(named.blocks[0], AmpGraphModule)
 
 

@@ -270,7 +270,7 @@ class Concat(nn.Module):
 
 
 def _export_step(amp: nn.Module) -> str:
-    return next(s for s in amp.ampfx_report.regions[0].steps if s.startswith("exported"))
+    return next(s for s in amp.ampfx_report.parts[0].steps if s.startswith("exported"))
 
 
 def test_var_positional_forward_exports_with_dynamic_sizes() -> None:
@@ -279,7 +279,7 @@ def test_var_positional_forward_exports_with_dynamic_sizes() -> None:
     torch.manual_seed(0)
     model = Concat()
     amp = ampfx.convert(model, torch.bfloat16, (torch.randn(4, 4), torch.randn(4, 4)))
-    region = amp.ampfx_report.regions[0]
+    region = amp.ampfx_report.parts[0]
     assert region.method == "export"
     assert "dynamic sizes" in _export_step(amp), region.steps
     assert not any("static" in s or "dynamic_shapes" in s for s in region.steps), region.steps
@@ -324,7 +324,7 @@ def test_export_dynamic_shapes_follow_the_signature(args: tuple, kwargs: dict) -
     model = Signature()
     ex_args, ex_kwargs = make(4, args, kwargs)
     amp = ampfx.convert(model, torch.bfloat16, ampfx.inputs.ExampleInputs(ex_args, ex_kwargs), tracer="export")
-    assert "dynamic sizes" in _export_step(amp), amp.ampfx_report.regions[0].steps
+    assert "dynamic sizes" in _export_step(amp), amp.ampfx_report.parts[0].steps
     call_args, call_kwargs = make(7, args, kwargs)
     torch.testing.assert_close(amp(*call_args, **call_kwargs).float(), model(*call_args, **call_kwargs),
                                atol=0.05, rtol=0.05)

@@ -61,7 +61,7 @@ def test_same_padding_from_integer_buffers_costs_no_more_than_autocast():
     assert cost.casts <= cost.casts_autocast, cost
     assert cost.saved <= cost.saved_autocast, cost
     assert cost.gemms_reported == cost.gemms_run == cost.gemms_low == 4, cost
-    (region,) = cost.report.regions
+    (region,) = cost.report.parts
     assert region.method == "export"
     assert any("down.stride" in step and "read as their values" in step for step in region.steps), region.steps
 
@@ -105,7 +105,7 @@ def test_a_buffer_the_forward_writes_is_not_read_as_its_values():
 
     model = Counting()
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(torch.randn(2, 4),))
-    assert all(r.method != "export" for r in amp.ampfx_report.regions)
+    assert all(r.method != "export" for r in amp.ampfx_report.parts)
     before = int(model.steps)
     amp(torch.randn(2, 4))
     assert int(model.steps) == before + 1
@@ -160,7 +160,7 @@ def test_the_other_training_mode_is_converted_at_its_first_use_not_at_convert(ca
     amp(x), amp.train(), m.train()
     assert (amp(x).float() - m(x)).abs().max() < 0.1
     assert captures == [True, False]
-    assert [r.method for r in amp.mode_module(False).ampfx_report.regions] == [tracer]
+    assert [r.method for r in amp.mode_module(False).ampfx_report.parts] == [tracer]
 
 
 def test_a_pickle_made_before_the_other_mode_was_used_keeps_both_modes(captures):

@@ -71,8 +71,8 @@ def test_a_wrapped_attention_helper_costs_no_more_than_autocast(core):
     assert cost.casts <= cost.casts_autocast and cost.saved <= cost.saved_autocast, cost
     assert cost.gemms_reported == cost.gemms_run, cost
     assert cost.gemms_low == _autocast_low(model, (x,)) == cost.gemms_run, cost
-    assert cost.report.regions[0].functions == ()
-    assert any(core.__name__ in step for step in cost.report.regions[0].steps)
+    assert cost.report.parts[0].functions == ()
+    assert any(core.__name__ in step for step in cost.report.parts[0].steps)
 
 
 def test_an_untraceable_wrapped_function_runs_as_written_and_the_report_names_it():
@@ -85,8 +85,8 @@ def test_an_untraceable_wrapped_function_runs_as_written_and_the_report_names_it
     cost = against_autocast(model, (x,), amp=amp)
     rep = cost.report
     name = f"{__name__}.attend_clipped"
-    assert [f for f, _ in rep.regions[0].functions] == [name]
-    assert "control flow" in dict(rep.regions[0].functions)[name]
+    assert [f for f, _ in rep.parts[0].functions] == [name]
+    assert "control flow" in dict(rep.parts[0].functions)[name]
     assert cost.gemms_reported == cost.gemms_run == 4 and cost.gemms_low == rep.gemms_low == 2, cost
     summary = rep.summary()
     assert f"GEMMs: 2/4 in bfloat16; the others in {name} 2" in summary
@@ -99,7 +99,7 @@ def test_tracer_fx_keeps_a_wrapped_function_whole_and_says_so():
     model, x = Attention(attend), torch.randn(2, 8, 16)
     cost = against_autocast(model, (x,), tracer="fx")
     assert cost.gemms_reported == cost.gemms_run == 4 and cost.gemms_low == 2, cost
-    assert [f for f, _ in cost.report.regions[0].functions] == [f"{__name__}.attend"]
+    assert [f for f, _ in cost.report.parts[0].functions] == [f"{__name__}.attend"]
 
 
 @pytest.mark.parametrize("leaf", ["mha", "lstm-gru", "eager-region"])

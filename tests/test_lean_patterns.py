@@ -63,7 +63,7 @@ def test_a_layerdrop_of_zero_keeps_the_graph_and_costs_no_more_than_autocast():
     torch.manual_seed(0)
     model, x = SpeechEncoder(0.0), torch.randn(2, 4, 16)
     cost = against_autocast(model, (x,))
-    root = next(r for r in cost.report.regions if r.path == "")
+    root = next(r for r in cost.report.parts if r.path == "")
     assert root.method == "fx", root.steps
     assert cost.casts <= cost.casts_autocast and cost.saved <= cost.saved_autocast, str(cost)
     assert cost.gemms_reported == cost.gemms_run, str(cost)
@@ -125,7 +125,7 @@ def test_a_draw_compared_with_a_value_it_cannot_reach_is_no_branch(name):
     torch.manual_seed(0)
     model, x = Skipping(skip, never).train(), torch.randn(2, 4, 8)
     amp = ampfx.convert(model, "bf16", example_inputs=(x,))
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert root.method == "fx", root.steps
     assert any("only compared with values they cannot reach" in s for s in root.steps), root.steps
     assert _same_draws(amp, model, x) < 0.03
@@ -138,7 +138,7 @@ def test_a_draw_that_can_go_either_way_still_rejects_the_graph(name):
     skip, _ = DRAWS[name]
     model, x = Skipping(skip, 0.5).train(), torch.randn(2, 4, 8)
     amp = ampfx.convert(model, "bf16", example_inputs=(x,))
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert "eager" in root.method and any("drew a random number" in s for s in root.steps), root.steps
     assert _same_draws(amp, model, x) < 0.03
 
@@ -171,7 +171,7 @@ def test_a_draw_that_reaches_the_graph_rejects_it():
             return self.fc(x) * random.uniform(0.9, 1.1)
 
     amp = ampfx.convert(Jitter(), "bf16", example_inputs=(torch.randn(2, 8),))
-    root = next(r for r in amp.ampfx_report.regions if r.path == "")
+    root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert "eager" in root.method and any("reaches the graph" in s for s in root.steps), root.steps
 
 

@@ -27,7 +27,7 @@ def test_one_list_holds_every_step_in_order():
     names = [name for name, _ in passes.ANALYSES] + [p.__name__ for p in passes.PIPELINE]
     assert names[:3] == ["propagate_shapes", "record_calibration", "find_sensitive"]
     assert names.index("classify") < names.index("paint") < names.index("insert_casts") < names.index("pad")
-    assert names[-1] == boundary.cast_region_inputs.__name__
+    assert names[-1] == boundary.cast_part_inputs.__name__
     assert passes.DECIDING[0] is passes.PIPELINE[1] and passes.DECIDING[-1] is paint.paint
 
 

@@ -46,10 +46,10 @@ def test_a_decision_holds_a_rule_member():
 
 
 def test_inserted_and_counted():
-    """Nodes ampfx adds are inserted and not counted; an untraceable region and a kept module's call
+    """Nodes ampfx adds are inserted and not counted; a module kept eager and a kept module's call
     are not counted either (their nodes are, in their own records)."""
     assert [r.value for r in Rule if r.inserted] == ["bias-fp32", "pad"]
-    assert [r.value for r in Rule if not r.counted] == ["bias-fp32", "pad", "keep_modules", "region"]
+    assert [r.value for r in Rule if not r.counted] == ["bias-fp32", "pad", "keep_modules", "eager"]
 
 
 def test_report_md_lists_every_rule_and_every_short_word():
@@ -91,3 +91,40 @@ def test_per_op_facts_the_passes_read():
     assert having("split_bias") == ["linear"]
     assert dict(ops.ENTRIES["to"].cast_to)["half"] is torch.float16 and ops.ENTRIES["to"].cast_like == ("type_as",)
     # that no pass compares an op's name: tests/test_architecture.py::test_passes_compare_no_op_names
+
+
+def test_the_names_region_had_still_read():
+    """``Rule.EAGER`` was ``Rule.REGION`` with the value ``"region"``, ``Part`` was ``Region`` and
+    ``Report.parts`` was ``Report.regions``: code written for those names, records and reports saved
+    with them, and converted modules pickled with them still work (the names warn as deprecated)."""
+    import ampfx.report
+    from ampfx.report import Report
+    from ampfx.report.records import Part
+
+    assert Rule.REGION is Rule.EAGER and Rule("region") is Rule.EAGER and Rule.EAGER == "eager"
+    base = dict(node="n", op="block", target="block", module="block", category=Category.FP32,
+                dtype=torch.float32, reason="r")
+    assert Decision(rule="region", **base).rule is Rule.EAGER
+    with pytest.warns(DeprecationWarning):
+        assert ampfx.report.Region is Part
+    with pytest.warns(DeprecationWarning):
+        from ampfx.report.records import Region
+    assert Region is Part
+    rep = Report(dtype=torch.bfloat16, parts=(Part("", "fx"),))
+    with pytest.warns(DeprecationWarning):
+        assert rep.regions == rep.parts
+    before = pickle.dumps(rep, protocol=0).replace(b"Vparts\n", b"Vregions\n")  # pickled before the rename
+    assert b"Vregions\n" in before and b"Vparts\n" not in before
+    assert pickle.loads(before).parts == rep.parts
+
+
+def test_saved_reports_keep_the_regions_key(tmp_path):
+    """``policy.json`` lists the parts under ``parts`` and, for code written for older files, under
+    ``regions`` too."""
+    import torch.nn as nn
+
+    import ampfx
+
+    amp = ampfx.convert(nn.Sequential(nn.Linear(4, 4)), torch.bfloat16, example_inputs=(torch.randn(2, 4),))
+    saved = json.loads((amp.ampfx_report.save(tmp_path) / "policy.json").read_text())
+    assert saved["parts"] == saved["regions"] and [p["method"] for p in saved["parts"]] == ["fx"]

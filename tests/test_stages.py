@@ -113,10 +113,10 @@ def test_a_tree_converted_region_by_region_runs_each_module_once_for_real():
     RUNS.clear()
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(torch.randn(3, 4),), tracer="fx")
     assert RUNS == ["root", "block"]
-    regions = {r.path: r for r in amp.ampfx_report.regions}
+    regions = {r.path: r for r in amp.ampfx_report.parts}
     assert regions[""].method.startswith("eager") and regions["block"].method.startswith("eager")
     assert regions["head"].method == "fx" and regions["head"].why
-    assert [r.path for r in amp.ampfx_report.regions] == ["block.a", "block.b", "block", "head", ""]
+    assert [r.path for r in amp.ampfx_report.parts] == ["block.a", "block.b", "block", "head", ""]
     assert isinstance(amp.block.a, torch.fx.GraphModule) and isinstance(amp.head, torch.fx.GraphModule)
     assert int(model.block.count) == 0  # the observation run put the counter back
     x = torch.randn(5, 4)
@@ -190,7 +190,7 @@ def test_outputs_with_nan_or_on_meta_are_compared_where_they_can_be():
     with torch.device("meta"):
         net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     amp = ampfx.convert(net, torch.bfloat16, example_inputs=(torch.randn(2, 4, device="meta"),))
-    assert [r.method for r in amp.ampfx_report.regions] == ["fx"]
+    assert [r.method for r in amp.ampfx_report.parts] == ["fx"]
     assert amp.ampfx_report.by_node("linear").dtype == torch.bfloat16
 
 

@@ -32,7 +32,7 @@ def test_seed_model_trains_through_ampfx_like_float32(name, cora_like):
         convs = [x for x in rep.compute if x.op.startswith("dgl.")]
         assert convs and all(x.category is Category.ALLOW and x.dtype == torch.bfloat16 for x in convs)
     else:  # the root calls g.update_all: it stays eager, each NodeUpdate is converted on its own
-        assert any(reg.path == "" and reg.method.startswith("eager") for reg in rep.regions)
+        assert any(reg.path == "" and reg.method.startswith("eager") for reg in rep.parts)
         assert {x.op for x in low} >= {"linear"}
 
 

@@ -42,7 +42,7 @@ def test_torchvision_resnet18(dtype):
     convs = by_module(o.report, "conv2d")
     assert convs["layer1.0.conv1"].dtype == dtype and convs["conv1"].dtype == dtype
     assert len(convs) == 20 and all(r.dtype == dtype for r in convs.values())
-    assert o.report.regions[0].method.startswith("fx")
+    assert o.report.parts[0].method.startswith("fx")
     # batch-norm statistics: float32 buffers, updated by the converted module's training steps
     bn = model.layer1[0].bn1
     assert bn.running_mean.dtype == torch.float32 and bn.num_batches_tracked.item() >= 1
@@ -105,9 +105,9 @@ def _ids_and_mask():
 
 
 def assert_captured_whole(report):
-    """One graph for the whole model (fx, or torch.export where fx cannot), not eager regions."""
-    assert len(report.regions) == 1 and report.regions[0].method in ("fx", "export"), [
-        (r.path, r.method) for r in report.regions]
+    """One graph for the whole model (fx, or torch.export where fx cannot), not eager parts."""
+    assert len(report.parts) == 1 and report.parts[0].method in ("fx", "export"), [
+        (r.path, r.method) for r in report.parts]
 
 
 def test_hf_bert_sequence_classification():

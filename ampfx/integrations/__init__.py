@@ -39,7 +39,7 @@ from ..policy import decide
 from ..inputs import ExampleInputs
 from ..policy import Policy, Resolved
 from ..report import Report
-from ..report.records import Region, dtype_name
+from ..report.records import Part, dtype_name
 from . import dgl
 
 LIBRARIES: dict[str, Any] = {
@@ -137,8 +137,8 @@ def convert_eager_leaf(root: nn.Module, path: str, policy: Policy, observed: Any
     else:
         how, replacement = "runs as written", module
     record = dataclasses.replace(record, dtype=dtype, reason=f"{record.reason}; {where}: {how}")
-    return replacement, Report(dtype=policy.dtype, records=(record,), regions=(
-        Region(full, f"a {lib.LIBRARY} module called from eager code: {dtype_name(dtype)} leaf"),))
+    return replacement, Report(dtype=policy.dtype, records=(record,), parts=(
+        Part(full, f"a {lib.LIBRARY} module called from eager code: {dtype_name(dtype)} leaf"),))
 
 
 def runs_on_fake_tensors(module: Any) -> bool:

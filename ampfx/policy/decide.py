@@ -45,7 +45,7 @@ from .names import did_you_mean, is_glob
 from . import Policy, Resolved
 from ..report.records import Decision, Rule
 
-FINAL_RULES = frozenset({Rule.REGION, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
+FINAL_RULES = frozenset({Rule.EAGER, Rule.KEPT, Rule.FP32_MODULES, Rule.MODULE_FILTER_FN, Rule.NON_FLOAT,
                          Rule.USER_FLOAT32, Rule.OTHER_FLOAT})
 """Rules no later step (probe, constant range, a library's refinement) overrides."""
 

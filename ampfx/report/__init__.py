@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from ..ops import ENTRIES, Category
 from .html import render
-from .records import COMPUTE, dtype_name, Rule, Decision, CastInfo, Region, AutocastDiff, computes_in
+from .records import COMPUTE, dtype_name, Rule, Decision, CastInfo, Part, AutocastDiff, computes_in
 
 @dataclass(frozen=True)
 class Report:
@@ -35,7 +36,7 @@ class Report:
     dtype: torch.dtype
     records: tuple[Decision, ...] = ()
     casts: tuple[CastInfo, ...] = ()
-    regions: tuple[Region, ...] = ()
+    parts: tuple[Part, ...] = ()
     leaf_param_casts: int = 0
     shapes: str = "no example_inputs: dtypes assumed float32 at graph inputs, casts check dtypes at run time"
     policy: dict[str, Any] = field(default_factory=dict)
@@ -54,6 +55,19 @@ class Report:
         """Records of nodes that compute on float data (what "nodes" counts in the summary)."""
         return [r for r in self.records
                 if r.kind in COMPUTE and r.category is not Category.PASS and r.rule.counted]
+
+    @property
+    def regions(self) -> tuple[Part, ...]:
+        """Deprecated: :attr:`parts`, the name it had."""
+        warnings.warn("Report.regions is deprecated: read Report.parts", DeprecationWarning, stacklevel=2)
+        return self.parts
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A report pickled before :attr:`parts` had its name (with a converted module) loads with it."""
+        if "regions" in state:
+            state = {**state, "parts": state["regions"]}
+            del state["regions"]
+        self.__dict__.update(state)
 
     @property
     def gemms(self) -> int | None:
@@ -78,17 +92,17 @@ class Report:
         return self._gemm_sum("gemms_low")
 
     def _gemm_sum(self, field_: str) -> int | None:
-        """``gemms`` / ``gemms_low`` over the model. A module that keeps its Python (rule ``region``) ran its
+        """``gemms`` / ``gemms_low`` over the model. A module that keeps its Python (rule ``eager``) ran its
         own GEMMs and its children's, every call, as its node in its parent's graph counted them: that count
         stands for all the records inside it. Its own Python is not converted, so the low ones are the
         converted nodes' (its children's)."""
-        rows = [r for r in self.records if r.kind in COMPUTE and (r.rule.counted or r.rule is Rule.REGION)]
+        rows = [r for r in self.records if r.kind in COMPUTE and (r.rule.counted or r.rule is Rule.EAGER)]
         if not rows or any(getattr(r, field_) is None for r in rows):
             return None
-        regions = [r.module for r in rows if r.rule is Rule.REGION]
+        eager = [r.module for r in rows if r.rule is Rule.EAGER]
 
         def within(r: Decision) -> bool:
-            return any(r.module.startswith(p + ".") or (r.module == p and r.rule is not Rule.REGION) for p in regions)
+            return any(r.module.startswith(p + ".") or (r.module == p and r.rule is not Rule.EAGER) for p in eager)
 
         if field_ == "gemms_low":
             return sum(r.gemms_low for r in rows if r.rule.counted)
@@ -121,7 +135,7 @@ class Report:
 
     def autocast_unknown(self) -> list[Decision]:
         """The compute nodes whose dtype under ``torch.autocast`` ampfx cannot know (``"unknown"``: an
-        opaque leaf or function, a region run eagerly, a recurrent module, and values computed from them)."""
+        opaque leaf or function, a module kept eager, a recurrent module, and values computed from them)."""
         return [r for r in self.compute if isinstance(r.autocast, str)]
 
     def autocast_summary(self) -> str:
@@ -170,7 +184,7 @@ class Report:
         lines += self._inside_lines()
         lines += self._gemm_lines()
         lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
-        for reg in self.regions:
+        for reg in self.parts:
             if reg.method not in ("fx",) or reg.leaves or reg.functions:
                 where = reg.path or "<root>"
                 extra = f"; leaves: {', '.join(p for p, _ in reg.leaves)}" if reg.leaves else ""
@@ -196,8 +210,8 @@ class Report:
         parts = [f"{op} {n} ({why})" for (op, why), n in sorted(others.items(), key=lambda kv: (-kv[1], kv[0])) if n]
         eager = total - low - shown - sum(others.values())  # the own Python of modules that keep it
         if eager > 0:
-            paths = [r.module for r in self.records if r.rule is Rule.REGION and r.gemms]
-            parts.append(f"the Python of {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} {eager} (region)")
+            paths = [r.module for r in self.records if r.rule is Rule.EAGER and r.gemms]
+            parts.append(f"the Python of {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} {eager} (eager)")
         if not parts:
             return []
         return [f"  GEMMs: {low}/{total} in {dtype_name(self.dtype)}; the others in {', '.join(parts)}"]
@@ -265,7 +279,7 @@ class Report:
         """Write the decision log to ``directory``: ``decisions.jsonl`` (one
         record per node), ``casts.jsonl``, ``summary.txt``, ``policy.json`` and
         the graph's code before and after (``graph_before.py`` / ``graph_after.py``,
-        one file per captured region), ``steps.json`` (every step run on every graph, with its
+        one file per part captured as a graph), ``steps.json`` (every step run on every graph, with its
         seconds), the graph after each step when the conversion kept it (``log_path``:
         ``steps/<graph>/NN_<step>.py``, ``<graph>`` ``root`` for the model's), and ``report.html``,
         the graph as a picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` and
@@ -274,13 +288,14 @@ class Report:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py"), *out.glob("steps/*/*.py")]:
-            stale.unlink()  # an older report's regions: only the files save() itself writes
+            stale.unlink()  # an older report's parts: only the files save() itself writes
         _write_lines(out / "decisions.jsonl", (r.as_json() for r in self.records))
         _write_lines(out / "casts.jsonl", (c.as_json() for c in self.casts))
         (out / "summary.txt").write_text(self.summary() + "\n")
         meta = {"dtype": dtype_name(self.dtype), "shapes": self.shapes, "disabled": self.disabled,
                 "notes": list(self.notes), "policy": self.policy,
-                "regions": [dataclasses.asdict(r) for r in self.regions]}
+                "parts": [dataclasses.asdict(r) for r in self.parts]}
+        meta["regions"] = meta["parts"]  # deprecated: the key's name before "parts", kept for code that reads it
         (out / "policy.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         for label, codes in (("before", self.code_before), ("after", self.code_after)):
             for path, code in codes.items():
@@ -303,20 +318,20 @@ class Report:
         return render(self)
 
     @staticmethod
-    def merge(dtype: torch.dtype, parts: Iterable["Report"], **kw: Any) -> "Report":
-        """One report for a model converted region by region."""
-        parts = list(parts)
-        kw["notes"] = tuple(dict.fromkeys([*(n for p in parts for n in p.notes), *kw.pop("notes", ())]))
+    def merge(dtype: torch.dtype, reports: Iterable["Report"], **kw: Any) -> "Report":
+        """One report for a model converted part by part."""
+        reports = list(reports)
+        kw["notes"] = tuple(dict.fromkeys([*(n for p in reports for n in p.notes), *kw.pop("notes", ())]))
         return Report(
             dtype=dtype,
-            records=tuple(r for p in parts for r in p.records),
-            casts=tuple(c for p in parts for c in p.casts),
-            regions=tuple(g for p in parts for g in p.regions) + tuple(kw.pop("regions", ())),
-            leaf_param_casts=sum(p.leaf_param_casts for p in parts),
-            code_before={k: v for p in parts for k, v in p.code_before.items()},
-            code_after={k: v for p in parts for k, v in p.code_after.items()},
-            steps=tuple(s for p in parts for s in p.steps),
-            step_code={k: v for p in parts for k, v in p.step_code.items()},
+            records=tuple(r for p in reports for r in p.records),
+            casts=tuple(c for p in reports for c in p.casts),
+            parts=tuple(g for p in reports for g in p.parts) + tuple(kw.pop("parts", ())),
+            leaf_param_casts=sum(p.leaf_param_casts for p in reports),
+            code_before={k: v for p in reports for k, v in p.code_before.items()},
+            code_after={k: v for p in reports for k, v in p.code_after.items()},
+            steps=tuple(s for p in reports for s in p.steps),
+            step_code={k: v for p in reports for k, v in p.step_code.items()},
             **kw,
         )
 
@@ -325,3 +340,12 @@ def _write_lines(path: Path, rows: Iterable[dict]) -> None:
     with path.open("w") as f:
         for row in rows:
             f.write(json.dumps(row, default=str) + "\n")
+
+
+def __getattr__(name: str) -> Any:
+    """``Region``, the name :class:`~ampfx.report.records.Part` had: deprecated, kept so that older code imports."""
+    if name == "Region":
+        warnings.warn("ampfx.report.Region is deprecated: it is ampfx.report.records.Part now", DeprecationWarning,
+                      stacklevel=2)
+        return Part
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,7 +62,7 @@ COLLAPSE_ABOVE = 200
 
 # --------------------------------------------------------------------- edges
 def _segments(records: tuple[Decision, ...]) -> list[list[int]]:
-    """Record indices per traced region: each region's graph ends with its ``output`` node."""
+    """Record indices per captured graph: each graph ends with its ``output`` node."""
     segs: list[list[int]] = [[]]
     for i, r in enumerate(records):
         segs[-1].append(i)
@@ -76,18 +76,18 @@ def edges(report: Report) -> list[tuple[int, int, int]]:
 
     Record and cast indices point into ``report.records`` / ``report.casts``. Edges come from what each
     record reads (``Decision.inputs``); an input that is a cast ampfx inserted is drawn from the cast's
-    ``value``. A region whose records name no inputs (a report built by hand) still gets the edges
+    ``value``. A graph whose records name no inputs (a report built by hand) still gets the edges
     through its casts (``CastInfo.consumers``)."""
     out: list[tuple[int, int, int]] = []
     cast_at = 0
     for seg in _segments(report.records):
         names = {report.records[i].node: i for i in seg}
         reads = {src for i in seg for src in report.records[i].inputs}
-        mine: dict[str, int] = {}  # this region's casts (a run of report.casts), by cast node name
+        mine: dict[str, int] = {}  # this graph's casts (a run of report.casts), by cast node name
         while cast_at < len(report.casts):
             c = report.casts[cast_at]
             ours = c.node in reads if reads else c.value in names and set(c.consumers) <= names.keys()
-            if not ours or c.node in mine:  # cast names are unique within a region
+            if not ours or c.node in mine:  # cast names are unique within a graph
                 break
             mine[c.node] = cast_at
             cast_at += 1

@@ -1,6 +1,6 @@
 """The frozen records a conversion writes into ``node.meta['ampfx']``: a :class:`Decision` for each of the
 model's own nodes (why it got its dtype, by which :class:`Rule`), a :class:`CastInfo` for each cast ampfx
-inserted, a :class:`Region` for each part of the model captured or left eager; and how ampfx writes a
+inserted, a :class:`Part` for each part of the model captured, kept eager or left as is; and how ampfx writes a
 dtype (:func:`dtype_name`). The :class:`~ampfx.report.Report` is built from them.
 """
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,10 @@ def _about(doc: str, *, word: str | None = None, inserted: bool = False, counted
     return _About(doc, word, inserted, (not inserted) if counted is None else counted)
 
 
+_OLD_VALUES = {"region": "eager"}
+"""Rule values earlier reports wrote, and the value each is now (``Rule("region")`` reads an old record)."""
+
+
 class Rule(str, enum.Enum):
     """What decided a node's dtype: ``Decision.rule``.
 
@@ -61,7 +66,7 @@ class Rule(str, enum.Enum):
     - ``word``: the short word the summary's ``float32:`` line uses for it;
     - ``inserted``: the node is one ampfx added to the graph (drawn dotted);
     - ``counted``: the node counts as one of the model's compute nodes in the
-      summary (not for nodes ampfx added, nor for an untraceable region, whose
+      summary (not for nodes ampfx added, nor for a module kept eager, whose
       children are counted instead).
 
     A list edit from the environment is ``env:<VAR>`` with the variable's name:
@@ -105,7 +110,7 @@ class Rule(str, enum.Enum):
         "an infer op fed by a low op and no deny op (bfloat16); all float inputs low (float16)")
     PAINT_CLEAR = "paint:clear", _about("a clear op next to a low-precision op (TF-AMP clear propagation)")
     PAINT_SAVE_CAST = "paint:save-cast", _about(
-        "every user computes in float32 and the inputs are cast to float32 anyway, or its region of "
+        "every user computes in float32 and the inputs are cast to float32 anyway, or its cluster of "
         "infer/clear ops needs fewer casts and moves no more bytes in float32: float32 saves casts",
         word="saves a cast")
     WRITE_LOW = "cost:write-low", _about(
@@ -154,8 +159,9 @@ class Rule(str, enum.Enum):
     KEPT = "keep_modules", _about("a module kept as a boundary (keep_modules): its forward runs, converted on its "
                                   "own; its inputs and outputs cross in the dtypes its own graph reads and computes "
                                   "them in", word="kept module", counted=False)
-    REGION = "region", _about("a module that could not be traced runs eagerly; its children were converted one by one",
-                              counted=False)
+    EAGER = "eager", _about("a module that could not be traced keeps its Python (runs eagerly); its children were "
+                            "converted one by one", counted=False)
+    REGION = EAGER  # deprecated: the name and value ("region") of EAGER before it was renamed
     STRUCTURE = "structure", _about("graph inputs, parameters and outputs")
 
     # str, not "Rule.TABLE", wherever a rule is printed: records read as they did when rules were strings
@@ -167,7 +173,10 @@ class Rule(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> "Rule | None":
-        """``env:<VAR>`` for any variable: a member made (once) on demand."""
+        """``env:<VAR>`` for any variable: a member made (once) on demand; ``"region"``, the value
+        :attr:`EAGER` had in earlier reports, is :attr:`EAGER`."""
+        if isinstance(value, str) and value in _OLD_VALUES:
+            return cls(_OLD_VALUES[value])
         if not (isinstance(value, str) and value.startswith("env:") and len(value) > len("env:")):
             return None
         member = str.__new__(cls, value)
@@ -298,10 +307,11 @@ class CastInfo:
 
 
 @dataclass(frozen=True)
-class Region:
-    """How one part of the model was captured: ``path`` ('' = root), ``method``, the ``steps``
-    tried, the ``leaves`` kept opaque (path, why), ``why`` the capture was accepted, and the ``functions``
-    ``torch.fx.wrap`` kept whole, opaque nodes computing in float32 (qualified name, why)."""
+class Part:
+    """How one part of the model was converted: ``path`` ('' = root), ``method`` (how it was captured,
+    or that it keeps its Python, ``"eager (children converted separately)"``, or is ``"left as is: ..."``),
+    the ``steps`` tried, the ``leaves`` kept opaque (path, why), ``why`` the capture was accepted, and the
+    ``functions`` ``torch.fx.wrap`` kept whole, opaque nodes computing in float32 (qualified name, why)."""
 
     path: str
     method: str
@@ -360,3 +370,11 @@ def computes_in(r: Decision) -> torch.dtype | None:
     if r.dtype is not None:
         return r.dtype
     return r.out if isinstance(r.out, torch.dtype) else None
+
+
+def __getattr__(name: str) -> Any:
+    """``Region``, the name :class:`Part` had: deprecated, kept so that older code imports."""
+    if name == "Region":
+        warnings.warn("ampfx.report.records.Region is deprecated: it is Part now", DeprecationWarning, stacklevel=2)
+        return Part
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

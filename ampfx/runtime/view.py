@@ -9,7 +9,7 @@ path by path against the model:
   module**: its flags, attributes, hooks, parameters and Python state are the model's;
 - a converted graph (:class:`~ampfx.runtime.graph_module.AmpGraphModule`) becomes a view of the
   model's module at its path (its parameter, buffer and hook dicts, its flag and attributes);
-- a module whose Python runs around converted children (a region's parent, a ``ModuleList``
+- a module whose Python runs around converted children (a module kept eager, a ``ModuleList``
   holding a converted block) becomes a :class:`Mirror`: an object of the model module's class
   that shares the model module's ``__dict__`` itself (every attribute, the flag, the hooks,
   the parameter and buffer dicts, whatever its ``forward`` sets) and differs only in its children.

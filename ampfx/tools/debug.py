@@ -83,5 +83,5 @@ def debug(amp: torch.nn.Module) -> Debugged:
     """Wrap a converted module (the result of :func:`ampfx.convert`) for overflow hunting."""
     if not isinstance(amp, fx.GraphModule):
         raise TypeError(f"ampfx.tools.debug takes a module returned by ampfx.convert that is one graph; got "
-                        f"{type(amp).__name__} (converted region by region: debug its GraphModule children)")
+                        f"{type(amp).__name__} (converted part by part: debug its GraphModule children)")
     return Debugged(amp)

@@ -200,7 +200,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         _check_runs(model, inputs, args)
     amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
     rep = amp.ampfx_report
-    root = next((reg.method for reg in rep.regions if reg.path == ""), "")
+    root = next((reg.method for reg in rep.parts if reg.path == ""), "")
     if inputs is None and root.startswith("eager") and not any(r.dtype is not None for r in rep.records):
         raise CLIError(f"TARGET {args.target!r}: nothing was converted: torch.fx could not trace the model and it "
                        "has no convertible submodules; give --input so that it is run (and its error shown)")

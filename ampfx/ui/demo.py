@@ -102,7 +102,7 @@ def _stays_fp32(rep, echo: Callable[[str], None]) -> None:
 
 
 def _casts(fp32: nn.Module, amp: nn.Module, ids, labels, low: torch.dtype) -> tuple[int, int]:
-    """Casts in one training step: ampfx's, and autocast's on the float32 model (loss inside the region)."""
+    """Casts in one training step: ampfx's, and autocast's on the float32 model (loss inside the autocast region)."""
     ours = count_casts(lambda: F.cross_entropy(amp(ids), labels).backward())
 
     def autocast_step() -> None:

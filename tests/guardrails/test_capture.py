@@ -129,7 +129,7 @@ def convert(m, x, tracer="auto", examples=True):
 
 
 def steps(amp):
-    return " | ".join(" ".join(r.steps) + " " + r.why for r in amp.ampfx_report.regions)
+    return " | ".join(" ".join(r.steps) + " " + r.why for r in amp.ampfx_report.parts)
 
 
 GRAD_KINDS = ["no_grad", "set_grad_enabled", "inference_mode"]
@@ -163,7 +163,7 @@ def test_buffer_updates_without_example_inputs_keep_the_python(kind, tracer):
     m, x = Net(kind), torch.randn(3, 4)
     ref = copy.deepcopy(m)
     amp = convert(m, x, tracer=tracer, examples=False)
-    assert amp.ampfx_report.regions[-1].method.startswith("eager")
+    assert amp.ampfx_report.parts[-1].method.startswith("eager")
     assert "buffer" in steps(amp) and "changed in place" in steps(amp)
     assert any(r.dtype == torch.bfloat16 for r in amp.ampfx_report.compute)  # the children were converted
     for _ in range(2):
@@ -186,7 +186,7 @@ def test_python_attribute_counter_keeps_the_python():
     m, x = Net("calls"), torch.randn(3, 4)
     amp = convert(m, x)
     assert "attribute 'calls' changed" in steps(amp)
-    assert amp.ampfx_report.regions[-1].method.startswith("eager")
+    assert amp.ampfx_report.parts[-1].method.startswith("eager")
     assert m.calls == 0
     amp(x), amp(x)
     assert amp.calls == m.calls == 2
@@ -216,7 +216,7 @@ def test_enable_grad_and_autocast_regions_are_not_dropped(kind):
     ref = copy.deepcopy(m)
     amp = convert(m, x)
     assert "torch.fx would drop" in steps(amp)
-    assert amp.ampfx_report.regions[-1].method == "export"
+    assert amp.ampfx_report.parts[-1].method == "export"
     with torch.no_grad():
         out, want = amp(x), ref(x)
     assert (out.float() - want).abs().max() < 0.05
@@ -337,7 +337,7 @@ def test_watch_that_fails_to_start_undoes_the_patches_it_made(monkeypatch):
 def test_plain_model_is_still_one_fx_graph():
     """A model with none of these constructs is captured by fx, and the report says what was checked."""
     amp = convert(Net("plain"), torch.randn(3, 4))
-    region = amp.ampfx_report.regions[0]
+    region = amp.ampfx_report.parts[0]
     assert region.method == "fx" and "gradients and buffer updates" in region.why
 
 
@@ -411,7 +411,7 @@ def test_a_function_whose_backward_is_its_derivative_is_traced_through():
     torch.manual_seed(0)
     m, x = Indexed(), torch.randn(3, 4)
     amp = convert(m, x, tracer="export")
-    assert [r.method for r in amp.ampfx_report.regions] == ["export"]
+    assert [r.method for r in amp.ampfx_report.parts] == ["export"]
     assert torch.allclose(amp(x), m(x), rtol=0.05, atol=2e-2)
 
 
@@ -447,7 +447,7 @@ def test_a_cache_filled_in_place_while_tracing_keeps_the_python(tracer):
     torch.manual_seed(0)
     m, x = nn.Sequential(_BiasCache(), nn.ReLU(), _BiasCache()).eval(), torch.randn(2, 16)
     amp = ampfx.convert(m, torch.bfloat16, example_inputs=(x,), tracer=tracer)
-    steps = " ".join(s for r in amp.ampfx_report.regions for s in r.steps)
+    steps = " ".join(s for r in amp.ampfx_report.parts for s in r.steps)
     assert "attribute 'cache' changed in place" in steps
     assert (amp(x).float() - m(x)).abs().max() < 0.05 * m(x).abs().max()
     assert all(type(v) is torch.Tensor for mod in amp.modules() for v in getattr(mod, "cache", {}).values())

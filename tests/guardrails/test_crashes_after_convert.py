@@ -37,7 +37,7 @@ def test_fixed_container_and_bool_defaults_convert_and_are_guarded(tracer):
     never a graph built for the defaults."""
     model, x = Flag(), torch.randn(3, 4)
     amp = ampfx.convert(model, example_inputs=(x,), tracer=tracer)
-    assert amp.ampfx_report.regions[0].method == "fx, optional arguments fixed"
+    assert amp.ampfx_report.parts[0].method == "fx, optional arguments fixed"
     params = inspect.signature(amp.forward).parameters
     assert [(p.name, p.default) for p in params.values()][1:] == [("flag", False), ("mix", (0.5, 0.5))]
     want = model(x)
@@ -111,7 +111,7 @@ def test_an_op_making_complex_from_real_data_reads_float32(how, tracer):
     the model's result."""
     model, x = MakesComplex(how), torch.randn(4, 8)
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,), tracer=tracer)
-    assert amp.ampfx_report.regions[0].method == tracer
+    assert amp.ampfx_report.parts[0].method == tracer
     assert rel(amp(x), model(x)) < 0.03
     made = next(r for r in amp.ampfx_report.records if r.node.startswith(("complex", "view_as_complex")))
     rule = "complex" if (how, tracer) == ("view_as_complex", "export") else "unlisted"
@@ -190,7 +190,7 @@ def test_a_cache_the_forward_grows_keeps_its_python(build, tracer):
     lengths = {k: v for k, v in vars(rope).items() if k in ("cache_len", "max_seq_len_cached")}
     amp = ampfx.convert(model, example_inputs=(torch.randn(2, 4, 8),), tracer=tracer)
     assert {k: vars(rope)[k] for k in lengths} == lengths  # the model is left as it was
-    assert not any(r.method == "export" and r.path in ("", "block") for r in amp.ampfx_report.regions)
+    assert not any(r.method == "export" and r.path in ("", "block") for r in amp.ampfx_report.parts)
     for T in (16, 2, 4, 20):
         x = torch.randn(2, T, 8)
         assert rel(amp(x), reference(x)) < 0.03, T
@@ -237,7 +237,7 @@ def test_out_writes_convert_under_no_grad_and_give_the_model_result(into, op, tr
             assert rel(amp(x), reference(x)) < 0.03
             assert rel(model.buf + 1, reference.buf + 1) < 0.03  # the write reached the model's own buffer
     if into != "like":
-        assert all(r.method != "fx" for r in amp.ampfx_report.regions if r.path == "")
+        assert all(r.method != "fx" for r in amp.ampfx_report.parts if r.path == "")
     elif tracer != "export":
         rec = next(r for r in amp.ampfx_report.records if r.op in ("add", "mm"))
         assert (rec.dtype, rec.rule) == (amp.ampfx_report.by_node("empty_like").out, "inplace")

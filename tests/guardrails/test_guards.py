@@ -180,7 +180,7 @@ def test_a_shape_branch_under_export_raises_outside_its_range():
     relative error of 0.64 before), naming the range; batch 6 gives the model's result."""
     model = ShapeBranch()
     amp = ampfx.convert(model, example_inputs=(torch.randn(8, 4),))
-    assert amp.ampfx_report.regions[0].method == "export"
+    assert amp.ampfx_report.parts[0].method == "export"
     with pytest.raises(GuardError, match=r"dim 0 is 2, but it was converted for sizes 5\.\."):
         amp(torch.randn(2, 4))
     x = torch.randn(6, 4)
@@ -199,7 +199,7 @@ def test_a_python_int_baked_by_export_must_keep_its_value():
     model = Repeat()
     x = torch.randn(2, 4)
     amp = ampfx.convert(model, example_inputs=(x, 3))
-    assert amp.ampfx_report.regions[0].method == "export"
+    assert amp.ampfx_report.parts[0].method == "export"
     with pytest.raises(GuardError, match=r"input n .* is 5, but it was converted for 3.*baked"):
         amp(x, 5)
     assert rel(amp(x, 3), model(x, 3)) < 0.03

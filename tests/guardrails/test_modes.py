@@ -102,12 +102,12 @@ def test_the_train_mode_conversion_is_the_one_convert_makes_in_train_mode():
     direct = ampfx.convert(LayerDrop().train(), "bf16", example_inputs=(x,))
     train = amp.mode_module(True)
     assert train is not amp and amp.mode_module(False) is amp
-    assert [(r.path, r.method) for r in train.ampfx_report.regions] == \
-        [(r.path, r.method) for r in direct.ampfx_report.regions]
-    assert any(r.path == "" and "eager" in r.method for r in train.ampfx_report.regions)
+    assert [(r.path, r.method) for r in train.ampfx_report.parts] == \
+        [(r.path, r.method) for r in direct.ampfx_report.parts]
+    assert any(r.path == "" and "eager" in r.method for r in train.ampfx_report.parts)
     note = next(n for n in amp.ampfx_report.notes if "in train mode the module runs a second conversion" in n)
     assert "when first needed" in note and ".mode_module(True).ampfx_report" in note
-    assert ("layers.0", "fx") in [(r.path, r.method) for r in train.ampfx_report.regions]
+    assert ("layers.0", "fx") in [(r.path, r.method) for r in train.ampfx_report.parts]
 
 
 @pytest.mark.parametrize("cls", [LayerDrop, PyLayerDrop])
@@ -119,7 +119,7 @@ def test_a_random_branch_in_python_is_never_frozen_into_a_graph(cls):
         torch.manual_seed(seed)
         random.seed(seed)
         amp = ampfx.convert(m, "bf16", example_inputs=(x,))
-        root = next(r for r in amp.ampfx_report.regions if r.path == "")
+        root = next(r for r in amp.ampfx_report.parts if r.path == "")
         assert "eager" in root.method
         assert any("drew a random number" in s for s in root.steps), root.steps
         assert distinct(amp, x) > 4
@@ -143,12 +143,12 @@ def test_a_mode_that_does_not_export_falls_down_the_same_ladder():
     torch.manual_seed(0)
     m, x = MaskedInTraining().eval(), torch.randn(4, 8) * 4
     amp = ampfx.convert(m, "bf16", example_inputs=(x,), tracer="export")
-    assert amp.ampfx_report.regions[0].method == "export"
+    assert amp.ampfx_report.parts[0].method == "export"
     amp.train()
     out = amp(x)
     out.float().pow(2).mean().backward()
     assert m.fc1.weight.grad is not None and torch.isfinite(m.fc1.weight.grad).all()
-    assert any("eager" in r.method for r in amp.mode_module(True).ampfx_report.regions)
+    assert any("eager" in r.method for r in amp.mode_module(True).ampfx_report.parts)
     amp.eval()
     assert rel_err(amp(x), m.eval()(x)) < 0.03
 
@@ -174,7 +174,7 @@ def test_both_modes_share_parameters_buffers_and_follow_reassignment():
     m, x = BranchInEval().train(), torch.randn(6, 8)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,))
     evals = amp.mode_module(False)
-    assert evals is not amp and any("eager" in r.method for r in evals.ampfx_report.regions)
+    assert evals is not amp and any("eager" in r.method for r in evals.ampfx_report.parts)
     amp(x)
     assert int(m.bn.num_batches_tracked) == 1
     assert evals.bn.running_mean is m.bn.running_mean

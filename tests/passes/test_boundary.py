@@ -30,7 +30,7 @@ INPUTS = (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 4), torch.tens
 def _converted(prefix: str):
     gm, ctx = run(_fn, INPUTS, upto=pad.pad)
     ctx = dataclasses.replace(ctx, prefix=prefix)
-    run_passes(gm, ctx, start=boundary.cast_region_inputs, upto=boundary.cast_region_inputs)
+    run_passes(gm, ctx, start=boundary.cast_part_inputs, upto=boundary.cast_part_inputs)
     return gm
 
 

@@ -205,13 +205,13 @@ def test_a_write_by_a_dunder_method_called_by_name_is_in_place():
 
 
 def test_a_region_leaf_is_float32_whatever_its_type():
-    """A call_module node named in ``ctx.regions`` (a module that could not be traced,
-    run eagerly) is FP32 with rule "region", even when its type is on the allow list."""
+    """A call_module node named in ``ctx.eager_leaves`` (a module that could not be traced,
+    run eagerly) is FP32 with rule "eager", even when its type is on the allow list."""
     gm = graph(Block())
-    ctx = dataclasses.replace(context(gm), regions=frozenset({"fc"}), leaves={"fc": "it failed to trace"})
+    ctx = dataclasses.replace(context(gm), eager_leaves=frozenset({"fc"}), leaves={"fc": "it failed to trace"})
     run_passes(gm, ctx, upto=classify.classify)
     d = rec(gm, "fc")
-    assert (d.category, d.dtype, d.rule) == (Category.FP32, torch.float32, "region")
+    assert (d.category, d.dtype, d.rule) == (Category.FP32, torch.float32, "eager")
     assert "it failed to trace" in d.reason
     assert rec(gm, "linear").rule == "table"
 

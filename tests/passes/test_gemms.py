@@ -91,7 +91,7 @@ def test_counting_a_graph_that_opens_vmap_levels_leaves_none_open():
     stays open after the count: a level left open made every later dropout raise and backward() refuse."""
     x = torch.randn(2, 5, 8)
     amp = ampfx.convert(_VmappedMask().train(), "bf16", example_inputs=(x,))
-    assert amp.ampfx_report.regions[-1].method == "export"
+    assert amp.ampfx_report.parts[-1].method == "export"
     assert torch._C._functorch.peek_interpreter_stack() is None
     assert amp.ampfx_report.gemms == 3
     amp(x).float().sum().backward()

@@ -142,7 +142,7 @@ def test_padded_gemms_compute_what_the_unpadded_ones_do(make, padded_values):
 
 
 def test_narrow_keeps_the_original_sizes_in_meta():
-    """The narrow node's ``OUT_INFOS`` are the GEMM's sizes before padding."""
+    """The narrow node's ``tensor_meta`` holds the GEMM's sizes before padding."""
     gm, _ = run(Linear(10, 12), (torch.randn(4, 12),), pad="always", **PAD)
     (narrow,) = narrows(gm)
     assert meta.out_infos(narrow)[0].shape == (4, 10)

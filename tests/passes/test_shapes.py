@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ampfx import meta
 from ampfx.passes import shapes
-from ampfx.passes.shapes import TensorInfo
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from .helpers import graph, node
 
@@ -31,16 +31,25 @@ def _shape(gm, name):
     return meta.out_infos(node(gm, name))
 
 
+def _sized(shape, dtype):
+    """What a test checks of one recorded ``TensorMetadata``: its sizes and dtype."""
+    return tuple(shape), dtype
+
+
+def _facts(infos):
+    return tuple((tuple(i.shape), i.dtype) for i in infos)
+
+
 def test_every_node_gets_the_dtype_and_sizes_of_its_output():
     """Without dynamic_dims the graph runs on meta tensors, and every node
-    (inputs, parameters, ops and the output) gets one TensorInfo per tensor."""
+    (inputs, parameters, ops and the output) gets one TensorMetadata per tensor."""
     gm = graph(Affine())
     method, _, symbols = shapes.propagate(gm, (torch.randn(8, 6),))
     assert method == "meta" and symbols.ranges == {}
-    assert _shape(gm, "x") == (TensorInfo((8, 6), torch.float32),)
-    assert _shape(gm, "w") == (TensorInfo((4, 6), torch.float32),)
-    assert _shape(gm, "linear") == (TensorInfo((8, 4), torch.float32),)
-    assert _shape(gm, "relu") == (TensorInfo((8, 4), torch.float32),)
+    assert _facts(_shape(gm, "x")) == (_sized((8, 6), torch.float32),)
+    assert _facts(_shape(gm, "w")) == (_sized((4, 6), torch.float32),)
+    assert _facts(_shape(gm, "linear")) == (_sized((8, 4), torch.float32),)
+    assert _facts(_shape(gm, "relu")) == (_sized((8, 4), torch.float32),)
     assert all(meta.out_infos(n) is not None for n in gm.graph.nodes)
 
 
@@ -52,14 +61,14 @@ def test_dtypes_are_those_the_nodes_produce():
     assert _shape(gm, "x")[0].dtype == torch.float16
     assert _shape(gm, "to")[0].dtype == torch.bfloat16
     assert _shape(gm, "mul")[0].dtype == torch.bfloat16
-    assert _shape(gm, "argmax") == (TensorInfo((3,), torch.int64),)
+    assert _facts(_shape(gm, "argmax")) == (_sized((3,), torch.int64),)
 
 
 def test_a_node_producing_several_tensors_gets_one_info_each():
-    """``torch.max(x, dim)`` returns values and indices: two TensorInfos, in order."""
+    """``torch.max(x, dim)`` returns values and indices: two TensorMetadata, in order."""
     gm = graph(lambda x: torch.max(x, 1))
     shapes.propagate(gm, (torch.randn(4, 3),))
-    assert _shape(gm, "max_1") == (TensorInfo((4,), torch.float32), TensorInfo((4,), torch.int64))
+    assert _facts(_shape(gm, "max_1")) == (_sized((4,), torch.float32), _sized((4,), torch.int64))
 
 
 def test_keyword_example_inputs_bind_to_the_placeholders():
@@ -87,12 +96,16 @@ def test_dynamic_dims_give_named_symbolic_sizes():
 
 
 def test_numel_of_a_symbolic_info_is_an_expression():
-    """``TensorInfo.numel`` is an int for static sizes, a sympy product for symbolic ones;
-    ``str`` shows ``dtype[sizes]``."""
+    """``meta.numel`` is an int for static sizes, a sympy product for symbolic ones;
+    ``meta.describe`` shows ``dtype[sizes]``."""
     batch = sympy.Symbol("batch", integer=True, positive=True)
-    assert TensorInfo((2, 3), torch.float16).numel() == 6
-    assert TensorInfo((batch, 3), torch.float32).numel() == 3 * batch
-    assert str(TensorInfo((batch, 3), torch.float16)) == "float16[batch, 3]"
+
+    def info(shape, dtype):
+        return TensorMetadata(shape, dtype, False, (), None, False, {})
+
+    assert meta.numel(info(torch.Size((2, 3)), torch.float16)) == 6
+    assert meta.numel(info((batch, 3), torch.float32)) == 3 * batch
+    assert meta.describe(info((batch, 3), torch.float16)) == "float16[batch, 3]"
 
 
 def test_data_dependent_leaves_fall_back_to_running_the_inputs_for_real():
@@ -101,7 +114,7 @@ def test_data_dependent_leaves_fall_back_to_running_the_inputs_for_real():
     gm = graph(lambda x: _first_k(x) * 2)
     method, note, _ = shapes.propagate(gm, (torch.tensor([1.0, 5.0, 2.0]),))
     assert method == "real" and "ran the example inputs for real" in note
-    assert _shape(gm, "mul") == (TensorInfo((2,), torch.float32),)
+    assert _facts(_shape(gm, "mul")) == (_sized((2,), torch.float32),)
 
 
 def test_buffers_are_restored_after_fake_propagation():
@@ -183,7 +196,7 @@ def test_repeated_blocks_reuse_their_sizes_and_record_the_same_as_a_run():
     finally:
         shapes.ShapeMemo.find = keep
     assert [meta.out_infos(n) for n in gm.graph.nodes] == [meta.out_infos(n) for n in unmemo.graph.nodes]
-    assert meta.out_infos(list(gm.graph.nodes)[-2]) == (TensorInfo((2, 3), torch.float32),)
+    assert _facts(meta.out_infos(list(gm.graph.nodes)[-2])) == (_sized((2, 3), torch.float32),)
 
 
 def test_a_module_that_changes_its_attributes_runs_on_every_call():
@@ -219,7 +232,8 @@ def test_in_place_size_changes_are_not_lost():
 
     gm = graph(f)
     shapes.propagate(gm, (torch.randn(2, 3), torch.randn(2, 3)))
-    assert _shape(gm, "add") == _shape(gm, "add_1") == (TensorInfo((1, 2, 3), torch.float32),)
+    assert _shape(gm, "add") == _shape(gm, "add_1")
+    assert _facts(_shape(gm, "add")) == (_sized((1, 2, 3), torch.float32),)
 
 
 class _Heads(nn.Module):
@@ -239,8 +253,8 @@ def test_attributes_named_like_hooks_are_part_of_a_modules_key():
     gm = _leaf_graph(_Twice(_Heads(2, torch.float32), _Heads(4, torch.float16)))
     shapes.propagate(gm, (torch.randn(3, 8),))
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
-    assert [meta.out_infos(n) for n in calls] == [(TensorInfo((3, 2, 4), torch.float32),),
-                                                  (TensorInfo((3, 4, 2), torch.float16),)]
+    assert [_facts(meta.out_infos(n)) for n in calls] == [(_sized((3, 2, 4), torch.float32),),
+                                                          (_sized((3, 4, 2), torch.float16),)]
 
 
 class _GrowsWhenGiven(nn.Module):
@@ -273,3 +287,27 @@ def test_a_change_made_by_a_call_without_a_key_is_not_missed():
     shapes.propagate(gm, (torch.randn(2, 3),))
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert [meta.out_infos(n)[0].shape for n in calls] == [(2, 3), (2, 6), (2, 6)]
+
+
+def test_tensor_meta_is_torchs_own_and_mirrors_the_result():
+    """Shapes land in torch's ``node.meta['tensor_meta']`` as ``TensorMetadata``, in the shape of the
+    result (ShapeProp's form): a tuple result gets a tuple, a node without a tensor ``None``; symbolic
+    sizes are sympy expressions over the given names, so the graph deep-copies and pickles."""
+    import copy
+    import pickle
+
+    gm = graph(lambda x: (torch.max(x, 1), x.shape[0]))
+    shapes.propagate(gm, (torch.randn(4, 3),), {0: "batch"})
+    batch = sympy.Symbol("batch", integer=True, positive=True)
+    max_1 = node(gm, "max_1")
+    values, indices = max_1.meta["tensor_meta"]
+    assert isinstance(values, TensorMetadata) and values.shape == (batch,) and indices.dtype == torch.int64
+    assert node(gm, "x").meta["tensor_meta"].stride == (3, 1)
+    size = [n for n in gm.graph.nodes if n.op == "call_function" and n.args and n.args[0] is node(gm, "getattr_1")]
+    assert [n.meta["tensor_meta"] for n in size] == [None] and meta.out_infos(size[0]) == ()
+    assert all("tensor_meta" in n.meta for n in gm.graph.nodes)
+    for n in gm.graph.nodes:
+        n.meta.pop("val", None)  # fake tensors: what convert removes after the passes
+    again = pickle.loads(pickle.dumps(gm.graph))
+    assert [meta.out_infos(n) for n in again.nodes] == [meta.out_infos(n) for n in gm.graph.nodes]
+    assert [meta.out_infos(n) for n in copy.deepcopy(gm.graph).nodes] == [meta.out_infos(n) for n in gm.graph.nodes]

@@ -770,7 +770,7 @@ def _dynamic_export_timed_out(amp: nn.Module) -> bool:
     that fewer sizes stayed dynamic, as its capture's steps say? A size it then fixed is refused with a
     clear error, as for a dimension not in ``dynamic_dims``."""
     report = getattr(amp, "ampfx_report", None)  # (a stand-in module in the harness's own tests has none)
-    return report is not None and any("stopped after" in step for reg in report.regions for step in reg.steps)
+    return report is not None and any("stopped after" in step for reg in report.parts for step in reg.steps)
 
 
 def _train_step(ck: _Checker, model: nn.Module, amp: nn.Module) -> None:
