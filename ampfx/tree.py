@@ -41,11 +41,11 @@ from .runtime import handing
 from .runtime.graph_module import AmpGraphModule, PendingMode
 from .inputs import ExampleInputs
 from .report import Report
-from .report.records import Part, dtype_name
+from .report.records import Decision, Part, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .rewrite import convert_graph, device_of, kept_ends
-from .passes import boundary
+from .passes import boundary, classify
 from .passes.context import Ends
 from .meta import AUTOCAST_HANDS, record
 from .capture import observe as observing
@@ -212,7 +212,8 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     ends = boundary.output_dtypes(gm)
     memo.computed[prefix] = tuple(computed for _, computed in ends)
     if job.hands_on or enter is not None:  # handed low values by its siblings, or handing them its own
-        gm.set_linked(handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None))
+        gm.set_linked(handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None,
+                                     writes=_writes_inputs(gm)))
     if switches:
         note = _other_mode(gm, job, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, note))
@@ -225,6 +226,18 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
                              eager=(f"traced as a leaf: {capture.leaves[path]}",),
                              other_mode=job.other_mode and not switches))
     return gm, jobs + [_kept_job(gm, path, job, calls, not switches) for path in capture.kept]
+
+
+def _writes_inputs(gm: AmpGraphModule) -> bool:
+    """Does ``gm``'s graph write into one of its inputs: into a placeholder, a view of one, or a cast of one (a
+    cast to the dtype the input already has returns the input itself)?"""
+    def aliased(node: Any) -> Any:
+        while isinstance(node, torch.fx.Node) and node.args and isinstance(node.args[0], torch.fx.Node) and (
+                node.target is runtime.cast or (isinstance(d := record(node), Decision) and ops.is_view(d.op))):
+            node = node.args[0]
+        return node
+    return any(classify.is_inplace(n, gm) and getattr(aliased(classify.written(n)), "op", None) == "placeholder"
+               for n in gm.graph.nodes if n.op != "placeholder")
 
 
 def kept_below(resolved: Resolved, prefix: str) -> frozenset[str]:

@@ -116,18 +116,27 @@ class Handing(TorchFunctionMode):
         Python may have written since); the others as they are."""
         return tree_map(lambda v: self.settled[id(v)] if self.handed(v) and id(v) in self.settled else v, value)
 
+    def settle(self, value: Any) -> None:
+        """The handed tensors of ``value`` in float32 for good (:meth:`_settle`)."""
+        for t in _floats(value):
+            if self.handed(t):
+                self._settle(t)
+
     def _lift(self, t: torch.Tensor) -> torch.Tensor:
         hit = self.settled.get(id(t))
         if hit is not None:
             return hit
-        whole = self.copies.get(_storage(t))
+        key = _storage(t)
+        whole = self.copies.get(key)
+        if whole is not None and t.requires_grad and not whole.requires_grad:
+            whole = None  # made for a detached alias of t: its copy carries no gradient
         if whole is None and _spans(t):
-            whole = self.copies[_storage(t)] = t.reshape(-1).to(torch.float32)
+            whole = self.copies[key] = _float32(t, flat=True)
         if whole is not None:
-            return _view(whole, t)
+            return _follow(_view(whole, t), t)
         part = self.copies.get(("part", id(t)))
         if part is None or part[0] is not t:
-            part = self.copies[("part", id(t))] = (t, t.to(torch.float32))
+            part = self.copies[("part", id(t))] = (t, _float32(t))
         return part[1]
 
     def _settle(self, t: torch.Tensor) -> None:
@@ -135,13 +144,13 @@ class Handing(TorchFunctionMode):
         if id(t) in self.settled:
             return
         key = _storage(t)
+        members = [m for m in self.made.values() if id(m) not in self.settled and _storage(m) == key]
         whole = self.copies.pop(key, None)
-        if whole is None:
-            size = t.untyped_storage().nbytes() // t.element_size()
-            whole = (t.reshape(-1) if _spans(t) else t.as_strided((size,), (1,), 0)).to(torch.float32)
-        for m in list(self.made.values()):
-            if id(m) not in self.settled and _storage(m) == key:
-                self.settled[id(m)] = _view(whole, m)
+        if whole is None or (not whole.requires_grad and any(m.requires_grad for m in members)):
+            whole = _assemble(members, t.untyped_storage().nbytes() // t.element_size())
+        with torch.enable_grad():  # views that record autograd even where the write is made under no_grad
+            for m in members:
+                self.settled[id(m)] = _follow(_view(whole, m), m)
                 self.copies.pop(("part", id(m)), None)
 
     def _copies_in(self, read: list[torch.Tensor]) -> dict[tuple, torch.Tensor]:
@@ -194,6 +203,33 @@ def _spans(t: torch.Tensor) -> bool:
         t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
+def _float32(t: torch.Tensor, flat: bool = False) -> torch.Tensor:
+    """A float32 copy of ``t`` (``flat``: of a ``t`` that spans its storage, one dimension) that records autograd
+    where ``t`` does, even read first under ``no_grad`` (the copy is shared by the reads after)."""
+    with torch.enable_grad():
+        return (t.reshape(-1) if flat else t).to(torch.float32)
+
+
+def _assemble(members: list[torch.Tensor], size: int) -> torch.Tensor:
+    """A float32 copy of the storage ``members`` share, ``size`` elements, taking each member's gradient back
+    to it: the copy of a member spanning it (one that records autograd first), else each member copied in
+    its place (the parts a child returned, ``chunk``'s: one part's copy would drop the others' gradients)."""
+    spans = sorted((m for m in members if _spans(m)), key=lambda m: not m.requires_grad)
+    if spans:
+        return _float32(spans[0], flat=True)
+    with torch.enable_grad():
+        whole = members[0].new_zeros(size, dtype=torch.float32)
+        for m in members:
+            whole.as_strided(m.size(), m.stride(), m.storage_offset()).copy_(m)
+    return whole
+
+
+def _follow(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``view``, read for ``t``: detached where ``t`` records no autograd (``h.detach()``, ``h.data``, made under
+    ``no_grad``), as ``t``'s float32 value was in the model."""
+    return view.detach() if view.requires_grad and not t.requires_grad else view
+
+
 def _view(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """What ``t`` is of its storage, taken of ``whole``, a float32 copy of that storage."""
     return whole.view(t.shape) if _spans(t) else whole.as_strided(t.size(), t.stride(), t.storage_offset())
@@ -225,6 +261,9 @@ class Linked:
     where it only takes handed values."""
 
     originals: tuple[torch.dtype, ...] | None = None
+    writes: bool = False
+    """Its graph writes into its float inputs (``h.relu_()``): it takes handed values settled in float32, the
+    values its writes reached before (and its parent reads after)."""
 
     def run(self, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``: the graph outside its parent's :class:`Handing` mode, its outputs handed to that
@@ -232,6 +271,8 @@ class Linked:
         mode = current()
         if mode is None:
             return self.restore(call(*args))
+        if self.writes:
+            mode.settle(args)
         with _pop_mode_temporarily():
             out = call(*mode.resolve(args))
         if self.originals is not None:
