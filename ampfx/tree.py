@@ -99,6 +99,7 @@ class _Job:
     # children through moves (it returns them as computed), and the children's outputs its float inputs are moved from
     hands_on: bool = False
     fed_by: frozenset[tuple[str, int]] | None = None  # (module path with a trailing dot, float output index)
+    keeps: frozenset[int] = frozenset()  # its float outputs returned in their original dtypes all the same (fanned out)
 
 
 def convert_tree(root: nn.Module, request: Request) -> tuple[nn.Module, Report]:
@@ -210,10 +211,10 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
     ends = boundary.output_dtypes(gm)
-    memo.computed[prefix] = tuple(computed for _, computed in ends)
+    memo.computed[prefix] = tuple(original if k in job.keeps else computed for k, (original, computed) in enumerate(ends))
     if job.hands_on or enter is not None:  # handed low values by its siblings, or handing them its own
         gm.set_linked(handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None,
-                                     writes=_writes_inputs(gm)))
+                                     writes=_writes_inputs(gm), keeps=job.keeps))
     if switches:
         note = _other_mode(gm, job, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, note))
@@ -345,9 +346,10 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
 def _linked(job: _Job, jobs: list[_Job], calls: _Observed) -> list[_Job]:
     """The jobs of the children of ``job``'s module, which keeps its Python, in the order it calls them, with
     what the observation run showed of the values they pass each other (:class:`ampfx.capture.observe.Links`).
-    Where its Python moves the outputs of one into another, every child returns its float outputs in the dtype
-    it computes them in, and a child whose float inputs are all so moved takes them in that dtype, where its
-    sibling's graph computes them low (:func:`_entered`). The module's Python sees float32 wherever it does
+    Where its Python moves the outputs of one into another, and keeps none of them past its call, every child
+    returns its float outputs in the dtype it computes them in (but those two or more readers read: their
+    gradients would be summed low), and a child whose float inputs are all so moved takes them in that dtype,
+    where its sibling's graph computes them low (:func:`_entered`). The module's Python sees float32 wherever it does
     more than move them, at one cast a value, the cast the child's graph made before
     (:mod:`ampfx.runtime.handing`); so no boundary costs more than it did, and moved values cost none."""
     seen = calls.links(job.prefix.rstrip(".")) if job.inputs is not None and len(jobs) > 1 else None
@@ -362,7 +364,8 @@ def _linked(job: _Job, jobs: list[_Job], calls: _Observed) -> list[_Job]:
     for j in jobs:
         fed_by = seen.fed_by(where[j.prefix])
         fed_by = None if fed_by is None else frozenset((f"{p}.", k) for p, k in fed_by)
-        linked.append(dataclasses.replace(j, hands_on=True, fed_by=fed_by))
+        keeps = frozenset(k for p, k in seen.fanned if p == where[j.prefix])
+        linked.append(dataclasses.replace(j, hands_on=True, fed_by=fed_by, keeps=keeps))
     return linked
 
 

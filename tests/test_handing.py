@@ -204,3 +204,12 @@ def test_a_value_read_through_a_view_and_returned_is_cast_once():
         got = amp(x, y)
     assert upcasts.count == 1
     torch.testing.assert_close(got, type(amp).forward(amp, x, y), rtol=0, atol=0)
+
+
+def test_torch_compile_of_the_handing_parent_computes_what_it_did():
+    """``torch.compile`` of the converted module (its parent's Python breaks the graph; the mode's bookkeeping
+    is traced): the same values as the module run eagerly without the handing, on three paths."""
+    net, amp, x = _converted()
+    compiled = torch.compile(amp)
+    for k in (0, 1, 4):
+        torch.testing.assert_close(compiled(x, torch.tensor(k)), _before(amp, x, k), rtol=0, atol=0)

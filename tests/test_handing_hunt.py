@@ -195,11 +195,10 @@ class FansOut(nn.Module):
         return self.b(h[:, :16]) + self.c(h.view(8, 16)) + self.d(h.flip(0))
 
 
-@pytest.mark.xfail(strict=True, reason="a handed value read by several consumers has its gradient summed in the "
-                   "low dtype by autograd (each contribution rounded), where the float32 output summed them in "
-                   "float32 and rounded once; not fixable at run time without a float32 node per handed value")
 def test_a_value_moved_into_several_children_has_the_gradient_it_had():
-    """On the path conversion saw: ``a``'s gradients differ from before (``a.fc2.bias`` by up to 0.06)."""
+    """On the path conversion saw, ``a``'s gradients are those it had: handed low, its output's gradient would be
+    summed in bfloat16 by autograd, each contribution rounded (``a.fc2.bias`` off by up to 0.06), so the
+    observation sees the output read by three children and ``a`` returns it float32 (Links.fanned)."""
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     amp = ampfx.convert(FansOut(), "bf16", example_inputs=(x,))
@@ -224,11 +223,10 @@ class Remembers(nn.Module):
         return self.b(h.view(8, 16)) + before * 0.3
 
 
-@pytest.mark.xfail(strict=True, reason="a handed value the parent's Python stores (on self, in a list) leaves "
-                   "the call low: Handing.lift only lifts what the parent returns")
 def test_a_value_kept_on_self_is_float32_on_the_next_call():
-    """``self.memory`` was float32; it is bfloat16 after the call, and the next call computes ``memory * 0.3`` in
-    bfloat16."""
+    """``self.memory`` was float32, and stays so: handed low, it left the call in bfloat16 and the next call
+    computed ``memory * 0.3`` in bfloat16; the observation sees a child's output outlive the call and the parent
+    hands nothing (Links.stored)."""
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     amp = ampfx.convert(Remembers(), "bf16", example_inputs=(x,))
@@ -252,7 +250,8 @@ class Loop(nn.Module):
 
 
 @pytest.mark.xfail(strict=True, reason="Handing.made holds every handed value (and every move of one) until the "
-                   "parent returns, to keep ids unique: inference memory grows with the loop's length")
+                   "parent returns, to keep ids unique: inference memory grows with the loop's length (weak "
+                   "references would do, but torch.compile stores the tensor itself where one is made)")
 def test_a_loop_frees_what_it_no_longer_holds():
     """Under ``torch.no_grad()`` each step's outputs are freed once the loop moves on, as without the handing."""
     torch.manual_seed(0)

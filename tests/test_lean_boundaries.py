@@ -144,7 +144,7 @@ class EagerParent(nn.Module):
 
 
 @pytest.mark.parametrize("middle", [Stage, PreNorm])
-def test_regions_under_an_eager_parent_hand_each_other_the_low_dtype_through_reshapes(middle):
+def test_parts_under_an_eager_parent_hand_each_other_the_low_dtype_through_reshapes(middle):
     """Children of a module that keeps its Python, whose outputs its Python only moves and reshapes into
     the next child: each returns what it computes low in the low dtype and the next takes it so, as
     under autocast, instead of float32 both ways. The next child's input is not a float32 stream (a

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -45,19 +46,24 @@ class Links:
 
     ``feeds``: for each child, per float tensor of its first call, the children's outputs it is moved from
     (``None``: anything else made it); ``takes``: the children's outputs each child's calls take so;
-    ``spent``: the outputs the module's Python computes with, writes or returns; ``outputs``: each
-    child's number of float outputs; ``calls``: how often each child was called, in the order of their
-    first calls."""
+    ``outputs``: each child's number of float outputs; ``calls``: how often each child was called, in the
+    order of their first calls; ``fanned``: the outputs one of whose values (the output, or a move of it)
+    two or more readers read (moves, children's calls, the Python computing with it): in the low dtype,
+    autograd would sum their gradients low; ``stored``: the outputs a value of which outlived the call
+    without being returned (kept on a module, in a list or a cache)."""
 
     feeds: dict[str, tuple[frozenset[Source] | None, ...]] = field(default_factory=dict)
     takes: dict[str, frozenset[Source]] = field(default_factory=dict)
-    spent: frozenset[Source] = frozenset()
     outputs: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    fanned: frozenset[Source] = frozenset()
+    stored: frozenset[Source] = frozenset()
 
     def hands_on(self, converted: set[str] | frozenset[str]) -> bool:
-        """Does a child of ``converted`` take another's outputs, moved there alone? (Then they hand each
-        other the low dtype: :mod:`ampfx.runtime.handing`.)"""
+        """Does a child of ``converted`` take another's outputs, moved there alone, and none of their values
+        outlive the call? (Then they hand each other the low dtype: :mod:`ampfx.runtime.handing`.)"""
+        if any(src in converted for src, _ in self.stored):
+            return False
         return any(src in converted for child in converted for src, _ in self.takes.get(child, ()))
 
     def fed_by(self, path: str) -> frozenset[Source] | None:
@@ -70,13 +76,11 @@ class Links:
 
     def renamed(self, full: Callable[[str], str]) -> "Links":
         """The same links with every path passed through ``full``."""
-        def source(s: Source) -> Source:
-            return full(s[0]), s[1]
-        return Links({full(p): tuple(None if f is None else frozenset(map(source, f)) for f in fs)
-                      for p, fs in self.feeds.items()},
-                     {full(p): frozenset(map(source, t)) for p, t in self.takes.items()},
-                     frozenset(map(source, self.spent)), {full(p): n for p, n in self.outputs.items()},
-                     {full(p): n for p, n in self.calls.items()})
+        def sources(found: frozenset[Source]) -> frozenset[Source]:
+            return frozenset((full(p), k) for p, k in found)
+        return Links({full(p): tuple(None if f is None else sources(f) for f in fs) for p, fs in self.feeds.items()},
+                     {full(p): sources(t) for p, t in self.takes.items()}, {full(p): n for p, n in self.outputs.items()},
+                     {full(p): n for p, n in self.calls.items()}, sources(self.fanned), sources(self.stored))
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,9 @@ def observe(model: nn.Module, inputs: ExampleInputs, *, calls: bool | Callable[[
                 kept_attributes(model, bookkeeping=False), modes(model, training=False), torch.no_grad():
             if len(hooks) > len(first) and any(record(p) for p, _ in model.named_modules() if p):
                 with flows:
-                    flows.spend(inputs.call(model))
+                    out = inputs.call(model)
+                    flows.finish(out)
+                del out
             else:
                 inputs.call(model)
     finally:
@@ -146,28 +152,47 @@ def _floats(value: Any) -> list[torch.Tensor]:
 class _Flows(TorchFunctionMode):
     """Follows the float outputs of recorded modules through the Python of the module that called them
     (:class:`Links`), with the classification the run time uses (:func:`ampfx.runtime.handing.kind`).
-    ``stack``: the recorded modules running, innermost last (``""``: the model's own Python)."""
+    ``stack``: the recorded modules running, innermost last (``""``: the model's own Python). Tensors are
+    held weakly: one still alive when its level's Python has returned, and not returned by it, was stored
+    (on a module, in a list or a cache)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stack: list[str] = [""]
         self.pause = 0
-        self.made: dict[int, tuple[torch.Tensor, dict[str, frozenset[Source]]]] = {}  # by level: what it moves
+        self.made: dict[int, tuple[weakref.ref, dict[str, frozenset[Source]]]] = {}  # by level: what it moves
+        self.at: dict[str, list[int]] = {}  # by level: the ids it marked since the level's Python began
+        self.uses: dict[tuple[int, str], int] = {}  # children's calls reading a marked tensor
+        self.moved: dict[tuple[int, str], list[int]] = {}  # the marked tensors moves made of a marked tensor
+        self.read: set[tuple[int, str]] = set()  # marked tensors the level's Python computes with, writes or returns
         self.feeds: dict[str, dict[str, tuple[frozenset[Source] | None, ...]]] = {}
         self.takes: dict[str, dict[str, set[Source]]] = {}
-        self.spent: dict[str, set[Source]] = {}
+        self.fanned: dict[str, set[Source]] = {}
+        self.stored: dict[str, set[Source]] = {}
         self.outputs: dict[str, dict[str, int]] = {}
         self.calls: dict[str, dict[str, int]] = {}
 
     def _of(self, t: torch.Tensor, level: str) -> frozenset[Source] | None:
         hit = self.made.get(id(t))
-        return hit[1].get(level) if hit is not None and hit[0] is t else None
+        return hit[1].get(level) if hit is not None and hit[0]() is t else None
 
     def _mark(self, t: torch.Tensor, level: str, sources: frozenset[Source]) -> None:
         hit = self.made.get(id(t))
-        if hit is None or hit[0] is not t:
-            hit = self.made[id(t)] = (t, {})
+        if hit is None or hit[0]() is not t:  # a new tensor (a freed one's id may be reused): counted afresh
+            for old in (hit[1] if hit is not None else ()):
+                self.uses.pop((id(t), old), None)
+                self.moved.pop((id(t), old), None)
+                self.read.discard((id(t), old))
+            hit = self.made[id(t)] = (weakref.ref(t), {})
         hit[1][level] = sources
+        self.at.setdefault(level, []).append(id(t))
+
+    def _use(self, t: torch.Tensor, level: str, computed: bool = False) -> None:
+        if self._of(t, level):
+            if computed:
+                self.read.add((id(t), level))
+            else:
+                self.uses[id(t), level] = self.uses.get((id(t), level), 0) + 1
 
     def enter(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         with self.paused():
@@ -181,7 +206,10 @@ class _Flows(TorchFunctionMode):
         level = self.stack[-1]
         calls = self.calls.setdefault(level, {})
         calls[path] = calls.get(path, 0) + 1
-        feeds = tuple(self._of(t, level) for t in _floats((args, kwargs)))
+        floats = _floats((args, kwargs))
+        feeds = tuple(self._of(t, level) for t in floats)
+        for t in floats:
+            self._use(t, level)
         self.feeds.setdefault(level, {}).setdefault(path, feeds)
         self.takes.setdefault(level, {}).setdefault(path, set()).update(*(f for f in feeds if f))
         self.stack.append(path)
@@ -189,16 +217,42 @@ class _Flows(TorchFunctionMode):
     def _leave(self, path: str, out: Any) -> None:
         if self.stack[-1] == path:
             self.stack.pop()
-        self.spend(out, level=path)  # its own Python returns it: out of its children's hands
+        self.finish(out, level=path)  # its own Python returns it
         floats = _floats(out)
         self.outputs.setdefault(self.stack[-1], {})[path] = len(floats)
         for k, t in enumerate(floats):
             self._mark(t, self.stack[-1], frozenset({(path, k)}))
 
-    def spend(self, value: Any, level: str = "") -> None:
-        """What ``value`` is moved from leaves the children's hands at ``level`` (the Python computes with it)."""
-        for t in _floats(value):
-            self.spent.setdefault(level, set()).update(self._of(t, level) or ())
+    def finish(self, out: Any, level: str = "") -> None:
+        """The Python at ``level`` returned ``out``: the children's outputs it fanned out while low (read by two
+        or more of moves, children's calls and its own computing), and those it stored, are known."""
+        returned = {id(t) for t in _floats(out)}
+        for t in _floats(out):
+            self._use(t, level, computed=True)
+        ids = list(dict.fromkeys(self.at.pop(level, ())))
+        used: dict[int, bool] = {}
+
+        def reaches(i: int) -> bool:  # read by a child, its own computing or a move whose result is (not .item())
+            if i not in used:
+                used[i] = False
+                used[i] = self.uses.get((i, level), 0) > 0 or (i, level) in self.read or \
+                    any(reaches(o) for o in self.moved.get((i, level), ()))
+            return used[i]
+        for i in ids:
+            hit = self.made.get(i)
+            sources = hit[1].get(level) if hit is not None else None
+            if not sources:
+                continue
+            readers = self.uses.get((i, level), 0) + ((i, level) in self.read) + \
+                sum(reaches(o) for o in self.moved.get((i, level), ()))
+            if readers > 1:
+                self.fanned.setdefault(level, set()).update(sources)
+            if hit[0]() is not None and i not in returned:
+                self.stored.setdefault(level, set()).update(sources)
+        for i in ids:
+            self.uses.pop((i, level), None)
+            self.moved.pop((i, level), None)
+            self.read.discard((i, level))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -225,14 +279,17 @@ class _Flows(TorchFunctionMode):
         if what == handing.MOVE and all(sources):
             for t in _floats(out):
                 self._mark(t, level, frozenset().union(*sources))
+                for r in floats:
+                    self.moved.setdefault((id(r), level), []).append(id(t))
             return out
-        self.spent.setdefault(level, set()).update(*(s for s in sources if s))
+        if _floats(out):  # a comparison's or an index's result carries no gradient back
+            for t in floats:
+                self._use(t, level, computed=True)
         return out
 
     def links(self) -> dict[str, Links]:
-        levels = set(self.calls) | set(self.spent)
+        levels = set(self.calls)
         return {level: Links(self.feeds.get(level, {}), {p: frozenset(t) for p, t in self.takes.get(level, {}).items()},
-                             frozenset(self.spent.get(level, ())), self.outputs.get(level, {}),
-                             self.calls.get(level, {}))
+                             self.outputs.get(level, {}), self.calls.get(level, {}),
+                             frozenset(self.fanned.get(level, ())), frozenset(self.stored.get(level, ())))
                 for level in levels}
-

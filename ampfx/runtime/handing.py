@@ -92,17 +92,25 @@ class Handing(TorchFunctionMode):
         super().__init__()
         self.low = low
         self.made: dict[int, torch.Tensor] = {}
-        self.copies: dict[tuple, torch.Tensor] = {}  # by storage (or tensor, for a part): float32, until a child runs
+        self.copies: dict[tuple, Any] = {}  # by storage (or tensor, for a part): float32, until a child runs
+        self.holds: dict[tuple, torch.Tensor] = {}  # a tensor of each storage copied: its memory is not reused meanwhile
         self.settled: dict[int, torch.Tensor] = {}  # by id of a handed tensor: its float32 view, from then on
 
     def hand(self, value: Any, originals: tuple[torch.dtype, ...] | None = None) -> None:
         """The ``low`` float tensors of ``value``, a child's outputs, are handed values (with ``originals``,
         only those whose original dtype, in the order of ``value``'s float tensors, is float32)."""
         self.copies.clear()  # a child ran: it may have written into what it was handed
+        self.holds.clear()
         for k, t in enumerate(_floats(value)):
             original = originals[k] if originals is not None and k < len(originals) else torch.float32
             if t.dtype == self.low and original == torch.float32:
-                self.made[id(t)] = t
+                self._make(t)
+
+    def _make(self, t: torch.Tensor) -> None:
+        self.made[id(t)] = t
+
+    def _settled(self, t: torch.Tensor) -> torch.Tensor | None:
+        return self.settled.get(id(t))
 
     def handed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and self.made.get(id(t)) is t
@@ -114,7 +122,7 @@ class Handing(TorchFunctionMode):
     def resolve(self, value: Any) -> Any:
         """``value`` with each handed tensor that went back to float32 for good in its float32 view (what the
         Python may have written since); the others as they are."""
-        return tree_map(lambda v: self.settled[id(v)] if self.handed(v) and id(v) in self.settled else v, value)
+        return tree_map(lambda v: self._settled(v) if self.handed(v) and self._settled(v) is not None else v, value)
 
     def settle(self, value: Any) -> None:
         """The handed tensors of ``value`` in float32 for good (:meth:`_settle`)."""
@@ -123,7 +131,7 @@ class Handing(TorchFunctionMode):
                 self._settle(t)
 
     def _lift(self, t: torch.Tensor) -> torch.Tensor:
-        hit = self.settled.get(id(t))
+        hit = self._settled(t)
         if hit is not None:
             return hit
         key = _storage(t)
@@ -132,6 +140,7 @@ class Handing(TorchFunctionMode):
             whole = None  # made for a detached alias of t: its copy carries no gradient
         if whole is None and _spans(t):
             whole = self.copies[key] = _float32(t, flat=True)
+            self.holds[key] = t
         if whole is not None:
             return _follow(_view(whole, t), t)
         part = self.copies.get(("part", id(t)))
@@ -141,11 +150,12 @@ class Handing(TorchFunctionMode):
 
     def _settle(self, t: torch.Tensor) -> None:
         """Every handed tensor sharing ``t``'s storage in float32 for good (see the class docstring)."""
-        if id(t) in self.settled:
+        if self._settled(t) is not None:
             return
         key = _storage(t)
-        members = [m for m in self.made.values() if id(m) not in self.settled and _storage(m) == key]
+        members = [m for m in self.made.values() if self._settled(m) is None and _storage(m) == key]
         whole = self.copies.pop(key, None)
+        self.holds.pop(key, None)
         if whole is None or (not whole.requires_grad and any(m.requires_grad for m in members)):
             whole = _assemble(members, t.untyped_storage().nbytes() // t.element_size())
         with torch.enable_grad():  # views that record autograd even where the write is made under no_grad
@@ -157,7 +167,7 @@ class Handing(TorchFunctionMode):
         """The storages of the float32 copies ``read`` was lifted to, with a handed tensor each."""
         found = {}
         for t in read:
-            if id(t) in self.settled:
+            if self._settled(t) is not None:
                 continue
             part = self.copies.get(("part", id(t)))
             copy = part[1] if part is not None and part[0] is t else self.copies.get(_storage(t))
@@ -176,10 +186,10 @@ class Handing(TorchFunctionMode):
             return func(*args, **kwargs)
         if what == DTYPE:
             return torch.float32
-        if what == MOVE and len(read) == len(floats) and not any(id(t) in self.settled for t in read):
+        if what == MOVE and len(read) == len(floats) and not any(self._settled(t) is not None for t in read):
             out = func(*args, **kwargs)
             for t in _floats(out):
-                self.made[id(t)] = t
+                self._make(t)
             return out
         if what == WRITE and args and self.handed(args[0]):
             self._settle(args[0])
@@ -264,6 +274,9 @@ class Linked:
     writes: bool = False
     """Its graph writes into its float inputs (``h.relu_()``): it takes handed values settled in float32, the
     values its writes reached before (and its parent reads after)."""
+    keeps: frozenset[int] = frozenset()
+    """Its float outputs (by index) returned in their original dtypes even to its parent: two or more readers
+    read them there (their gradients would be summed in the low dtype)."""
 
     def run(self, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``: the graph outside its parent's :class:`Handing` mode, its outputs handed to that
@@ -276,11 +289,13 @@ class Linked:
         with _pop_mode_temporarily():
             out = call(*mode.resolve(args))
         if self.originals is not None:
+            out = self.restore(out, self.keeps)
             mode.hand(out, self.originals)
         return out
 
-    def restore(self, out: Any) -> Any:
-        if self.originals is None:
+    def restore(self, out: Any, which: frozenset[int] | None = None) -> Any:
+        """``out`` with its float outputs (those of index in ``which``, all without) in their original dtypes."""
+        if self.originals is None or which == frozenset():
             return out
         floats = iter(range(len(self.originals)))
 
@@ -288,7 +303,7 @@ class Linked:
             if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
                 return v
             k = next(floats, None)
-            want = self.originals[k] if k is not None else v.dtype
+            want = self.originals[k] if k is not None and (which is None or k in which) else v.dtype
             return v.to(want) if v.dtype != want else v
         return tree_map(back, out)
 
