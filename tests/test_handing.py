@@ -18,15 +18,7 @@ import ampfx
 from ampfx.runtime import handing
 from ampfx.tools.measure import measure_step, saved_bytes
 from tests.support.lean import _fresh, against_autocast
-
-
-class Stage(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+from tests.support.models import Stage
 
 
 class Branchy(nn.Module):

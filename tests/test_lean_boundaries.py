@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import ampfx
 from support.lean import against_autocast
+from support.models import Stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,15 +96,6 @@ def test_kept_blocks_see_their_inputs_in_the_dtype_autocast_hands_them():
     assert inputs == {"stages.s0": torch.float32, "stages.s1": torch.bfloat16, "stages.s2": torch.bfloat16}
     assert report.autocast_unknown() == []
     assert {r.autocast for r in report.records if r.rule == "keep_modules"} == {torch.bfloat16}
-
-
-class Stage(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
 
 
 class PreNorm(nn.Module):

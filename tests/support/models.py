@@ -61,6 +61,17 @@ class RNNClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
+class Stage(nn.Module):
+    """Linear, ReLU, Linear, ReLU: a part of a module that keeps its Python (tests of what parts hand each other)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
 # ------------------------------------------------------------------ models torch.fx cannot trace whole
 class Branchy(nn.Module):
     def __init__(self):
