@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -160,8 +161,11 @@ class _Flows(TorchFunctionMode):
         super().__init__()
         self.stack: list[str] = [""]
         self.pause = 0
-        self.made: dict[int, tuple[weakref.ref, dict[str, frozenset[Source]]]] = {}  # by level: what it moves
-        self.at: dict[str, list[int]] = {}  # by level: the ids it marked since the level's Python began
+        # marked tensors by id: (weak reference, by level what it is moved from, serial number). What is counted of one
+        # is keyed by its serial: a freed tensor's id may be reused by another
+        self.made: dict[int, tuple[weakref.ref, dict[str, frozenset[Source]], int]] = {}
+        self.serials: dict[int, tuple[weakref.ref, dict[str, frozenset[Source]], int]] = {}
+        self.at: dict[str, list[int]] = {}  # by level: the serials it marked since the level's Python began
         self.uses: dict[tuple[int, str], int] = {}  # children's calls reading a marked tensor
         self.moved: dict[tuple[int, str], list[int]] = {}  # the marked tensors moves made of a marked tensor
         self.read: set[tuple[int, str]] = set()  # marked tensors the level's Python computes with, writes or returns
@@ -172,27 +176,30 @@ class _Flows(TorchFunctionMode):
         self.outputs: dict[str, dict[str, int]] = {}
         self.calls: dict[str, dict[str, int]] = {}
 
-    def _of(self, t: torch.Tensor, level: str) -> frozenset[Source] | None:
+    def _hit(self, t: torch.Tensor) -> tuple | None:
         hit = self.made.get(id(t))
-        return hit[1].get(level) if hit is not None and hit[0]() is t else None
+        return hit if hit is not None and hit[0]() is t else None
 
-    def _mark(self, t: torch.Tensor, level: str, sources: frozenset[Source]) -> None:
-        hit = self.made.get(id(t))
-        if hit is None or hit[0]() is not t:  # a new tensor (a freed one's id may be reused): counted afresh
-            for old in (hit[1] if hit is not None else ()):
-                self.uses.pop((id(t), old), None)
-                self.moved.pop((id(t), old), None)
-                self.read.discard((id(t), old))
-            hit = self.made[id(t)] = (weakref.ref(t), {})
+    def _of(self, t: torch.Tensor, level: str) -> frozenset[Source] | None:
+        hit = self._hit(t)
+        return hit[1].get(level) if hit is not None else None
+
+    def _mark(self, t: torch.Tensor, level: str, sources: frozenset[Source]) -> int:
+        hit = self._hit(t)
+        if hit is None:
+            serial = len(self.serials)
+            hit = self.made[id(t)] = self.serials[serial] = (weakref.ref(t), {}, serial)
         hit[1][level] = sources
-        self.at.setdefault(level, []).append(id(t))
+        self.at.setdefault(level, []).append(hit[2])
+        return hit[2]
 
     def _use(self, t: torch.Tensor, level: str, computed: bool = False) -> None:
         if self._of(t, level):
+            key = (self._hit(t)[2], level)
             if computed:
-                self.read.add((id(t), level))
+                self.read.add(key)
             else:
-                self.uses[id(t), level] = self.uses.get((id(t), level), 0) + 1
+                self.uses[key] = self.uses.get(key, 0) + 1
 
     def enter(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         with self.paused():
@@ -226,10 +233,10 @@ class _Flows(TorchFunctionMode):
     def finish(self, out: Any, level: str = "") -> None:
         """The Python at ``level`` returned ``out``: the children's outputs it fanned out while low (read by two
         or more of moves, children's calls and its own computing), and those it stored, are known."""
-        returned = {id(t) for t in _floats(out)}
+        returned = {self._hit(t)[2] for t in _floats(out) if self._hit(t) is not None}
         for t in _floats(out):
             self._use(t, level, computed=True)
-        ids = list(dict.fromkeys(self.at.pop(level, ())))
+        ids = list(dict.fromkeys(self.at.pop(level, ())))  # serials
         used: dict[int, bool] = {}
 
         def reaches(i: int) -> bool:  # read by a child, its own computing or a move whose result is (not .item())
@@ -238,8 +245,9 @@ class _Flows(TorchFunctionMode):
                 used[i] = self.uses.get((i, level), 0) > 0 or (i, level) in self.read or \
                     any(reaches(o) for o in self.moved.get((i, level), ()))
             return used[i]
+        kept = []
         for i in ids:
-            hit = self.made.get(i)
+            hit = self.serials.get(i)
             sources = hit[1].get(level) if hit is not None else None
             if not sources:
                 continue
@@ -248,6 +256,11 @@ class _Flows(TorchFunctionMode):
             if readers > 1:
                 self.fanned.setdefault(level, set()).update(sources)
             if hit[0]() is not None and i not in returned:
+                kept.append((hit[0], sources))
+        if kept:  # alive: stored, or held by a reference cycle not yet collected (a frame in a traceback)
+            gc.collect()
+        for ref, sources in kept:
+            if ref() is not None:
                 self.stored.setdefault(level, set()).update(sources)
         for i in ids:
             self.uses.pop((i, level), None)
@@ -278,9 +291,9 @@ class _Flows(TorchFunctionMode):
             return out
         if what == handing.MOVE and all(sources):
             for t in _floats(out):
-                self._mark(t, level, frozenset().union(*sources))
+                made = self._mark(t, level, frozenset().union(*sources))
                 for r in floats:
-                    self.moved.setdefault((id(r), level), []).append(id(t))
+                    self.moved.setdefault((self._hit(r)[2], level), []).append(made)
             return out
         if _floats(out):  # a comparison's or an index's result carries no gradient back
             for t in floats:
