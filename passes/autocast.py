@@ -69,7 +69,7 @@ def returns_under_autocast(gm: fx.GraphModule, ctx: PassContext) -> Any:
     """Annotate ``gm`` (:func:`annotate_autocast`) and return the one dtype ``torch.autocast`` gives its
     float outputs (:data:`UNKNOWN` where they differ or cannot be known; ``None``: no float output)."""
     annotate_autocast(gm, ctx)
-    output = next(iter(gm.graph.find_nodes(op="output")))
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return _one(n.meta.get(AUTOCAST) for n in tree_leaves(output.args) if isinstance(n, fx.Node))
 
 

@@ -32,12 +32,12 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
     infer op.
     """
     reads = []
-    for p in gm.graph.find_nodes(op="placeholder"):
+    for p in (n for n in gm.graph.nodes if n.op == "placeholder"):
         if out_of(p) != torch.float32:
             continue
         found = {_read_as(u, p, ctx, out_of) for u in p.users} - {_METADATA}
         reads.append(found.pop() if len(found) == 1 else None)
-    output = next(iter(gm.graph.find_nodes(op="output")))
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returns = tuple(out_of(v) for v in tree_leaves(output.args) if isinstance(v, fx.Node) and out_of(v) in CASTABLE)
     return Ends(reads=tuple(reads), returns=returns)
 
@@ -45,7 +45,7 @@ def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:
 def output_dtypes(gm: fx.GraphModule) -> tuple[tuple[Any, Any], ...]:
     """For each float output of the converted ``gm``, in order: the dtype the model returned it in and the
     dtype the graph computes it in (before any cast for returning it)."""
-    output = next(iter(gm.graph.find_nodes(op="output")))
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     found = []
     for v in tree_leaves(output.args):
         if isinstance(v, fx.Node) and isinstance(record(v), CastInfo) and v.args:

@@ -33,7 +33,12 @@ import torch.fx as fx
 import sympy
 from torch.fx.immutable_collections import immutable_dict
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
-from torch.utils._pytree import tree_is_leaf, tree_leaves
+from torch.utils._pytree import tree_leaves
+
+try:
+    from torch.utils._pytree import tree_is_leaf
+except ImportError:  # torch < 2.3 (the DGL lane's 2.2): the same test under its private name
+    from torch.utils._pytree import _is_leaf as tree_is_leaf
 
 from .. import integrations, ops
 from ..inputs import ExampleInputs
