@@ -205,3 +205,23 @@ def test_torch_compile_of_the_handing_parent_computes_what_it_did():
     compiled = torch.compile(amp)
     for k in (0, 1, 4):
         torch.testing.assert_close(compiled(x, torch.tensor(k)), _before(amp, x, k), rtol=0, atol=0)
+
+
+def test_edits_to_the_model_after_convert_show_through_the_handing():
+    """After convert, a checkpoint load, a hook on a part's leaf and a mode switch made on the model show
+    through: on every path the values are exactly those of the converted module without the handing, and the
+    hook's effect is there."""
+    net, amp, x = _converted()
+    torch.manual_seed(1)
+    net.load_state_dict(Branchy().state_dict())
+    hook = net.a.fc2.register_forward_hook(lambda m, args, out: out * 2)
+    for training in (True, False):
+        net.train(training)
+        for k in (0, 1, 3, 6):
+            with torch.no_grad():
+                got, want = amp(x, torch.tensor(k)), _before(amp, x, k)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        hooked = amp(x, torch.tensor(6))  # a's output (relu(2 * fc2(...)): the hook is there
+        hook.remove()
+        torch.testing.assert_close(hooked, 2 * amp(x, torch.tensor(6)), rtol=0, atol=0)

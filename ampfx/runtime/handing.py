@@ -32,6 +32,7 @@ only values that go from child to child through moves stay low.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,20 @@ def kind(func: Callable, args: tuple, kwargs: dict) -> str:
     >>> kind(torch.Tensor.to, (torch.ones(1), torch.float16), {}), kind(torch.Tensor.add_, (), {})
     ('compute', 'write')
     """
+    try:
+        what = _by_name(func)
+    except TypeError:  # unhashable
+        what = _by_name.__wrapped__(func)
+    if what is not None:
+        return what
+    named = [v for v in tree_leaves((args[1:], kwargs)) if isinstance(v, (torch.dtype, torch.Tensor, str))]
+    return COMPUTE if any(not isinstance(v, str) or "Tensor" in v for v in named) else MOVE
+
+
+@functools.lru_cache(maxsize=4096)
+def _by_name(func: Callable) -> str | None:
+    """:func:`kind` of ``func`` where its name alone says (once per callable: the parent's Python runs it per
+    op); ``None`` for a method that moves unless its arguments name a dtype (``to``)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":  # an attribute: Tensor.shape, Tensor.T
         name = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -62,8 +77,7 @@ def kind(func: Callable, args: tuple, kwargs: dict) -> str:
     if name == "dtype":
         return DTYPE
     if name in ops.MOVE_METHODS:
-        named = [v for v in tree_leaves((args[1:], kwargs)) if isinstance(v, (torch.dtype, torch.Tensor, str))]
-        return COMPUTE if any(not isinstance(v, str) or "Tensor" in v for v in named) else MOVE
+        return None
     if name == "__setitem__" or ops.is_inplace_name(name):
         return WRITE
     if name == "__getitem__" or (ops.lookup_name(func) or ops.lookup_name(name)) in ops.MOVES:
