@@ -214,7 +214,8 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
     """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`),
     unless the policy turns that off; the note saying which."""
     if not policy.weight_cache:
-        return ("weight cache: off (weight_cache=False or AMPFX_WEIGHT_CACHE=0): weights are cast at every forward",)
+        return ("weight cache: off: weights are cast at every forward, as autocast casts them (weight_cache=True or "
+                "AMPFX_WEIGHT_CACHE=1 keeps low copies between steps)",)
     count = numel = 0
     for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
         cache = weight_cache.install(gm, policy.dtype)

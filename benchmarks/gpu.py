@@ -9,8 +9,8 @@ One command when a GPU is there: ``python benchmarks/gpu.py`` runs, for bf16 and
    time of ``--reps`` runs after warm-up, peak memory, and both as ratios to float32 eager;
 2. gradient accumulation: an optimizer step of ``--accum`` micro-batches (default 4) of the GPT-2-like
    LM (or the first model asked for), under ``torch.autocast`` and converted by ampfx with its weight cache
-   (each weight cast once per step, gradients added into ``.grad`` without a cast) and without it
-   (``weight_cache=False``: cast at every micro-batch, as autocast does), eager and compiled;
+   (``weight_cache=True``: each weight cast once per step, gradients added into ``.grad`` without a cast) and
+   without it (the default: cast at every micro-batch, as autocast does), eager and compiled;
 3. GEMM padding on odd shapes (vocabulary 50257, hidden 1000 and 3000, sequence 77) and on the
    tensor-core friendly shapes of NVIDIA's guide (multiples of 8/64): ampfx ``pad="never"``,
    ``pad="always"`` and autocast, forward + backward.
@@ -229,8 +229,8 @@ def accum_rows(name: str, cfg: dict[str, Any], dtypes: list[torch.dtype], compil
     for dtype in dtypes:
         runs: dict[str, tuple[nn.Module, bool]] = {
             "autocast": (model, True),
-            "ampfx": (ampfx.convert(model, dtype, example_inputs=(x,)), False),
-            "ampfx no cache": (ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=False), False)}
+            "ampfx cache": (ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=True), False),
+            "ampfx": (ampfx.convert(model, dtype, example_inputs=(x,)), False)}
         for mode in ("eager", "compile") if compile_ else ("eager",):
             base = None
             for how, (run, autocast) in runs.items():

@@ -52,7 +52,7 @@ def pair(seed: int = 0, **options):
     """The model converted with the cache and without it (the per-call casts of before)."""
     torch.manual_seed(seed)
     model = Net()
-    return model, ampfx.convert(model, "bf16", example_inputs=(X,), **options), \
+    return model, ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=True, **options), \
         ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=False, **options)
 
 
@@ -206,7 +206,7 @@ def test_accumulated_gradients_equal_per_call_casts(name):
     round-off: the low gradient is added into .grad in place instead of cast first), zeroed with set_to_none or
     to zeros."""
     model, ex, loss_fn = build(name)
-    amp = ampfx.convert(model, "bf16", example_inputs=ex)
+    amp = ampfx.convert(model, "bf16", example_inputs=ex, weight_cache=True)
     plain = ampfx.convert(model, "bf16", example_inputs=ex, weight_cache=False)
     results = []
     for m in (amp, plain, amp):
@@ -288,19 +288,22 @@ def test_copies_and_pickles_hold_no_copies_of_the_originals():
     torch.testing.assert_close(loaded(X), amp(X), rtol=0, atol=0)
 
 
-def test_off_by_policy_environment_and_in_inference_mode():
-    """weight_cache=False, AMPFX_WEIGHT_CACHE=0 and mode='inference' (which keeps its own low copies) install no
-    cache; the report says whether the cache is on and its memory."""
+def test_off_by_default_by_policy_environment_and_in_inference_mode():
+    """The cache is off by default (with one micro-batch a step it saves no cast); weight_cache=True and
+    AMPFX_WEIGHT_CACHE=1 turn it on; weight_cache=False, AMPFX_WEIGHT_CACHE=0 and mode='inference' (which keeps its
+    own low copies) install none; the report says whether the cache is on and its memory."""
     torch.manual_seed(0)
     model = Net()
-    on = ampfx.convert(model, "bf16", example_inputs=(X,))
+    on = ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=True)
+    assert weight_cache.caches(ampfx.convert(model, "bf16", example_inputs=(X,), environ={"AMPFX_WEIGHT_CACHE": "1"}))
     note = next(n for n in on.ampfx_report.notes if n.startswith("weight cache"))
     numel = sum(e.owner[e.name].numel() for _, c in weight_cache.caches(on) for e in c.entries)
     assert note.startswith(f"weight cache: on, {cached(on)} weights") and f"({2 * numel:,} bytes" in note
     on(X)
     assert weight_cache.status(on).count(": on,") == 3 and f"{2 * numel:,} bytes" not in weight_cache.status(on)
     assert sum(c.nbytes() for _, c in weight_cache.caches(on)) == 2 * numel
-    for off in (ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=False),
+    for off in (ampfx.convert(model, "bf16", example_inputs=(X,)),
+                ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=False),
                 ampfx.convert(model, "bf16", example_inputs=(X,), environ={"AMPFX_WEIGHT_CACHE": "0"})):
         assert not weight_cache.caches(off)
         assert any(n.startswith("weight cache: off") for n in off.ampfx_report.notes)

@@ -230,10 +230,12 @@ class Policy:
         "AMPFX_RECONVERT_LIMIT", "int", "how many times a converted graph is converted again at a call when a value "
         f"it fixed changed (default {RECONVERT_LIMIT}; 0: raise StaleModelError at the first change)"))
     #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
-    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held between steps)
-    weight_cache: bool = field(default=True, metadata=_env(
-        "AMPFX_WEIGHT_CACHE", "bool", "0 to cast the float32 weights at every forward in training mode instead of "
-        "keeping low copies made again only when a weight changes (default 1)"))
+    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held between
+    #: steps). Off by default: it pays only with gradient accumulation or recompute over large weights
+    weight_cache: bool = field(default=False, metadata=_env(
+        "AMPFX_WEIGHT_CACHE", "bool", "1 to keep low copies of the weights in training mode, made again only when a "
+        "weight changes, instead of casting them at every forward (default 0; pays with gradient accumulation over "
+        "large weights)"))
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = field(default=True, metadata=_env(

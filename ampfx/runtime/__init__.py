@@ -12,43 +12,14 @@ call), :mod:`~ampfx.runtime.follow`, :mod:`~ampfx.runtime.guards`, :mod:`~ampfx.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from typing import Any
 
 import torch
 from torch.func import functional_call
 from torch.nn.utils import parametrize
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
-
-STEPPED: dict[int, int] = {}
-"""For each parameter an optimizer stepped (by ``id``), the number of that step among all optimizers' steps
-(noted as the step starts)."""
-_STEPS = itertools.count(1)
-
-
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Every optimizer's step, noted for each of its parameters as it starts (a global pre-step hook: before any
-    post-step hook of the optimizer's own, such as :func:`ampfx.attach`'s refresh, runs): a fused step
-    (``AdamW(fused=True)``, the HF Trainer's default) writes the parameters without bumping their version
-    counters, so a copy of a weight keyed on its version alone would be kept stale."""
-    step = next(_STEPS)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            STEPPED[id(p)] = step
-
-
-register_optimizer_step_pre_hook(_before_optimizer_step)
-
-
-def write_key(t: torch.Tensor) -> tuple[int, int, int]:
-    """What changes when ``t``'s values may have: its version counter (in-place writes), its storage
-    (``.data =``, ``vector_to_parameters``) and the last optimizer step that updated it (fused steps bump no
-    version). A copy made from ``t`` is stale when this differs from the key it was made at."""
-    return t._version, t.data_ptr(), STEPPED.get(id(t), 0)
-
 
 if hasattr(torch.compiler, "is_compiling"):
     is_compiling = torch.compiler.is_compiling

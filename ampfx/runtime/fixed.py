@@ -57,7 +57,9 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from .. import runtime
 from ..state import TORCH_KEYS
+from . import written
 
 _MISSING = object()
 
@@ -532,9 +534,9 @@ class Fixed:
 
 class Held:
     """A buffer whose values a graph holds (:mod:`ampfx.capture.fold`): :meth:`holds` while the buffer at
-    ``d[key]`` has ``values``. The buffer and its version counter are remembered once its values were seen
-    to be the graph's: a call compares two identities, and the values only after a write (an optimizer's,
-    ``load_state_dict``'s, DDP's broadcast) or a new tensor.
+    ``d[key]`` has ``values``. The buffer is remembered, and stamped (:mod:`ampfx.runtime.written`), once its values were seen
+    to be the graph's: a call compares identities, and the values only after a write (an optimizer's,
+    ``load_state_dict``'s, DDP's broadcast, one through ``.data``) or a new tensor.
 
     >>> buffers = {"stride": torch.tensor([2, 2])}
     >>> held = Held(buffers, "stride", [2, 2], "model.stride")
@@ -543,20 +545,32 @@ class Held:
     >>> buffers["stride"][0] = 3
     >>> held.holds(), held.change()
     (False, 'model.stride is [3, 2], the graph was converted with its values [2, 2]')
+    >>> buffers["stride"][0] = 2
+    >>> held.holds()
+    True
+    >>> buffers["stride"].data[0] = 5             # through .data: no version counter moves
+    >>> held.holds()
+    False
     """
 
     def __init__(self, d: dict, key: str, values: Any, what: str) -> None:
         self.d, self.key, self.values, self.what = d, key, values, what
         self.tensor: torch.Tensor | None = None
         self.version = -1
+        self.mark: int | None = None
 
     def holds(self) -> bool:
         t = self.d.get(self.key)
-        if t is self.tensor and t is not None and not t.is_inference() and t._version == self.version:
-            return True
+        if t is self.tensor and t is not None:
+            if runtime.is_compiling():  # dynamo guards the buffer's version
+                if not t.is_inference() and t._version == self.version:
+                    return True
+            elif written.unwritten(t, self.mark):  # writes through .data too
+                return True
         if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.tolist() != self.values:
             return False
         self.tensor, self.version = t, (-1 if t.is_inference() else t._version)
+        self.mark = None if runtime.is_compiling() else written.stamp(t)
         return True
 
     def change(self) -> str:

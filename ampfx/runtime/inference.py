@@ -6,10 +6,11 @@ parameter whose every graph use is a cast to the low dtype is read from a
 low-precision copy the converted graph module keeps (:class:`LowCopies`): the
 casts in the graph then find the dtype already right and copy nothing. The
 copy is made again before a call when its float32 master changed: written in
-place (an in-place load, an optimizer step: its version counter), re-pointed
-(``p.data = t``, ``vector_to_parameters``: its storage) or replaced. An in-place
-write through ``.data`` (``p.data.mul_(2)``) moves neither and is not seen: write
-weights in place under ``torch.no_grad()`` instead. Parameters any consumer reads in float32 (batch-norm and layer-norm
+place by anything in the process (an in-place load, an optimizer step, fused ones
+too, a write through ``.data`` such as a teacher's momentum update:
+:mod:`ampfx.runtime.written`), re-pointed (``p.data = t``, ``vector_to_parameters``)
+or replaced. A master in shared memory (``model.share_memory()``, whose Hogwild
+workers write it from other processes) is copied at every call. Parameters any consumer reads in float32 (batch-norm and layer-norm
 affine parameters, embedding tables, biases added in float32) and the
 parameters of leaves (which run as the model's own modules) are not copied.
 The model's parameters are not changed, and they are the converted module's
@@ -19,10 +20,14 @@ The model's parameters are not changed, and they are the converted module's
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> x = torch.ones(1, 8)
 >>> inf, train = ampfx.convert(m, "bf16", mode="inference"), ampfx.convert(m, "bf16")
+>>> _ = inf(x)                    # (converting the second wrote the weights back, so the first call copies)
 >>> ampfx.count_casts(lambda: inf(x)) < ampfx.count_casts(lambda: train(x)), m[0].weight.dtype
 (True, torch.float32)
 >>> with torch.no_grad():
 ...     _ = m[0].weight.zero_()   # the master changes: its copy is made again at the next call
+>>> torch.equal(inf(x), train(x))
+True
+>>> _ = m[2].weight.data.mul_(2)  # through .data too (a teacher's momentum update)
 >>> torch.equal(inf(x), train(x))
 True
 """
@@ -37,6 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import runtime
+from . import written
 from ..errors import StaleModelError
 from ..passes.classify import attr_of
 
@@ -90,16 +96,16 @@ class LowCopies:
     def refresh(self, gm: nn.Module) -> None:
         """Copy again each weight whose master was replaced or written since its copy was made."""
         for entry in self.entries:
-            owner, name, attr, seen, version = entry
+            owner, name, attr, seen, mark = entry
             master = owner.get(name)
-            if master is seen and version == runtime.write_key(master):
-                continue  # neither replaced, written in place, nor re-pointed with .data = ...
+            if master is seen and written.unwritten(master, mark):
+                continue  # neither replaced, re-pointed, nor written (through .data and fused kernels too)
             if master is None:
                 raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
                                       "model: convert the model again")
             with torch.no_grad():
                 gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
-            entry[3], entry[4] = master, runtime.write_key(master)
+            entry[3], entry[4] = master, written.stamp(master)
 
     def nbytes(self) -> int:
         return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)

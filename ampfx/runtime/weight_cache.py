@@ -4,8 +4,9 @@ In training mode a converted graph reads the float32 master of every weight and
 casts it where a GEMM or convolution reads it low, as autocast does: one cast per
 weight per forward, so gradient accumulation over ``k`` micro-batches casts every
 weight ``k`` times per optimizer step (and activation checkpointing once more per
-recompute). With the cache (``Policy.weight_cache``, on by default;
-``AMPFX_WEIGHT_CACHE=0`` turns it off) each graph module keeps a low copy of every
+recompute). With the cache (``weight_cache=True`` or ``AMPFX_WEIGHT_CACHE=1``; off
+by default: with one micro-batch a step it saves no cast and costs a Python step per
+weight, see docs/benchmarks.md) each graph module keeps a low copy of every
 parameter its graph casts to the low dtype; while the graph runs, those casts
 (:func:`ampfx.runtime.cast`) return the copy through :class:`_CachedCast`, whose
 backward sends the gradient to the float32 master. The graph itself is unchanged.
@@ -16,21 +17,16 @@ kept (that micro-batch runs exactly as without the cache); otherwise (no grad, o
 before the graph runs, writing over copies nothing else holds. A master counts as
 changed when it was:
 
-- written in place (an optimizer step, ``copy_``, ``load_state_dict``, an in-place
-  edit under ``no_grad``): the master's version counter moved; an optimizer stepped it (a fused step
-  bumps no version counter: :func:`ampfx.runtime.write_key`);
-- re-pointed (``p.data = t``, ``vector_to_parameters``, ``model.to(device)``): its
-  storage moved;
+- written by anything in the process (an optimizer step, fused ones too, ``copy_``,
+  ``load_state_dict``, a write through ``.data`` such as a teacher's momentum update or a
+  hand-written SGD step): :mod:`ampfx.runtime.written`;
+- re-pointed (``p.data = t``, ``vector_to_parameters``, ``model.to(device)``) or moved to
+  shared memory (then it is cast at every call: other processes write it);
 - replaced (``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``):
   another object sits in the module's parameter dict.
 
-A write through ``.data`` in place (``p.data.mul_(2)``) moves neither counter nor
-storage and is not seen, as for ``mode="inference"``: write weights in place under
-``torch.no_grad()`` instead. Nor is an update outside ``torch.optim`` that calls a fused kernel
-itself (a fused kernel bumps no version counter; ``torch.optim``'s steps are noted by a hook):
-use ``weight_cache=False`` with such an optimizer. A copy an autograd graph still holds (a forward not
-yet backpropagated) is never written over: that graph keeps the values it was
-built with, as with a per-call cast.
+A copy an autograd graph still holds (a forward not yet backpropagated) is never
+written over: that graph keeps the values it was built with, as with a per-call cast.
 
 Gradients: the first micro-batch's weight gradient reaches the master as a cast
 would send it (autograd casts it to float32, ``AccumulateGrad`` keeps it as
@@ -56,14 +52,17 @@ Memory: 2 bytes per cached bfloat16/float16 element, held between steps
 
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
->>> amp = ampfx.convert(m, "bf16", example_inputs=(torch.ones(4, 8),))
+>>> amp = ampfx.convert(m, "bf16", example_inputs=(torch.ones(4, 8),), weight_cache=True)
 >>> x = torch.ones(4, 8)
 >>> amp(x).sum().backward()                      # first call: the weights are cast
 >>> ampfx.count_casts(lambda: amp(x).sum().backward())   # same weights: only the input and output casts
 3
 >>> with torch.no_grad():
 ...     _ = m[0].weight.add_(1)                   # the master changes: its copy is made again at the next call
->>> torch.equal(amp(x), ampfx.convert(m, "bf16", weight_cache=False)(x))
+>>> torch.equal(amp(x), ampfx.convert(m, "bf16")(x))
+True
+>>> _ = m[2].weight.data.mul_(0.5)                # through .data too (a teacher's momentum update)
+>>> torch.equal(amp(x), ampfx.convert(m, "bf16")(x))
 True
 """
 from __future__ import annotations
@@ -78,6 +77,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import runtime
+from . import written
 from ..errors import StaleModelError
 
 
@@ -173,10 +173,10 @@ class WeightCache:
             if master is None:
                 raise StaleModelError(f"parameter {e.path!r}, which the converted graph reads, was removed from the "
                                       "model: put it back or convert the model again")
-            if master is e.master and e.key == runtime.write_key(master):
+            if master is e.master and written.unwritten(master, e.key):
                 continue
             if not _cacheable(master, self.dtype):
-                e.master, e.key, e.low, e.pending = master, runtime.write_key(master), None, False
+                e.master, e.key, e.low, e.pending = master, written.stamp(master), None, False
                 continue
             if at_use and master.requires_grad and master.grad is None:
                 e.master, e.key, e.low, e.pending = master, None, None, True  # the old copy is let go first
@@ -192,7 +192,7 @@ class WeightCache:
                 torch._foreach_copy_(lows, masters)
             for e, low in zip(stale, lows):
                 master = e.owner[e.name]  # the parameter itself: its optimizer steps are noted by identity
-                e.master, e.key, e.low, e.pending = master, runtime.write_key(master), low, False
+                e.master, e.key, e.low, e.pending = master, written.stamp(master), low, False
             self.casts += len(stale)
         return len(stale)
 
@@ -225,7 +225,7 @@ class WeightCache:
             return None
         if e.pending:  # the first micro-batch: cast as without the cache (autograd's own cast node), keep the copy
             out = value.to(dtype)
-            e.low, e.key, e.pending = out.detach(), runtime.write_key(value), False
+            e.low, e.key, e.pending = out.detach(), written.stamp(value), False
             self.casts += 1
             return out
         if value.requires_grad and torch.is_grad_enabled():
@@ -314,14 +314,14 @@ def status(module: nn.Module) -> str:
     not), how many weights it caches and the bytes their copies hold now.
 
     >>> import torch, ampfx
-    >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16")
+    >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16", weight_cache=True)
     >>> _ = amp(torch.ones(1, 4))
     >>> print(ampfx.runtime.weight_cache.status(amp))
     <root>: on, 1 weights, 16 bytes
     """
     found = caches(module)
     if not found:
-        return "no weight cache (mode='inference', weight_cache=False / AMPFX_WEIGHT_CACHE=0, or no cast weights)"
+        return "no weight cache (off by default: weight_cache=True / AMPFX_WEIGHT_CACHE=1; mode='inference'; or no cast weights)"
     return "\n".join(f"{path or '<root>'}: {'on' if c.off is None else 'off: ' + c.off}, {len(c.entries)} weights, "
                      f"{c.nbytes():,} bytes" for path, c in found)
 
@@ -332,7 +332,7 @@ def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
     refresh at the next call stays, and finds nothing left to do. Returns the hook's handle (``.remove()``).
 
     >>> import torch, ampfx
-    >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16")
+    >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16", weight_cache=True)
     >>> opt = torch.optim.SGD(amp.parameters(), lr=0.1)
     >>> handle = ampfx.attach(opt, amp)
     >>> amp(torch.ones(1, 4)).sum().backward(); opt.step()
@@ -344,7 +344,7 @@ def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
     found = [c for _, c in caches(module)] if isinstance(module, nn.Module) else []
     if not found:
         raise ValueError("attach(optimizer, module): the module has no weight cache (not a converted module, "
-                         "mode='inference', or weight_cache=False / AMPFX_WEIGHT_CACHE=0)")
+                         "mode='inference', or the cache off: it is unless weight_cache=True / AMPFX_WEIGHT_CACHE=1)")
 
     def refresh(opt: Any, args: Any, kwargs: Any) -> None:
         for cache in found:

@@ -51,10 +51,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.roll(idx, -1, 1)
 
 
-def converted(p: float = 0.0) -> nn.Module:
+def converted(p: float = 0.0, **options: Any) -> nn.Module:
     torch.manual_seed(0)
     model = GPT(p=p)
-    return ampfx.convert(model, torch.bfloat16, example_inputs=(data()[0][:2],))
+    return ampfx.convert(model, torch.bfloat16, example_inputs=(data()[0][:2],), **options)
 
 
 def loss_of(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    amp = converted()
+    amp = converted(weight_cache=how != "ddp")  # plain DDP as by default; the others with the weight cache
     idx, target = data()
     half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     fired = []
