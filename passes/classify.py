@@ -389,6 +389,11 @@ def _verdict(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[
         return decide.Verdict(Category.FP32, torch.float32, Rule.EAGER,
                               f"could not be traced ({ctx.leaves.get(str(node.target), '')}); runs its own Python "
                               "on float32 inputs, with its children converted separately (see their records)")
+    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), torch.jit.ScriptModule):
+        return decide.Verdict(Category.FP32, torch.float32, Rule.EAGER,
+                              "a TorchScript module (torch.jit.script / torch.jit.trace): compiled code that cannot "
+                              "be traced, rewritten or run on low-precision copies of its parameters; runs as "
+                              "written, on float32 inputs")
     if (asked := user_float32(node)) is not None:
         return decide.Verdict(Category.FP32, torch.float32, Rule.USER_FLOAT32, f"{asked}: the model asks for float32")
     hit = decide.decide_module(ctx.policy, gm, node_module_path(node), ctx.prefix, ctx.resolved)
@@ -434,6 +439,10 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
             verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
                                      f"{name}{probes.describe(variant)} has no working {dtype_name(low)} kernel on "
                                      f"{ctx.device} ({err}): float32")
+    elif ctx.policy.probe and (err := probes.missing_kernel(node, low, ctx.device)) is not None:
+        verdict = decide.Verdict(Category.FP32, torch.float32, Rule.PROBE,
+                                 f"{name} has no working {dtype_name(low)} kernel on {ctx.device} (tried on its own "
+                                 f"arguments, shrunk: {err}): float32")
     if (made := makes_complex(node)) is not None:
         verdict = decide.Verdict(Category.FP32, torch.float32, Rule.COMPLEX,
                                  f"{name} makes {dtype_name(made)} from real data: {dtype_name(low)} has "

@@ -12,7 +12,10 @@ number of elements reduced into each output:
   ``fp32_accumulation`` (``sum`` and ``mean``) stay INFER (bfloat16 has
   float32's range and the kernel accumulates in float32), and the record says so;
 - ``N`` unknown (no ``example_inputs``, or a symbolic size whose range
-  straddles the threshold): DENY with the reason "size unknown".
+  straddles the threshold): DENY with the reason "size unknown";
+- a reduction that would follow its inputs but has no kernel in the low dtype on
+  the device (``torch.cdist`` in bfloat16 on CPU; tried on its own arguments'
+  shapes, shrunk: :func:`ampfx.ops.probes.missing_kernel`): DENY, rule ``probe``.
 
 Symbolic sizes are sympy expressions; a bound holds for every value of the
 symbol (``s0*512`` with ``s0 >= 2`` is at least 1024).
@@ -31,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
+from ..ops import probes
 from ..meta import RECORD, numel, out_infos, record
 from ..ops import Category
 from ..report.records import Decision, Rule
@@ -93,4 +97,9 @@ def decide_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
                 d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule=Rule.SHAPE_SIZE_UNKNOWN,
                                         reason=f"{what} (between {_fmt(lower)} and {_fmt(upper)}): size unknown "
                                                f"against threshold {threshold:,}: float32 accumulation")
+        if d.category is Category.INFER and ctx.policy.probe and (err := probes.missing_kernel(node, low, ctx.device)):
+            d = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32, rule=Rule.PROBE,
+                                    reason=f"{d.reason.split(': follows')[0]}, but {d.op} has no working "
+                                           f"{str(low).replace('torch.', '')} kernel on {ctx.device} (tried on its "
+                                           f"own arguments, shrunk: {err}): float32")
         node.meta[RECORD] = d

@@ -182,3 +182,60 @@ def test_rounds_once_tells_a_float32_inside_kernel_from_a_low_accumulating_one(m
         assert not probes.rounds_once("softmax", torch.bfloat16, "cpu")
     finally:
         probes.rounds_once.cache_clear()
+
+
+class Distances(nn.Module):
+    """Pairwise distances between projected sets: a small reduction (cdist) fed by two GEMMs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.cdist(self.fc(x), self.fc(y))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_op_painted_low_without_a_low_kernel_stays_float32_with_the_error(dtype):
+    """Rule: a small reduction that would follow its low inputs (cdist after a Linear) is tried in the low dtype on
+    its own arguments, shrunk; where the kernel is missing it stays float32 (rule probe, the error in the reason),
+    and the converted model runs and trains."""
+    x, y = torch.randn(4, 8), torch.randn(5, 8)
+    with pytest.raises(NotImplementedError):
+        torch.cdist(x.to(dtype), y.to(dtype))  # the premise: no such kernel on this CPU
+    model = Distances()
+    amp = ampfx.convert(model, dtype, example_inputs=(x, y))
+    d = next(r for r in amp.ampfx_report.records if r.node == "cdist")
+    assert (d.dtype, d.rule) == (torch.float32, "probe") and "not implemented for" in d.reason, d
+    out = amp(x, y)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x, y), rtol=0.05, atol=0.05)
+
+
+def test_an_op_the_user_adds_to_a_list_without_a_low_kernel_stays_float32():
+    """Rule: every op decided low is probed when its arguments' shapes are known, not only the table's probe
+    kinds: torch.linalg.inv added to the infer list keeps float32 (no bfloat16 kernel), with the reason."""
+    class Inverse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.linalg.inv(self.fc(x).view(-1, 2, 2))
+
+    x = torch.randn(3, 4)
+    amp = ampfx.convert(Inverse(), "bf16", example_inputs=(x,), environ={"AMPFX_INFERLIST_ADD": "torch.linalg.inv"})
+    d = next(r for r in amp.ampfx_report.records if "inv" in r.node)
+    assert (d.dtype, d.rule) == (torch.float32, "probe"), d
+    assert amp(x).dtype == torch.float32
+
+
+def test_a_probe_that_fails_for_its_inputs_says_nothing():
+    """Rule: a call probe that fails in float32 too (the shrunk inputs break the op's own shape rules), or fails for
+    another reason than a missing kernel, cannot tell: the decision stands."""
+    view_of_eight = probes.check_call(None, "view", (probes.Arg((2, 3), torch.float32), 8), (), torch.bfloat16, "cpu")
+    assert view_of_eight is None
+    assert probes.check_call(torch.add, None, (probes.Arg((2, 3), torch.float32), probes.Arg((4, 5), torch.float32)),
+                             (), torch.bfloat16, "cpu") is None
+    assert probes.shrunk((probes.Arg((1, 512, 64), torch.float32), probes.Listed((probes.Arg((64,), torch.int64),))))\
+        == (probes.Arg((1, 3, 2), torch.float32), probes.Listed((probes.Arg((2,), torch.int64),)))

@@ -644,15 +644,20 @@ def lookup_name(key: Any) -> str | None:
 
 
 def qualified_name(obj: Any) -> str:
-    """``module.qualname`` of a function or class, as users type it in env variables."""
+    """``module.qualname`` of a function or class, as users type it in env variables.
+
+    >>> qualified_name(torch.linalg.inv), qualified_name(torch.fft.rfft), qualified_name(torch.special.erfcx)
+    ('torch.linalg.inv', 'torch.fft.rfft', 'torch.special.erfcx')
+    """
     if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(obj)  # aten.add_.Tensor
     module = getattr(obj, "__module__", None) or type(obj).__module__
     qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     if qual.startswith("_VariableFunctionsClass."):  # torch.add and friends are C builtins
         return f"torch.{qual.split('.', 1)[1]}"
-    if module == "torch._C._fft" and qual.startswith("fft_"):  # torch.fft.rfft is torch._C._fft.fft_rfft
-        return f"torch.fft.{qual[4:]}"
+    for short in ("fft", "linalg", "special"):  # torch.linalg.inv is torch._C._linalg.linalg_inv
+        if module == f"torch._C._{short}" and qual.startswith(f"{short}_"):
+            return f"torch.{short}.{qual[len(short) + 1:]}"
     public = {"torch._C._nn": "torch.nn.functional", "torch._C._special": "torch.special",
               "torch._C._linalg": "torch.linalg", "_operator": "operator"}
     return f"{public.get(module, module)}.{qual}"

@@ -29,14 +29,17 @@ Variant(dims=None, mode=None)
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.passes.shape_prop import TensorMetadata
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,157 @@ def check(kind: str, dtype: torch.dtype, device: str, variant: Variant = Variant
     except Exception as e:  # noqa: BLE001 - any failure means "not available here"
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
     return None
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A tensor argument of a call to probe: its sizes and dtype (a float one is made in the low dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A list argument (``dim=[1, 2]``), kept hashable."""
+
+    items: tuple
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout,
+          type(Ellipsis), slice)
+
+
+def shrunk(args: Any) -> Any:
+    """``args`` (a tree of :class:`Arg`, tuples, :class:`Listed` and plain values) with every tensor size above
+    one mapped to a small one, equal sizes to equal ones (2, 3, 4, ... in the order of size), so a probe keeps the
+    shapes' agreements at a tiny cost.
+
+    >>> shrunk((Arg((40, 8), torch.float32), Arg((50, 8), torch.float32)))
+    (Arg(shape=(3, 2), dtype=torch.float32), Arg(shape=(4, 2), dtype=torch.float32))
+    """
+    sizes: set[int] = set()
+
+    def collect(a: Any) -> None:
+        if isinstance(a, Arg):
+            sizes.update(n for n in a.shape if n > 1)
+        elif isinstance(a, (tuple, Listed)):
+            for x in (a.items if isinstance(a, Listed) else a):
+                collect(x)
+    collect(args)
+    small = {n: i + 2 for i, n in enumerate(sorted(sizes))}
+
+    def remap(a: Any) -> Any:
+        if isinstance(a, Arg):
+            return Arg(tuple(small.get(n, n) for n in a.shape), a.dtype)
+        if isinstance(a, Listed):
+            return Listed(tuple(remap(x) for x in a.items))
+        return tuple(remap(x) for x in a) if isinstance(a, tuple) else a
+    return remap(args)
+
+
+def _made(a: Any, low: torch.dtype, device: str) -> Any:
+    if isinstance(a, Arg):
+        if a.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return _t(low, device, *a.shape) if a.shape else torch.tensor(0.5, device=device, dtype=low)
+        return torch.zeros(a.shape, dtype=a.dtype, device=device)  # indices, masks: valid everywhere
+    if isinstance(a, Listed):
+        return [_made(x, low, device) for x in a.items]
+    return tuple(_made(x, low, device) for x in a) if isinstance(a, tuple) else a
+
+
+_REFUSALS = ("not implemented", "not supported", "unsupported", "does not support", "no kernel")
+_DTYPE_WORDS = ("bfloat16", "half", "float16", "dtype", "precision")
+
+
+def _missing(e: Exception) -> bool:
+    """Does ``e`` say the op has no kernel for a dtype (not that the probe's inputs were wrong)? (A refusal that
+    names a dtype: ``"cdist" not implemented for 'BFloat16'``, ``linalg.inv: Low precision dtypes not
+    supported``.)"""
+    text = str(e).lower()
+    return isinstance(e, NotImplementedError) or (any(w in text for w in _REFUSALS)
+                                                   and any(w in text for w in _DTYPE_WORDS))
+
+
+def _run_call(fn: Callable, method: str | None, args: tuple, kwargs: tuple, dtype: torch.dtype,
+              device: str) -> None:
+    made = _made(args, dtype, device)
+    kw = {k: _made(v, dtype, device) for k, v in kwargs}
+    out = getattr(made[0], method)(*made[1:], **kw) if method else fn(*made, **kw)
+    floats = [t for t in torch.utils._pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if floats:
+        sum(t.float().sum() for t in floats).backward()
+
+
+@functools.lru_cache(maxsize=4096)
+def check_call(fn: Callable, method: str | None, args: tuple, kwargs: tuple, dtype: torch.dtype,
+               device: str) -> str | None:
+    """The error text if the call ``fn(*args, **kwargs)`` (or ``args[0].<method>(...)``) has no ``dtype`` kernel
+    on ``device`` (forward or backward), on tiny inputs (:func:`shrunk` :class:`Arg` trees; float tensors made in
+    ``dtype``); ``None`` where it runs or the probe cannot tell (its inputs fail in float32 too, or fail for
+    another reason than a missing kernel). Cached per process.
+
+    >>> print(check_call(torch.cdist, None, (Arg((3, 2), torch.float32), Arg((4, 2), torch.float32)), (),
+    ...                  torch.bfloat16, "cpu"))
+    NotImplementedError: "cdist" not implemented for 'BFloat16'
+    >>> check_call(torch.add, None, (Arg((3, 2), torch.float32), 1.0), (), torch.bfloat16, "cpu") is None
+    True
+    """
+    try:
+        with torch.enable_grad(), warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            try:
+                _run_call(fn, method, args, kwargs, dtype, device)
+                return None
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not _missing(e):
+                    return None
+                err = e
+            _run_call(fn, method, args, kwargs, torch.float32, device)  # the inputs are fine: dtype is the cause
+    except Exception:  # noqa: BLE001 - float32 fails too (or the device is not here): the probe cannot tell
+        return None
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+
+
+_NOT_PROBED = frozenset({operator.getitem, getattr, len, torch.Tensor.size, torch.Tensor.dim})
+
+
+def missing_kernel(node: fx.Node, low: torch.dtype, device: str) -> str | None:
+    """An op without a probe of its own (:data:`PROBES`) tried in ``low`` on its own
+    arguments' shapes, shrunk (:func:`ampfx.ops.check_call`): the error text where its ``low`` kernel is
+    missing (``torch.cdist`` in bfloat16 on CPU), else ``None`` (also where its arguments' shapes are not
+    known: no example inputs, symbolic sizes, values computed in the graph)."""
+    if node.op not in ("call_function", "call_method") or node.target in _NOT_PROBED:
+        return None
+    known = [True]
+
+    def spec(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            meta = a.meta.get("tensor_meta")  # shape propagation's record (ampfx.meta.TENSOR_META)
+            if isinstance(meta, TensorMetadata) and all(type(n) is int for n in meta.shape):
+                return Arg(tuple(meta.shape), meta.dtype)
+            known[0] = False
+        elif isinstance(a, list):
+            return Listed(tuple(spec(x) for x in a))
+        elif isinstance(a, tuple):
+            return tuple(spec(x) for x in a)
+        elif isinstance(a, _PLAIN):
+            return a
+        known[0] = False
+        return None
+
+    args, kwargs = spec(tuple(node.args)), tuple(sorted((k, spec(v)) for k, v in node.kwargs.items()))
+    if not known[0] or not any(isinstance(a, Arg) and a.dtype in (torch.float32, torch.float16, torch.bfloat16) for a in args):
+        return None
+    method = str(node.target) if node.op == "call_method" else None
+    if method is not None and not isinstance(args[0], Arg):
+        return None
+    small = shrunk((args, kwargs))
+    try:
+        return check_call(None if method else node.target, method, *small, low, device)
+    except TypeError:  # an unhashable argument
+        return None
 
 
 def describe(variant: Variant) -> str:
