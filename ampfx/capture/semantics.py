@@ -375,7 +375,7 @@ class _ModuleState:
         changes, now = [], vars(self.module)
         for name, (what, obj, version) in self.tensors.items():
             store = self.module._parameters if what == "parameter" else self.module._buffers
-            if store.get(name) is not obj:
+            if (store[name] if name in store else None) is not obj:  # a ScriptModule's store has no .get
                 changes.append((f"{what} {name!r} reassigned", True))
                 store[name] = obj
             elif obj._version != version or (name in self.values and not _same(self.values[name], obj)):

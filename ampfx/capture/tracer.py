@@ -162,6 +162,8 @@ class AmpTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_paths or integrations.library_of(m) is not None or self.policy.is_user_leaf(type(m)):
             return True
+        if isinstance(m, torch.jit.ScriptModule):  # compiled by TorchScript: its forward is not Python to trace
+            return True
         if type(m) in ops.TRACE_THROUGH:
             return False
         return super().is_leaf_module(m, qualname)
@@ -577,7 +579,8 @@ def inlined(model: nn.Module, capture: Capture, policy: Policy, named: frozenset
 def _container(m: nn.Module) -> bool:
     """A module without a ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``): never called, its
     modules are called by the code around it."""
-    return getattr(type(m).forward, "__name__", "") == "_forward_unimplemented"
+    forward = inspect.getattr_static(type(m), "forward", None)  # a ScriptModule's class attribute raises on read
+    return getattr(forward, "__name__", "") == "_forward_unimplemented"
 
 
 def _is_leaf(tracer: AmpTracer, m: nn.Module, name: str) -> bool:
