@@ -436,6 +436,97 @@ def test_pickles_deep_copies_saves_and_switches_train_eval(name):
     assert all(mod.training for mod in gm.modules())
 
 
+class Dropped(nn.Module):
+    """A dropout between two Linears, and one in a child: train mode is visible in the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.inner = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.fc2(self.inner(F.dropout(self.fc1(x), 0.3, self.training)))
+
+
+def _loaded(gm, how):
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(gm))
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+@pytest.mark.parametrize("name", [*MODELS, "dropped"])
+def test_a_loaded_copy_reports_the_mode_it_was_saved_in_and_trains_after_train(name, how):
+    """Rule: a pickled or torch.saved converted module keeps every module's training flag, the root's included
+    (code that reads model.training sees the saved mode); after train() it trains as the original: dropout active,
+    the same output and gradients from the same random state."""
+    m, ex, _ = build(name) if name != "dropped" else (Dropped(), (torch.randn(4, 8),), None)
+    gm = ampfx.convert(m, "bf16", example_inputs=ex)
+    gm.eval()
+    loaded = _loaded(gm, how)
+    assert loaded.training is False and not any(mod.training for mod in loaded.modules())
+    gm.train(), loaded.train()
+    assert loaded.training is True and all(mod.training for mod in loaded.modules())
+    outs = []
+    for module in (gm, loaded):
+        torch.manual_seed(3)
+        module.zero_grad(set_to_none=True)
+        out = module(*ex)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in module.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    assert outs[1][1].keys() == outs[0][1].keys()
+    for n in outs[0][1]:
+        torch.testing.assert_close(outs[1][1][n], outs[0][1][n], rtol=0, atol=0)
+    if name == "dropped":
+        torch.manual_seed(4)
+        assert not torch.equal(loaded(*ex), loaded(*ex))  # dropout is active
+
+
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class Scripted(nn.Module):
+    """TorchScript submodules of every kind: a scripted activation without parameters, a scripted LayerNorm,
+    a traced Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = torch.jit.script(Swish())
+        self.norm = torch.jit.script(nn.LayerNorm(8))
+        self.proj = torch.jit.trace(nn.Linear(8, 8), torch.ones(1, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.proj(self.norm(self.act(self.fc(x)))))
+
+
+def test_torchscript_submodules_of_every_kind_are_leaves_that_run_float32():
+    """Rule: a TorchScript submodule (scripted with or without parameters, traced) is a leaf: its compiled code
+    runs as written on float32 inputs (rule eager, saying why), the rest of the model is converted in one graph,
+    and it trains (its parameters get float32 gradients)."""
+    torch.manual_seed(0)
+    m, x = Scripted(), torch.randn(4, 8)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,))
+    assert [p.method for p in amp.ampfx_report.parts] == ["fx"]
+    scripted = {r.node: r for r in amp.ampfx_report.records if r.node in ("act", "norm", "proj")}
+    assert len(scripted) == 3 and all(r.dtype == torch.float32 and r.rule == "eager" and "TorchScript" in r.reason
+                                      for r in scripted.values()), scripted
+    assert {r.module for r in amp.ampfx_report.records if r.op == "linear" and r.dtype == torch.bfloat16} == \
+        {"fc", "head"}
+    torch.testing.assert_close(amp(x), m(x), atol=0.05, rtol=0.05)
+    amp(x).sum().backward()
+    assert m.norm.weight.grad is not None and m.norm.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(copy.deepcopy(amp)(x), amp(x), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ tracing ladder
 @pytest.mark.parametrize("with_shapes", [True, False])
 def test_failing_submodule_becomes_a_leaf_whose_children_are_converted(with_shapes):

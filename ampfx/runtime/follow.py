@@ -1,4 +1,4 @@
-"""Structure changes to the model after conversion: shown through, or an error at the next call.
+"""Structure changes to the model after conversion: shown through, or converted again at the next call.
 
 The converted module is a view of the model (:mod:`ampfx.runtime.view`): the model's own modules,
 parameter and buffer dicts, flags, attributes and hooks, so most changes need nothing to
@@ -15,11 +15,14 @@ reference) and settles what it heard at the next call:
   ``load_state_dict(sd, assign=True)``): **shown through** (the dicts are shared), unless a
   graph reads it and the new one has another shape, dtype or device, or is ``None``, or it
   was tied (held at several places of the model, which a graph reads through one name);
-- a submodule replaced or added (``model[2] = nn.Linear(...)``), a parametrization added, a
-  parameter added, where a graph traced through that module or a converted module stands
-  for it: the call raises :class:`~ampfx.errors.StaleModelError` naming what changed and
-  saying to convert again. Elsewhere (inside a module the converted tree calls as the
-  model's own) the change shows through.
+- a submodule replaced or added (``model[2] = nn.Linear(...)``, a LoRA-style wrapper put around a
+  ``Linear``), a parametrization added, a parameter added, where a graph traced through that module
+  or a converted module stands for it: the innermost graph module around the change is **converted
+  again** at its next call, as when a value its graph fixed changed (within ``reconvert_limit``,
+  logged, listed in ``variants()``; :meth:`~ampfx.runtime.graph_module.AmpGraphModule.restructured`).
+  Elsewhere (inside a module the converted tree calls as the model's own) the change shows through.
+  Where nothing can convert again (``reconvert_limit=0``), the call raises
+  :class:`~ampfx.errors.StaleModelError` naming what changed.
 
 What is not heard (no torch hook fires): ``del model.fc`` and writes straight into
 ``model._modules``. A copy (``copy.deepcopy``, pickling) of the converted module follows
@@ -35,9 +38,15 @@ removed once no follower is alive.
 >>> torch.allclose(amp(torch.ones(2, 4)), net(torch.ones(2, 4)), atol=1e-2)
 True
 >>> net[0] = nn.Identity()
->>> amp(torch.ones(2, 4))
+>>> torch.equal(amp(torch.ones(2, 4)), net(torch.ones(2, 4))), len(amp.variants())
+(True, 1)
+>>> amp.variants()[0].ampfx_report.notes[-1]
+'converted again at a call: model.0 was replaced by another module (Identity) after conversion'
+>>> frozen = ampfx.convert(net, example_inputs=(torch.ones(2, 4),), reconvert_limit=0)
+>>> net[0] = nn.Linear(4, 4)
+>>> frozen(torch.ones(2, 4))
 Traceback (most recent call last):
-ampfx.errors.StaleModelError: model.0 was replaced by another module after conversion; ...
+ampfx.errors.StaleModelError: model.0 was replaced by another module (Linear) after conversion: convert the model again ...
 """
 from __future__ import annotations
 
@@ -54,8 +63,9 @@ _TRACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model modul
 _HANDLES: list[Any] = []  # the three global hooks while a follower lives
 _LIVE = [0]
 _KINDS = ("parameter", "buffer")
-FIX = ("convert the model again (ampfx.convert(model, ...)); in-place updates (optimizer steps, "
-       "load_state_dict(), .data.copy_()) and tensors replaced by ones of the same shape and dtype need nothing")
+FIX = ("convert the model again (ampfx.convert(model, ...)), or allow conversions at call time (reconvert_limit > 0); "
+       "in-place updates (optimizer steps, load_state_dict(), .data.copy_()) and tensors replaced by ones of the same "
+       "shape and dtype need nothing")
 
 
 def _note(module: nn.Module, kind: str, name: str) -> None:
@@ -110,6 +120,7 @@ class Follower:
         self.holders: dict[int, list[Any]] = {}
         self.inlined: set[int] = set()
         self.read: set[tuple[int, str]] = set()
+        self.graphs: list[Any] = []  # weak references to the converted tree's graph modules
         self.watch(views)
         places: dict[int, int] = {}
         self.paths: dict[int, str] = {}
@@ -138,6 +149,7 @@ class Follower:
             self.holders.setdefault(key, []).extend(weakref.ref(s) for s in stand_ins)
         self.inlined |= set(views.inlined)
         self.read |= views.read_tensors
+        self.graphs.extend(weakref.ref(gm) for gm, _ in views.graphs)
 
     def __call__(self, converted: nn.Module, *_: Any) -> None:
         if self.pending:
@@ -159,7 +171,34 @@ class Follower:
                 self.stale = self._follow(module, kind, name)
 
     def _follow(self, module: nn.Module, kind: str, name: str) -> str | None:
-        """Settle one change the hooks heard of; why it cannot be shown through, or ``None``."""
+        """Settle one change the hooks heard of: shown through, or the graph module that traced it converted
+        again at its next call (:meth:`_convert_again`); why it can be neither, or ``None``."""
+        change = self._change(module, kind, name)
+        if change is None or self._convert_again(module, change):
+            return None
+        return f"{change}: {FIX}"
+
+    def _convert_again(self, module: nn.Module, change: str) -> bool:
+        """Mark for conversion again the innermost graph modules whose model module is ``module`` or one of its
+        parents (:meth:`ampfx.runtime.graph_module.AmpGraphModule.restructured`); ``False`` where there is none
+        that can convert again (a copy, ``reconvert_limit=0``)."""
+        path = self.paths.get(id(module))
+        if path is None:
+            return False
+        graphs = [gm for gm in (ref() for ref in self.graphs) if gm is not None
+                  and gm.__dict__.get("_ampfx_reconvert") is not None and gm.__dict__["_ampfx_reconvert"].limit
+                  and _within(path, gm.__dict__.get("_ampfx_where", ""))]
+        if not graphs:
+            return False
+        deepest = max(len(gm.__dict__.get("_ampfx_where", "")) for gm in graphs)
+        for gm in graphs:
+            if len(gm.__dict__.get("_ampfx_where", "")) == deepest:
+                gm.restructured(change)
+        return True
+
+    def _change(self, module: nn.Module, kind: str, name: str) -> str | None:
+        """One change the hooks heard of: ``None`` where it shows through as it is, else what changed, in
+        words."""
         path = self.paths.get(id(module), "?")
         where = f"model.{path}.{name}" if path else f"model.{name}"
         slot = self.slots.get((id(module), kind, name))
@@ -171,7 +210,7 @@ class Follower:
                 return None
             if not traced:
                 return None
-            return f"{where}: a {kind} was added to the model after conversion; the converted module lacks it: {FIX}"
+            return f"{where}: a {kind} was added to the model after conversion, where the converted graph traced it"
         old_ref, tied, meta = slot
         old = old_ref()
         if new is old:
@@ -179,30 +218,36 @@ class Follower:
         if kind == "module":
             # a graph calling the old module by its path calls the new one: the same kind of module only
             called = traced and old is not None and id(old) not in self.inlined and type(new) is type(old)
-            if (traced and not called) or not self._put(module, name, old, new):
-                return (f"{where} was replaced by another module after conversion; the converted module still runs "
-                        f"the old one: {FIX}")
             self.slots[(id(module), kind, name)] = (_ref(new), False, None)
+            held = self._put(module, name, old, new)  # the converted tree holds the model's new child
+            if traced and not called or not held:
+                return f"{where} was replaced by another module ({type(new).__name__}) after conversion"
             return None
-        if tied or ((id(module), name) in self.read and _meta(new) != meta):
+        self.slots[(id(module), kind, name)] = (_ref(new), False, _meta(new))
+        if tied or ((id(module), name) in self.read and meta != _meta(new)):
             what = "a tied tensor (held at several places of the model)" if tied else _describe(meta, new)
-            return f"{where}: {kind} replaced after conversion ({what}); the converted module's graph reads it: {FIX}"
-        self.slots[(id(module), kind, name)] = (_ref(new), tied, meta)
+            return f"{where}: {kind} replaced after conversion ({what}), where the converted graph reads it"
         return None
 
 
     def _put(self, module: nn.Module, name: str, old: Any, new: Any) -> bool:
-        """Put ``new`` where the converted tree's stand-ins for ``module`` hold the model's ``old`` child; ``False``
-        where one holds a converted module there instead (it was made from ``old``: it cannot follow)."""
+        """Put ``new`` where the converted tree's stand-ins for ``module`` hold its child ``name`` (so their
+        ``parameters()`` are the model's); ``False`` where one held a converted module there instead (made from
+        ``old``: it cannot follow, and the graph around it is converted again)."""
+        followed = True
         for ref in self.holders.get(id(module), ()):
             stand_in = ref()
             if stand_in is None:
                 continue
             own = stand_in._modules
-            if own.get(name) is not old:
-                return False
+            followed = followed and own.get(name) is old
             own[name] = new
-        return True
+        return followed
+
+
+def _within(path: str, where: str) -> bool:
+    """Is the module at ``path`` the one at ``where`` or inside it?"""
+    return not where or path == where or path.startswith(where + ".")
 
 
 class _Inert:

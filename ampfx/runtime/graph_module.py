@@ -284,6 +284,8 @@ class AmpGraphModule(fx.GraphModule):
         fixed, alt = d.get("_ampfx_fixed"), d.get("_ampfx_alt")
         if "_ampfx_stale" in d:
             raise StaleModelError(d["_ampfx_stale"])
+        if "_ampfx_restructured" in d or "_ampfx_retired" in d:
+            return self._since_restructured(args, kwargs)
         if fixed is None:  # a loaded copy, or during conversion: the training flag chooses
             if alt is None or self.training != alt[0]:
                 return None
@@ -305,9 +307,30 @@ class AmpGraphModule(fx.GraphModule):
                 return variant
         return self._reconvert(fixed, args, kwargs)
 
+    def restructured(self, change: str) -> None:
+        """The model module's structure changed where this graph traced it (``change``, in words: a submodule
+        replaced or added, a tied tensor untied): at the next call its graph, the other mode's and the
+        conversions made again so far are retired, and the model module is converted again (within
+        ``reconvert_limit``, as for a changed value)."""
+        self.__dict__.setdefault("_ampfx_restructured", []).append(change)
+
+    def _since_restructured(self, args: tuple, kwargs: dict) -> nn.Module:
+        """The conversion to run once the structure changed (:meth:`restructured`): one made since, whose fixed
+        values hold, or a new one."""
+        d = self.__dict__
+        variants = d.setdefault("_ampfx_variants", [])
+        changes = d.pop("_ampfx_restructured", None)
+        if changes:  # what was made before the change traced the old structure
+            d["_ampfx_retired"] = len(variants)
+            return self._reconvert(None, args, kwargs, changes)
+        for variant in variants[d["_ampfx_retired"]:]:
+            if _holds(variant, None, self):
+                return variant
+        return self._reconvert(d.get("_ampfx_fixed"), args, kwargs)
+
     @torch.compiler.disable
-    def _reconvert(self, fixed: Any, args: tuple, kwargs: dict) -> nn.Module:
-        changes = fixed.changes() or ["a value the graph fixed changed"]
+    def _reconvert(self, fixed: Any, args: tuple, kwargs: dict, changes: list[str] | None = None) -> nn.Module:
+        changes = changes or (fixed.changes() if fixed is not None else []) or ["a value the graph fixed changed"]
         make = self.__dict__.get("_ampfx_reconvert")
         variants = self.__dict__.setdefault("_ampfx_variants", [])
         where = self.__dict__.get("_ampfx_where", "")
@@ -321,7 +344,7 @@ class AmpGraphModule(fx.GraphModule):
                 f"tracing, and {why}. Fix: make a value that changes a tensor buffer (read at every call) or "
                 f"an argument of forward, keep the module's Python (leaf_modules=[{where or '<module path>'!r}]), "
                 "raise reconvert_limit / AMPFX_RECONVERT_LIMIT, or convert the model again")
-        lowered = fixed.lowered()
+        lowered = fixed.lowered() if fixed is not None else []
         if lowered:
             low = str(fixed.low).replace("torch.", "")
             raise StaleModelError(
@@ -557,7 +580,8 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
     body = args[0]
     gm.__dict__.update(tree)
     for key, value in body.items():
-        if key not in gm.__dict__ and key not in ("_graph", "_code"):
+        # GraphModule.__init__ set its own defaults (the training flag as True): what was saved wins over them
+        if (key not in gm.__dict__ or key.startswith("_ampfx")) and key not in ("_graph", "_code"):
             gm.__dict__[key] = value
     rebind, recorded = gm.__dict__.pop("_ampfx_rebind", None), gm.__dict__.get("_ampfx_recorded")
     if rebind is not None and recorded is not None:
