@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import (autocast, boundary, calibrate, casts, classify, gemms, pad, paint, reductions, sensitivity, shapes,
-               tuned, unpack, writes)
+from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, gemms, pad, paint, reductions, sensitivity,
+               shapes, tuned, unpack, writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -30,6 +30,7 @@ ANALYSES: list[tuple[str, Callable[..., Any]]] = [
 PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     autocast.annotate_autocast,  # what torch.autocast would do, on the graph before casts (reporting only)
     unpack.unpack,  # a tensor unpacked into all its rows: one unbind, as eager Python runs it (needs shapes)
+    dtype_reads.fold_dtype_reads,  # x.dtype read by the model's code: the model's dtype, a constant (needs shapes)
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.decide_reductions,  # reductions by size: small ones follow their inputs, large ones float32
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)

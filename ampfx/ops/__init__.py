@@ -686,6 +686,10 @@ hand each other the low dtype (:mod:`ampfx.runtime.handing`)."""
 MOVE_METHODS: frozenset[str] = frozenset({"to", "cpu", "cuda", "data", "T", "mT", "H", "mH"})
 """``Tensor`` methods and attributes that move a tensor when no dtype is named (a device move, a view)."""
 
+DTYPE_ATTRS: frozenset[str] = frozenset({"dtype"})
+"""``Tensor`` attributes that say the dtype a tensor is computed in: for a value ampfx computes low, the model's
+own dtype is what its code read there (:mod:`ampfx.passes.dtype_reads`)."""
+
 TO_PYTHON: frozenset[str] = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__"})
 """``Tensor`` methods that read values into Python numbers: the same numbers from a low-precision tensor as from
 its float32 upcast."""
