@@ -337,7 +337,8 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                                  other_mode=job.other_mode))
 
     visit(job.module, "")
-    jobs = _linked(job, jobs, calls)
+    if request.policy.hand_low:
+        jobs = _linked(job, jobs, calls)
     if any(j.hands_on for j in jobs):  # its Python sees float32 wherever it does more than move them
         handing.hand_on(job.module, request.policy.dtype)
     return None, jobs

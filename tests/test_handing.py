@@ -21,6 +21,12 @@ from tests.support.lean import _fresh, against_autocast
 from tests.support.models import Stage
 
 
+@pytest.fixture(autouse=True)
+def _hand_low(monkeypatch):
+    """Handing is off by default (AMPFX_HAND_LOW): these tests are about it."""
+    monkeypatch.setenv("AMPFX_HAND_LOW", "1")
+
+
 class Branchy(nn.Module):
     """Python steered by an input's value (never captured). On the example input (``k == 0``) it only moves
     ``a``'s output into ``b``; other values of ``k`` take paths conversion never saw, each doing with ``a``'s

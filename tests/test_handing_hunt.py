@@ -17,6 +17,12 @@ from ampfx.runtime import handing
 from tests.test_handing import Stage
 
 
+@pytest.fixture(autouse=True)
+def _hand_low(monkeypatch):
+    """Handing is off by default (AMPFX_HAND_LOW): these tests are about it."""
+    monkeypatch.setenv("AMPFX_HAND_LOW", "1")
+
+
 def _untraceable(x: torch.Tensor) -> bool:
     """Python steered by a value: the parent keeps its Python, its children are converted one by one."""
     return float(x.detach().abs().amax()) > 1e6

@@ -140,8 +140,8 @@ def test_regions_converted_separately_keep_their_own_edges():
     assert all(region[a] == region[b] for a, b, _ in data["edges"])
     head = {(rep.records[a].node, rep.records[b].node, rep.casts[c].node if c >= 0 else None)
             for a, b, c in data["edges"] if region[a] == "head"}
-    # the root's Python hands enc's bfloat16 output to head as it is: head's input is cast at its boundary
-    assert ("input_1", "linear", "input_1_in") in head and ("weight", "linear", "weight_bf16") in head
+    # head's float32 input (enc returns float32 to the root's Python) is cast where its linear reads it
+    assert ("input_1", "linear", "input_1_bf16") in head and ("weight", "linear", "weight_bf16") in head
     assert sum(c >= 0 for *_, c in data["edges"]) == sum(len(c.consumers) for c in rep.casts)
 
 

@@ -136,11 +136,13 @@ class EagerParent(nn.Module):
 
 
 @pytest.mark.parametrize("middle", [Stage, PreNorm])
-def test_parts_under_an_eager_parent_hand_each_other_the_low_dtype_through_reshapes(middle):
-    """Children of a module that keeps its Python, whose outputs its Python only moves and reshapes into
-    the next child: each returns what it computes low in the low dtype and the next takes it so, as
-    under autocast, instead of float32 both ways. The next child's input is not a float32 stream (a
-    pre-norm block's residual add is not kept float32 for an upcast made at the boundary)."""
+def test_parts_under_an_eager_parent_hand_each_other_the_low_dtype_through_reshapes(middle, monkeypatch):
+    """With hand_low (off by default: AMPFX_HAND_LOW=1), children of a module that keeps its Python, whose
+    outputs its Python only moves and reshapes into the next child: each returns what it computes low in the
+    low dtype and the next takes it so, as under autocast, instead of float32 both ways. The next child's input
+    is not a float32 stream (a pre-norm block's residual add is not kept float32 for an upcast made at the
+    boundary)."""
+    monkeypatch.setenv("AMPFX_HAND_LOW", "1")
     torch.manual_seed(0)
     net, x = EagerParent(middle), torch.randn(4, 8, 16)
     cost = against_autocast(net, (x,))

@@ -121,7 +121,8 @@ RECONVERT_LIMIT = 8
 torch.compile's recompile limit is 8 too. A value that changes at every call (a counter a graph reads)
 reaches it fast, and the error names it."""
 
-_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values", "weight_cache")
+_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values", "weight_cache",
+          "hand_low")
 
 
 def _check_fields(p: "Policy") -> None:
@@ -236,6 +237,12 @@ class Policy:
         "AMPFX_WEIGHT_CACHE", "bool", "1 to keep low copies of the weights in training mode, made again only when a "
         "weight changes, instead of casting them at every forward (default 0; pays with gradient accumulation over "
         "large weights)"))
+    #: children of a module that keeps its Python (its control flow could not be captured) hand each other low
+    #: values through its Python where it only moves them (ampfx.runtime.handing). Off by default: its per-op
+    #: interception of the parent's Python costs more step time than the casts it saves (docs/benchmarks.md)
+    hand_low: bool = field(default=False, metadata=_env(
+        "AMPFX_HAND_LOW", "bool", "1 to let converted children of a module that keeps its Python hand each other "
+        "low values through it (fewer casts, but every op of that Python is intercepted; default 0)"))
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = field(default=True, metadata=_env(
