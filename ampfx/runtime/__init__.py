@@ -31,6 +31,10 @@ WEIGHTS = threading.local()
 """``WEIGHTS.active``: the weight caches of the graph modules running in this thread, innermost last
 (:mod:`ampfx.runtime.weight_cache`); :func:`cast` takes a cached weight's low copy from the innermost one."""
 
+CACHES = [0]
+"""How many weight caches were ever installed in this process (:func:`ampfx.runtime.weight_cache.install`): while
+none was (the cache is off by default), :func:`cast` looks for none (a cast costs what ``Tensor.to`` costs)."""
+
 
 def cast(value: Any, dtype: torch.dtype) -> Any:
     """``value`` in ``dtype``: float32/16/bf16 tensors are converted, anything
@@ -42,14 +46,17 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
     >>> cast(torch.arange(3), torch.bfloat16).dtype
     torch.int64
     """
-    if isinstance(value, torch.fx.Proxy):  # re-tracing a converted module (unpickling does)
-        return value.tracer.create_proxy("call_function", cast, (value, dtype), {})
     if isinstance(value, torch.Tensor):
         if value.dtype in CASTABLE and value.dtype != dtype:
-            active = None if is_compiling() else getattr(WEIGHTS, "active", None)
-            cached = active[-1].low(value, dtype) if active else None  # a weight's copy, made once (weight_cache)
-            return value.to(dtype) if cached is None else cached
+            if CACHES[0]:  # a weight's copy, made once (weight_cache=True)
+                active = None if is_compiling() else getattr(WEIGHTS, "active", None)
+                cached = active[-1].low(value, dtype) if active else None
+                if cached is not None:
+                    return cached
+            return value.to(dtype)
         return value
+    if isinstance(value, torch.fx.Proxy):  # re-tracing a converted module (unpickling does)
+        return value.tracer.create_proxy("call_function", cast, (value, dtype), {})
     if isinstance(value, (tuple, list)):
         return type(value)(cast(v, dtype) for v in value)
     return value

@@ -379,8 +379,14 @@ class AmpGraphModule(fx.GraphModule):
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
 
     def recompile(self) -> Any:
-        """``GraphModule.recompile`` (pickling calls it too), keeping the dispatch."""
+        """``GraphModule.recompile`` (pickling calls it too), keeping the dispatch; called as a plain module.
+        fx wraps each call of a graph module to add the generated code's line to an error's message: every
+        exception through it, caught or not, extracts a traceback from the source cache (activation
+        checkpointing stops each recompute early by raising one: 0.13 ms a call). The generated source is in
+        the line cache anyway, so tracebacks show its lines."""
         code = super().recompile()
+        if "__call__" in type(self).__dict__:  # fx's wrapper: nn.Module.__call__ (looked up, so tracers patch it)
+            delattr(type(self), "__call__")
         if DISPATCHED & self.__dict__.keys():
             self._install_dispatch()
         return code

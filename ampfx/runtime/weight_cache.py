@@ -148,6 +148,13 @@ class WeightCache:
     def __repr__(self) -> str:
         return f"WeightCache({str(self.dtype).replace('torch.', '')}: {', '.join(e.path for e in self.entries)})"
 
+    def __post_init__(self) -> None:
+        runtime.CACHES[0] += 1  # ampfx.runtime.cast looks for cached weights from now on
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        runtime.CACHES[0] += 1
+
     def _anew(self, owner: Callable[[dict], dict]) -> "WeightCache":
         """A cache over ``owner(parameter dict)`` with no copies yet (a copy's masters are other tensors)."""
         return WeightCache(self.dtype, [_Entry(owner(e.owner), e.name, e.path) for e in self.entries])

@@ -1,0 +1,357 @@
+"""Step time against torch.autocast (not a test): the yardstick of every runtime change.
+
+A training step (forward, the loss computed in float32 inside autocast's region as users write it, backward, an
+SGD step) of float32, ``torch.autocast`` and ``ampfx.convert`` on real models of many families, built small from
+configurations with random weights (no downloads): CNNs with batch norm, ViTs, encoder and decoder LMs (one trained
+with Hugging Face gradient checkpointing, one mixture of experts), seq2seq text and speech models, a diffusion UNet,
+RNNs, a recommender and a graph network. The three runs are interleaved step by step in one process per model,
+after two warm-up steps, and the median of the repeats is kept; on the CPU with one thread. Per model it prints
+each tool's median step, ampfx / autocast, and the time per step spent outside ATen ops (torch.profiler: a step's
+wall time less its top-level ATen ops) for both tools; ``--compile`` adds the same with ``torch.compile``
+(inductor) around each (slow on the CPU: minutes per model). Rows of one run compare; runs on other machines or
+at other times do not.
+
+Needs the models lane's environment (torchvision, timm, transformers; diffusers if installed):
+
+    bash scripts/test-models.sh --co -q       # makes .venv-models once
+    .venv-models/bin/python benchmarks/step_time.py [--models a,b] [--dtype bf16] [--reps 11] [--compile]
+
+The summary line says what the step-time goal asks: the median ratio, the models above 1.05x, and those captured
+whole (one graph) above 1.0x.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {
+    # CNNs with batch norm
+    "tv_resnet18": "CNN, batch norm", "tv_mobilenet_v3_small": "CNN, batch norm, depthwise",
+    "tv_efficientnet_b0": "CNN, batch norm, SE", "tv_squeezenet1_0": "CNN, fire modules",
+    "tv_convnext_tiny": "CNN, layer norm, layer scale", "tv_regnet_y_400mf": "CNN, batch norm, SE",
+    # vision transformers
+    "tv_vit_b_16": "ViT", "timm_vit_tiny": "ViT", "timm_swin_tiny": "windowed ViT", "hf_vit": "ViT (HF)",
+    # encoder LMs
+    "hf_bert_seqcls": "encoder LM", "hf_distilbert": "encoder LM",
+    # decoder LMs
+    "hf_gpt2_lm_nocache": "decoder LM", "hf_gpt2_ckpt": "decoder LM, gradient checkpointing",
+    "hf_llama_nocache": "decoder LM (RoPE, RMSNorm)", "hf_mixtral": "decoder LM, mixture of experts",
+    # seq2seq
+    "hf_t5_nocache": "seq2seq text", "hf_bart_nocache": "seq2seq text", "hf_whisper": "seq2seq speech",
+    # others
+    "unet": "diffusion UNet", "nn_lstm_cls": "RNN (LSTM)", "nn_gru_cls": "RNN (GRU)",
+    "nn_transformer": "nn.Transformer", "dlrm": "recommender", "gcn": "graph network (scatter)",
+}
+
+
+def build(name):
+    """``(model, inputs, loss spec)`` for ``name``: the coverage benchmark's models and a few of this one's."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import coverage
+    g = torch.Generator().manual_seed(0)
+    B, S, V, NC = coverage.B, coverage.S, coverage.V, coverage.NC
+    if name == "tv_squeezenet1_0":
+        import torchvision.models as tvm
+        return tvm.squeezenet1_0(num_classes=NC), (torch.randn(B, 3, 64, 64, generator=g),), \
+            ("ce", torch.randint(0, NC, (B,), generator=g))
+    if name == "hf_gpt2_ckpt":
+        model, inp, spec = coverage.build("hf_gpt2_lm_nocache")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, inp, spec
+    if name == "hf_mixtral":
+        import transformers as tf
+        cfg = tf.MixtralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64)
+        ids = torch.randint(0, V, (B, S), generator=g)
+        return tf.MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids, "use_cache": False}, ("hf", None)
+    if name == "hf_whisper":
+        import transformers as tf
+        cfg = tf.WhisperConfig(vocab_size=V, num_mel_bins=16, d_model=64, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+                               decoder_ffn_dim=128, max_source_positions=32, max_target_positions=32,
+                               decoder_start_token_id=1, pad_token_id=0)
+        feats = torch.randn(B, 16, 64, generator=g)
+        labels = torch.randint(2, V, (B, S), generator=g)
+        return tf.WhisperForConditionalGeneration(cfg), {"input_features": feats, "labels": labels,
+                                                          "use_cache": False}, ("hf", None)
+    if name == "unet":
+        try:
+            return coverage.build("diffusers_unet2d")
+        except ImportError:
+            return _unet(g), (torch.randn(B, 3, 16, 16, generator=g), torch.tensor([10, 500])), \
+                ("mse", torch.randn(B, 3, 16, 16, generator=g))
+    if name == "dlrm":
+        return _dlrm(), (torch.randn(64, 13, generator=g), torch.randint(0, 1000, (64, 8), generator=g)), \
+            ("bce", torch.randint(0, 2, (64,), generator=g).float())
+    if name == "gcn":
+        n, e = 512, 4096
+        src, dst = torch.randint(0, n, (e,), generator=g), torch.randint(0, n, (e,), generator=g)
+        return _gcn(), (torch.randn(n, 32, generator=g), src, dst), ("ce", torch.randint(0, NC, (n,), generator=g))
+    return coverage.build(name)
+
+
+def _unet(g):
+    """A small diffusion UNet in plain torch (when diffusers is not installed): timestep embedding, group norm, SiLU,
+    a self-attention block at the bottom, nearest upsampling and skip connections."""
+    import math
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Res(nn.Module):
+        def __init__(self, cin, cout, temb):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(8, cin), nn.Conv2d(cin, cout, 3, padding=1)
+            self.t = nn.Linear(temb, cout)
+            self.n2, self.c2 = nn.GroupNorm(8, cout), nn.Conv2d(cout, cout, 3, padding=1)
+            self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+        def forward(self, x, t):
+            h = self.c1(F.silu(self.n1(x))) + self.t(t)[:, :, None, None]
+            return self.skip(x) + self.c2(F.silu(self.n2(h)))
+
+    class Attn(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.n, self.qkv, self.o = nn.GroupNorm(8, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            b, c, hh, ww = x.shape
+            q, k, v = self.qkv(self.n(x)).reshape(b, 3, c, hh * ww).unbind(1)
+            a = torch.softmax(q.transpose(1, 2) @ k / math.sqrt(c), dim=-1)
+            return x + self.o((v @ a.transpose(1, 2)).reshape(b, c, hh, ww))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temb = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 64))
+            self.inp = nn.Conv2d(3, 32, 3, padding=1)
+            self.d1, self.d2 = Res(32, 32, 64), Res(32, 64, 64)
+            self.mid, self.attn = Res(64, 64, 64), Attn(64)
+            self.u2, self.u1 = Res(128, 32, 64), Res(64, 32, 64)
+            self.out = nn.Sequential(nn.GroupNorm(8, 32), nn.SiLU(), nn.Conv2d(32, 3, 3, padding=1))
+
+        def forward(self, x, t):
+            half = torch.arange(16, device=x.device) / 16
+            f = t.float()[:, None] * torch.exp(-math.log(10000) * half)[None]
+            e = self.temb(torch.cat([f.sin(), f.cos()], dim=-1))
+            h0 = self.inp(x)
+            h1 = self.d1(h0, e)
+            h2 = self.d2(F.avg_pool2d(h1, 2), e)
+            m = self.attn(self.mid(h2, e))
+            u = self.u2(torch.cat([m, h2], 1), e)
+            u = self.u1(torch.cat([F.interpolate(u, scale_factor=2.0, mode="nearest"), h1], 1), e)
+            return self.out(u)
+
+    return UNet()
+
+
+def _dlrm():
+    """A DLRM-style recommender: a bottom MLP on dense features, embedding bags on sparse ones, pairwise dot
+    interactions, a top MLP."""
+    import torch
+    import torch.nn as nn
+
+    class DLRM(nn.Module):
+        def __init__(self, tables=8, rows=1000, d=32):
+            super().__init__()
+            self.bottom = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, d), nn.ReLU())
+            self.emb = nn.ModuleList(nn.EmbeddingBag(rows, d, mode="sum") for _ in range(tables))
+            n = tables + 1
+            self.top = nn.Sequential(nn.Linear(d + n * (n - 1) // 2, 64), nn.ReLU(), nn.Linear(64, 1))
+            self.register_buffer("li", torch.tril_indices(n, n, -1)[0], persistent=False)
+            self.register_buffer("lj", torch.tril_indices(n, n, -1)[1], persistent=False)
+
+        def forward(self, dense, sparse):
+            x = self.bottom(dense)
+            feats = [x] + [e(sparse[:, i:i + 1]) for i, e in enumerate(self.emb)]
+            t = torch.stack(feats, dim=1)
+            z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
+            return self.top(torch.cat([x, z], dim=1)).squeeze(1)
+
+    return DLRM()
+
+
+def _gcn():
+    """A graph convolutional network written with scatter (index_add_): degree-normalised neighbour sums."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class GCN(nn.Module):
+        def __init__(self, d_in=32, d=64, classes=10):
+            super().__init__()
+            self.l1, self.l2, self.l3 = nn.Linear(d_in, d), nn.Linear(d, d), nn.Linear(d, classes)
+
+        def propagate(self, h, src, dst):
+            ones = torch.ones(dst.shape[0], dtype=h.dtype, device=h.device)  # as PyG's gcn_norm makes its weights
+            deg = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device).index_add_(0, dst, ones)
+            out = torch.zeros_like(h).index_add_(0, dst, h[src])
+            return out / deg.clamp(min=1)[:, None]
+
+        def forward(self, x, src, dst):
+            h = F.relu(self.propagate(self.l1(x), src, dst))
+            h = F.relu(self.propagate(self.l2(h), src, dst))
+            return self.l3(h)
+
+    return GCN()
+
+
+def loss_of(out, spec):
+    import torch.nn.functional as F
+
+    import coverage
+    if spec[0] == "bce":
+        return F.binary_cross_entropy_with_logits(out.float(), spec[1])
+    return coverage.loss_of(out, spec)
+
+
+def call(m, inp):
+    return m(**inp) if isinstance(inp, dict) else m(*inp)
+
+
+def _aten_seconds(prof) -> float:
+    """Seconds of a profiled step spent in top-level ATen ops (an ATen op inside another counts once)."""
+    total = 0.0
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            total += e.time_range.elapsed_us() / 1e6
+    return total
+
+
+def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ampfx
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    base, inp, spec = build(name)
+    base.train()
+    r = {"model": name, "family": MODELS.get(name, ""), "dtype": dt, "compiled": compiled}
+    runs = {}
+    for tool in ("float32", "autocast", "ampfx"):
+        model = copy.deepcopy(base)
+        run = model
+        if tool == "ampfx":
+            t0 = time.perf_counter()
+            run = ampfx.convert(model, dtype, example_inputs=inp)
+            r["convert_s"] = round(time.perf_counter() - t0, 2)
+            r["capture"] = [(p.path, p.method) for p in run.ampfx_report.parts]
+        if compiled:
+            run = torch.compile(run)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        region = (lambda: torch.autocast("cpu", dtype=dtype)) if tool == "autocast" else None
+
+        def step(run=run, model=model, opt=opt, region=region):
+            model.zero_grad(set_to_none=True)
+            if region is not None:
+                with region():
+                    loss = loss_of(call(run, inp), spec)
+            else:
+                loss = loss_of(call(run, inp), spec)
+            loss.backward()
+            opt.step()
+        runs[tool] = step
+    times = {tool: [] for tool in runs}
+    for k in range(reps + 2):
+        for tool, step in runs.items():
+            t0 = time.perf_counter()
+            step()
+            if k >= 2:
+                times[tool].append(time.perf_counter() - t0)
+    for tool, ts in times.items():
+        r[f"{tool}_ms"] = statistics.median(ts) * 1e3
+    for tool in ("autocast", "ampfx"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            runs[tool]()
+            wall = time.perf_counter() - t0
+        r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
+    r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
+    return r
+
+
+def whole(capture) -> bool:
+    """Captured as one graph: a single part, the root, by torch.fx or torch.export."""
+    return len(capture or []) == 1 and capture[0][0] == "" and not capture[0][1].startswith("eager")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--compile", action="store_true", help="also time each tool under torch.compile")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "COMPILED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        try:
+            res = run_case(args.one[0], args.dtype, args.reps, args.one[1] == "1")
+        except Exception:  # noqa: BLE001 - reported as the row's error
+            res = {"model": args.one[0], "error": traceback.format_exc()[-1500:]}
+        print("RESULT " + json.dumps(res, default=str))
+        return
+    import torch
+    print(f"step time, {args.dtype}, CPU, one thread, median of {args.reps} interleaved steps after 2 warm-ups; "
+          f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    rows = []
+    for compiled in ([False, True] if args.compile else [False]):
+        for name in args.models.split(","):
+            p = subprocess.run([sys.executable, __file__, "--one", name, str(int(compiled)), "--dtype", args.dtype,
+                                "--reps", str(args.reps)], capture_output=True, text=True, timeout=3600)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(line[-1][7:]) if line else {"model": name, "error": p.stderr[-1500:]}
+            res["compiled"] = compiled
+            rows.append(res)
+            if "error" in res:
+                print(f"{name:24s} {'compiled' if compiled else 'eager':8s} ERROR {res['error'].splitlines()[-1]}",
+                      flush=True)
+                continue
+            print(f"{name:24s} {'compiled' if compiled else 'eager':8s} float32 {res['float32_ms']:8.2f} ms  "
+                  f"autocast {res['autocast_ms']:8.2f}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
+                  f"{res['ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
+                  f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}",
+                  flush=True)
+    for compiled in ([False, True] if args.compile else [False]):
+        done = [r for r in rows if r["compiled"] == compiled and "ratio" in r]
+        if not done:
+            continue
+        ratios = [r["ratio"] for r in done]
+        above = [r["model"] for r in done if r["ratio"] > 1.05]
+        whole_above = [r["model"] for r in done if whole(r.get("capture")) and r["ratio"] > 1.0]
+        print(f"{'compiled' if compiled else 'eager'}: {len(done)} models, median ampfx/autocast "
+              f"{statistics.median(ratios):.2f}x, above 1.05x: {above or 'none'}; captured whole above 1.0x: "
+              f"{whole_above or 'none'}")
+    Path("/tmp/step_time.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
