@@ -57,8 +57,13 @@ def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
 
     >>> _module_entries("head"), _module_entries((torch.nn.LayerNorm, " enc.* "))
     (('head',), (<class 'torch.nn.modules.normalization.LayerNorm'>, 'enc.*'))
+    >>> _module_entries("none", "keep_modules")
+    ()
     """
     entries = (value,) if isinstance(value, (str, type)) or callable(value) else value
+    if name == "keep_modules" and isinstance(entries, Iterable) and not isinstance(entries, (str, bytes)) and \
+            [e.strip().lower() for e in entries if isinstance(e, str)] == ["none"] and len(tuple(entries)) == 1:
+        return ()  # keep_modules="none", as AMPFX_KEEP_MODULES=none: no module kept
     if not isinstance(entries, Iterable):
         raise PolicyError(f"{name}={value!r}: give module names, globs, module classes or predicates, e.g. "
                           "('head', 'encoder.layers.*.attn', nn.LayerNorm)")

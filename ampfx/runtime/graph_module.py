@@ -137,6 +137,9 @@ class AmpGraphModule(fx.GraphModule):
     def __getattr__(self, name: str) -> Any:
         """``nn.Module``'s lookup, then the model module's attributes, then its class's methods and
         properties bound to this module (code around it may call ``self.conv._conv_forward``)."""
+        child = self.__dict__["_modules"].get(name, _MISSING) if "_modules" in self.__dict__ else _MISSING
+        if child is not _MISSING:  # the graph's code reads its children at every call
+            return child
         try:
             return super().__getattr__(name)
         except AttributeError:

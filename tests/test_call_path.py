@@ -1,0 +1,187 @@
+"""Python work per call of a converted module, counted (never timed): what ampfx runs around the kernels is a
+budget. A model captured whole runs no per-op interception; a module that keeps its Python runs ampfx's code per
+converted child it calls, never per op of its own Python; a low-precision leaf swaps its parameters for low copies
+without torch.func's machinery."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+from ampfx import runtime
+
+AMPFX = str(Path(ampfx.__file__).resolve().parent)
+PASSES = str(Path(ampfx.passes.__file__).resolve().parent)
+
+
+PER_NODE = {"cast", "cast_pad", "call_module_low", "call_module_float32", "__getattr__"}
+"""ampfx's Python the graph's own code calls per node: a cast, a leaf's call, a read of a child module."""
+
+
+class Calls:
+    """Counts the Python functions of ampfx (those the graph's code calls per node apart: :data:`PER_NODE`) and of
+    torch.func, and ``__torch_function__`` calls, that run while it is on."""
+
+    def __init__(self) -> None:
+        self.ampfx = 0
+        self.per_node = 0
+        self.func = 0
+        self.modes = 0
+
+    def _profile(self, frame, event, arg):  # noqa: ANN001
+        if event != "call":
+            return
+        path = frame.f_code.co_filename
+        if path.startswith((AMPFX, PASSES)):
+            if frame.f_code.co_name in PER_NODE:
+                self.per_node += 1
+            else:
+                self.ampfx += 1
+        elif "torch/_functorch" in path or "torch/nn/utils/stateless" in path:
+            self.func += 1
+        if frame.f_code.co_name == "__torch_function__":
+            self.modes += 1
+
+    def __enter__(self) -> "Calls":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.ln = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def step(module: nn.Module, x: torch.Tensor) -> None:
+    module(x).float().square().mean().backward()
+
+
+def test_a_model_captured_whole_runs_no_per_op_python():
+    """Rule: captured whole (one graph), a training step runs no __torch_function__ of ampfx's, and ampfx's Python
+    around the graph (its checks) is the same at any depth; inside it, one helper call per cast node, per float32
+    leaf and per read of a child module, none per other op."""
+    torch.manual_seed(0)
+    counts = []
+    for depth in (2, 8):
+        model = nn.Sequential(*(MLP() for _ in range(depth)))
+        x = torch.randn(4, 16)
+        amp = ampfx.convert(model, "bf16", example_inputs=(x,), keep_modules="none")
+        assert [p.method for p in amp.ampfx_report.parts] == ["fx"]
+        step(amp, x)
+        nodes = [n for n in amp.graph.nodes if n.target in (runtime.cast, runtime.call_module_float32)]
+        reads = [n for n in amp.graph.nodes if n.op == "get_attr"]  # one read of its owner module each
+        with Calls() as c:
+            step(amp, x)
+        assert c.modes == 0 and c.func == 0
+        assert c.per_node == len(nodes) + len(reads), (c.per_node, len(nodes), len(reads))
+        counts.append(c.ampfx)
+    assert counts[0] == counts[1] <= 10, counts
+
+
+class Gate(nn.Module):
+    """Keeps its Python (a branch on a value); its children are converted one by one. ``extra`` ops of its own
+    Python run between them."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.a, self.b = MLP(), MLP()
+        self.extra = extra
+
+    def forward(self, x):
+        h = self.a(x)
+        for _ in range(self.extra):
+            h = h * 1.0
+        if h.abs().amax() > 1e6:
+            h = h / 2
+        return self.b(h)
+
+
+def test_an_eager_parent_costs_ampfx_python_per_child_not_per_op():
+    """Rule: a module that keeps its Python runs ampfx's code for each converted child it calls (their checks and
+    casts), never for each op of its own Python: 10 or 200 extra ops cost the same ampfx calls."""
+    torch.manual_seed(0)
+    counts = []
+    for extra in (10, 200):
+        model, x = Gate(extra), torch.randn(4, 16)
+        amp = ampfx.convert(model, "bf16", example_inputs=(x,))
+        assert any(p.method.startswith("eager") for p in amp.ampfx_report.parts)
+        step(amp, x)
+        with Calls() as c:
+            step(amp, x)
+        assert c.modes == 0
+        counts.append(c.ampfx)
+    assert counts[0] == counts[1], counts
+
+
+class Mover(nn.Module):
+    """Keeps its Python (a branch on a value) and only moves its children's outputs between them."""
+
+    def __init__(self, moves: int) -> None:
+        super().__init__()
+        self.a, self.b = MLP(), MLP()
+        self.moves = moves
+
+    def forward(self, x):
+        h = self.a(x)
+        for _ in range(self.moves):
+            h = h.transpose(0, 1).contiguous().transpose(0, 1)
+        if x.abs().amax() > 1e6:
+            x = x / 2
+        return self.b(h)
+
+
+def test_hand_low_intercepts_the_parents_ops_and_is_off_by_default():
+    """Rule: handing (hand_low=True) intercepts every op of the parent's Python (a TorchFunctionMode), so its
+    cost grows with that Python: that is why it is off by default, where the same parent costs no interception."""
+    torch.manual_seed(0)
+    model, x = Mover(10), torch.randn(4, 16)
+    for hand_low, intercepted in ((True, True), (False, False)):
+        amp = ampfx.convert(model, "bf16", example_inputs=(x,), hand_low=hand_low)
+        step(amp, x)
+        with Calls() as c:
+            step(amp, x)
+        assert (c.modes >= 30) is intercepted, c.modes
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_low_leaf_swaps_in_low_copies_and_puts_the_masters_back():
+    """Rule: call_module_low runs the module itself with low copies in its parameter dicts (tied parameters cast
+    once, no torch.func machinery), its hooks fire, gradients reach the float32 masters, and the masters are back
+    after the call, also when it raises."""
+    torch.manual_seed(0)
+    m = Tied()
+    masters = {n: p for n, p in m.named_parameters(remove_duplicate=False)}
+    seen = []
+    m.a.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with Calls() as c:
+        out = runtime.call_module_low(m, torch.bfloat16, x)
+    assert c.func == 0 and out.dtype == torch.bfloat16 and seen == [torch.bfloat16]
+    assert ampfx.count_casts(lambda: runtime.call_module_low(m, torch.bfloat16, x)) == 3  # a.weight once, 2 biases
+    out.float().sum().backward()
+    assert {n: p for n, p in m.named_parameters(remove_duplicate=False)} == masters
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 and p.grad is not None for p in m.parameters())
+    with pytest.raises(RuntimeError):
+        runtime.call_module_low(m, torch.bfloat16, torch.randn(2, 5, dtype=torch.bfloat16))
+    assert {n: p for n, p in m.named_parameters(remove_duplicate=False)} == masters
