@@ -5,7 +5,7 @@
 >>> amp.ampfx_report.by_node("linear").dtype
 torch.bfloat16
 """
-from . import integrations  # noqa: F401 - registers other libraries' op tables (imports no library)
+from . import libraries  # noqa: F401 - registers other libraries' op tables (imports no library)
 from .tools.debug import debug
 from .errors import NonFiniteError, PolicyError, TuneError
 from .tools.measure import count_casts

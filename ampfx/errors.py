@@ -6,6 +6,9 @@ signals between the capture stages (a capture that failed takes the next rung) a
 """
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 from typing import Any
 
 
@@ -122,3 +125,14 @@ class FoldRefused(RuntimeError):
 
 class NotReproduced(ValueError):
     """The captured graph does not run on the module's example inputs (:mod:`ampfx.rewrite`)."""
+
+
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
+    suffix every "unknown name" message of ampfx ends with.
+
+    >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
+    " Did you mean 'softmax'?"
+    """
+    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
+    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""

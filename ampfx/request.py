@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from . import arguments as args
-from . import integrations
+from . import libraries
 from .runtime import guards
 from .policy import module_match
 from .capture import export
@@ -143,9 +143,9 @@ def resolve(model: nn.Module, policy: Policy) -> Resolved:
     names = [n for n, _ in named if n]
     matched = module_match.resolve(model, policy.fp32_modules)
     # another library's module (a DGL conv) is a leaf its integration runs: its forward runs already
-    libraries = [n for n, m in named if n and integrations.library_of(m) is not None]
+    plugged = [n for n, m in named if n and libraries.library_of(m) is not None]
     kept = tuple((p, why) for p, why in module_match.resolve(model, policy.keep_modules, "keep_modules")
-                 if not any(p == lib or p.startswith(lib + ".") for lib in libraries))
+                 if not any(p == lib or p.startswith(lib + ".") for lib in plugged))
     rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
                 if policy.module_filter_fn is not None else None)
     leaves: list[str] = []

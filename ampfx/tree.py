@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import integrations, ops, runtime
+from . import libraries, ops, runtime
 from .policy import module_match
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured
@@ -322,7 +322,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                 visit(child, f"{sub}.")
             elif not called:
                 part.parts.append(Part(full, "left as is: not called on the example inputs"))
-            elif (leaf := integrations.convert_eager_leaf(job.module, sub, request.policy,
+            elif (leaf := libraries.convert_eager_leaf(job.module, sub, request.policy,
                                                           calls.facts_of(child, full, inputs), prefix,
                                                           device_of(child, inputs), request.resolved)) is not None:
                 setattr(parent, name, leaf[0])  # another library's module: one leaf, run as its table says
@@ -382,7 +382,7 @@ class _Observed:
 
     def __init__(self, root: nn.Module, inputs: ExampleInputs | None, dtype: torch.dtype, prefix: str = "") -> None:
         self.root, self.inputs, self.prefix = root, inputs, prefix  # root sits at prefix in the model
-        self.watch = integrations.watched(root, dtype) if inputs is not None else {}
+        self.watch = libraries.watched(root, dtype) if inputs is not None else {}
         self.seen: Observation | None = None
         self.scope: tuple[str, ...] = ()
         self.error: Exception | None = None
@@ -432,12 +432,12 @@ class _Observed:
     def leaf_facts(self, work: nn.Module, prefix: str, inputs: ExampleInputs | None) -> dict[str, object]:
         """What other libraries make of their leaves inside ``work`` (at ``prefix``)."""
         seen = self._run().seen if self.watch else {}
-        return integrations.leaf_facts(work, inputs, seen, prefix)
+        return libraries.leaf_facts(work, inputs, seen, prefix)
 
     def facts_of(self, module: nn.Module, path: str, inputs: ExampleInputs | None) -> object:
         """What its library makes of the leaf ``module`` at ``path``, called with ``inputs``."""
         seen = self._run().seen if self.watch else {}
-        return integrations.facts_of(module, seen.get(path, []), inputs) if inputs is not None else None
+        return libraries.facts_of(module, seen.get(path, []), inputs) if inputs is not None else None
 
 
 def _merge(part: _Part, dtype: torch.dtype) -> Report:

@@ -12,7 +12,7 @@ and rewrites; decides nothing new.
   parameters) and integer slots are not cast to the low dtype;
 - an ALLOW leaf module runs through :func:`ampfx.runtime.call_module_low`
   with low-precision copies of its parameters (another library's leaf through
-  that library's runner, e.g. :func:`ampfx.integrations.dgl.call_dgl_low`);
+  that library's runner, e.g. :func:`ampfx.libraries.dgl.call_dgl_low`);
 - in-place ops get no casts (a cast copy would take the mutation);
 - a low-precision ``linear`` whose consumers all want float32 leaves its bias
   out and adds it after the float32 cast (``Decision.bias_after``, decided by
@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import integrations, ops, runtime
+from .. import libraries, ops, runtime
 from ..meta import LEAF_PARAM_CASTS, RECORD, decision, record
 from ..ops import Category
 from ..report.records import COMPUTE, CastInfo, Decision, Rule, dtype_name
@@ -342,7 +342,7 @@ def _run_low(gm: fx.GraphModule, node: fx.Node, d: Decision, want: torch.dtype) 
     """A low-precision leaf module runs through :func:`ampfx.runtime.call_module_low` (another library's
     leaf: its own runner), with low-precision copies of its parameters; returns how many it has."""
     graph, module = gm.graph, gm.get_submodule(str(node.target))
-    run_low = integrations.runner(module) or runtime.call_module_low  # DGL leaves: their own runner
+    run_low = libraries.runner(module) or runtime.call_module_low  # DGL leaves: their own runner
     with graph.inserting_before(node):
         ref = graph.get_attr(str(node.target))
         ref.meta[RECORD] = Decision(node=ref.name, op="module", target=str(node.target), module=d.module,

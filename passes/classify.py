@@ -14,7 +14,7 @@ After (meta only, the graph is unchanged)::
 
 Precedence is documented in :mod:`ampfx.policy`; its module and list part
 (``fp32_modules`` / ``module_filter_fn``, unlisted, listed) is
-:mod:`ampfx.policy.decide`, which the eager-leaf path of :mod:`ampfx.integrations`
+:mod:`ampfx.policy.decide`, which the eager-leaf path of :mod:`ampfx.libraries`
 shares. :func:`_verdict` is the whole chain for one node.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .. import integrations, ops
+from .. import libraries, ops
 from ..ops import custom_ops, probes
 from ..policy import decide
 from ..meta import RECORD, describe, node_module_path, out_infos, user_float32
@@ -338,17 +338,17 @@ def _structure(node: fx.Node, gm: fx.GraphModule, where: dict[str, Any], ctx: Pa
 def _compute(node: fx.Node, gm: fx.GraphModule, ctx: PassContext, decided: dict[fx.Node, Decision],
              where: dict[str, Any]) -> Decision:
     """An op: the precedence chain (:func:`_verdict`), then, for another library's leaf module,
-    that library's rules (:func:`ampfx.integrations.refine`, given the facts about the leaf)."""
+    that library's rules (:func:`ampfx.libraries.refine`, given the facts about the leaf)."""
     name = op_name(node, gm, ctx.policy)
     where.update(in_shapes=tuple(describe(i[0]) for i in (out_infos(n) for n in node.all_input_nodes) if i),
                  op=name, inplace=is_inplace(node, gm))
     d = _verdict(node, gm, ctx, decided, name).decision(**where)
     if node.op == "call_module" and d.rule not in decide.FINAL_RULES:
-        # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.integrations)
+        # another library's leaf (DGL): its table's device rules, variants, guards (ampfx.libraries)
         target = str(node.target)
-        facts = integrations.LeafFacts(path=ctx.prefix + target, device=ctx.device, dtype=ctx.policy.dtype,
+        facts = libraries.LeafFacts(path=ctx.prefix + target, device=ctx.device, dtype=ctx.policy.dtype,
                                        observed=ctx.leaf_facts.get(target))
-        d = integrations.refine(d, gm.get_submodule(target), facts)
+        d = libraries.refine(d, gm.get_submodule(target), facts)
     return d
 
 

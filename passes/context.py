@@ -47,7 +47,7 @@ class PassContext:
     read first to what it does at its boundary (:class:`Ends`). ``symbols`` (a
     :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
     from example inputs. ``leaf_facts`` maps the path of each other library's
-    leaf module to what :func:`ampfx.integrations.leaf_facts` made of it on the
+    leaf module to what :func:`ampfx.libraries.leaf_facts` made of it on the
     example inputs (DGL's overflow guard reads its in-degree and feature sizes).
 
     >>> from ampfx import Policy

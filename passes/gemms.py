@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .. import integrations, ops
+from .. import libraries, ops
 from ..inputs import ExampleInputs
 from ..meta import RECORD, record
 from ..ops.shape_memo import ShapeMemo
@@ -112,7 +112,7 @@ def count_gemms(gm: fx.GraphModule, example_inputs: Any, dtype: torch.dtype) -> 
     args = ExampleInputs.of(example_inputs).positional(gm)
     with kept_buffers(gm), kept_attributes(gm, bookkeeping=False), kept_rng(*gm.parameters()), torch.no_grad():
         try:
-            if not all(integrations.runs_on_fake_tensors(m) for m in gm.modules()):
+            if not all(libraries.runs_on_fake_tensors(m) for m in gm.modules()):
                 raise NotImplementedError("a leaf cannot run on fake tensors")  # DGL's kernels crash on them
             from torch._subclasses.fake_tensor import FakeTensorMode
 

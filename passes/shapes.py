@@ -40,7 +40,7 @@ try:
 except ImportError:  # torch < 2.3 (the DGL lane's 2.2): the same test under its private name
     from torch.utils._pytree import _is_leaf as tree_is_leaf
 
-from .. import integrations, ops
+from .. import libraries, ops
 from ..inputs import ExampleInputs
 from ..meta import TENSOR_META
 from ..ops.shape_memo import ShapeMemo
@@ -204,7 +204,7 @@ class _MetaProp(fx.Interpreter):
 def _propagate(gm: fx.GraphModule, args: list[Any], dynamic_dims: dict[int, str]) -> tuple[str, str, Symbols]:
     symbols = Symbols()
     real_only = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
-                 and not integrations.runs_on_fake_tensors(gm.get_submodule(str(n.target)))]
+                 and not libraries.runs_on_fake_tensors(gm.get_submodule(str(n.target)))]
     if real_only:  # DGL's kernels take tensors through DLPack: meta/fake tensors crash them
         return _run_real(gm, args, dynamic_dims, symbols, f"ran the example inputs for real: leaves "
                          f"{', '.join(real_only[:3])}{' ...' if len(real_only) > 3 else ''} cannot run on "

@@ -69,11 +69,29 @@ def _imports(name: str, path: Path, known: dict[str, Path], inner_too: bool = Fa
     return edges, inner
 
 
-def import_cycles(inner_too: bool = False) -> list[list[str]]:
+def package_of(name: str) -> str:
+    """The package a module belongs to, for the cycle check between packages: its folder (``ampfx.runtime`` for
+    ``ampfx.runtime.view``), the installed passes (``ampfx.passes``), or the module itself for a module at the
+    top of ampfx (``ampfx.api``); ``ampfx`` for the package's ``__init__``."""
+    parts = name.split(".")
+    if name.startswith("ampfx.passes"):
+        return "ampfx.passes"
+    if len(parts) >= 2 and (PACKAGES["ampfx"] / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return name
+
+
+def import_cycles(inner_too: bool = False, packages: bool = False) -> list[list[str]]:
     """Strongly connected groups of more than one module in the module-level import graph (with
-    ``inner_too``, the imports inside functions as well)."""
+    ``inner_too``, the imports inside functions as well; with ``packages``, of the packages those modules are in
+    (:func:`package_of`): a module of one importing a module of the other is an edge between the two)."""
     known = modules()
     graph = {name: _imports(name, path, known, inner_too)[0] for name, path in known.items()}
+    if packages:
+        merged: dict[str, set[str]] = {}
+        for name, edges in graph.items():
+            merged.setdefault(package_of(name), set()).update(package_of(e) for e in edges)
+        graph = {name: edges - {name} for name, edges in merged.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -152,6 +170,28 @@ def test_no_import_cycle_even_through_imports_inside_functions():
     assert import_cycles(inner_too=True) == []
 
 
+def test_no_import_cycle_between_packages():
+    """Between packages (runtime, passes, ops, policy, capture, report, tools, ui, integrations, and each module at
+    the top of ampfx on its own), imports run one way, also through imports inside functions."""
+    assert import_cycles(inner_too=True, packages=True) == []
+
+
+def test_the_package_cycle_check_sees_one(tmp_path, monkeypatch):
+    """Two folders whose modules import each other's (no module cycle) are a cycle between packages."""
+    root = tmp_path / "ampfx"
+    for folder in ("low", "high"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "low" / "a.py").write_text("from ..high import b\n")
+    (root / "high" / "b.py").write_text("")
+    (root / "high" / "c.py").write_text("def f():\n    from ..low import d\n")
+    (root / "low" / "d.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", {"ampfx": root})
+    assert import_cycles(inner_too=True) == []
+    assert import_cycles(inner_too=True, packages=True) == [["ampfx.high", "ampfx.low"]]
+
+
 def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     """Two modules importing each other, one of them inside a function, are a cycle for the check with
     ``inner_too`` and none without it."""
@@ -208,9 +248,10 @@ def unplaced_modules() -> list[str]:
 FORBIDDEN = {  # importer prefix -> imported prefixes it must not import (docs/architecture.md; "ampfx.runtime." bans
 # the run-time modules but not ampfx.runtime itself, the helpers the tables and generated code name)
     "ampfx.passes": ("ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
-    "ampfx.integrations": ("ampfx.passes", "ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
-    "ampfx.ops": ("ampfx.integrations", "ampfx.passes", "ampfx.capture", "ampfx.runtime.", "ampfx.tree",
-                  "ampfx.rewrite", "ampfx.api", "ampfx.tools", "ampfx.ui"),
+    "ampfx.libraries": ("ampfx.passes", "ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui",
+                        "ampfx.integrations"),
+    "ampfx.ops": ("ampfx.libraries", "ampfx.integrations", "ampfx.passes", "ampfx.capture", "ampfx.runtime",
+                  "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.tools", "ampfx.ui"),
     "ampfx.policy": ("ampfx.passes", "ampfx.capture", "ampfx.runtime.", "ampfx.tree", "ampfx.rewrite", "ampfx.api",
                      "ampfx.tools", "ampfx.ui"),
     "ampfx.report": ("ampfx.passes", "ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.tools",
@@ -273,8 +314,9 @@ def test_every_module_is_placed_in_the_architecture_page():
 
 
 def test_layers_import_only_what_they_may():
-    """Passes import no capture or stage module, integrations no pass, the vocabulary (ops, policy, report) no
-    stage, tool or run-time module, the run time no stage or tool, nothing the UI."""
+    """Passes import no capture or stage module, other libraries' plugins no pass (nor a trainer integration), the
+    vocabulary (ops, policy, report) no stage, tool or run-time module (the op tables not even the runtime's
+    helpers), the run time no stage or tool, nothing the UI."""
     assert layer_violations() == []
 
 
@@ -368,3 +410,13 @@ if __name__ == "__main__":
         print(f"  {n:4d}  {f}")
     hits = op_name_comparisons()
     print(f"op-name comparisons in passes: {len(hits)}" + "".join(f"\n  {h}" for h in hits))
+
+
+def test_the_dgl_plugins_old_name_is_the_same_module():
+    """ampfx.integrations.dgl, the DGL plugin's name before it moved to ampfx.libraries (saved converted modules
+    name its runner there), is the same module object: nothing computes twice, nothing differs."""
+    import ampfx.integrations.dgl
+    import ampfx.libraries.dgl
+
+    assert ampfx.integrations.dgl is ampfx.libraries.dgl
+    assert ampfx.integrations.dgl.call_dgl_low is ampfx.libraries.dgl.call_dgl_low

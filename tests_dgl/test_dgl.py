@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import ampfx
 from ampfx.ops import probes
-from ampfx.integrations import dgl as integ
+from ampfx.libraries import dgl as integ
 from ampfx.ops import Category
 from ampfx.errors import PolicyError
 
@@ -316,7 +316,7 @@ def test_overflow_guard_numbers_appear_in_the_log_of_a_float16_conversion():
 
 # --------------------------------------------------------------------------- contracts
 def test_converted_dgl_model_saves_loads_and_deep_copies():
-    """The generated code calls ampfx.integrations.dgl.call_dgl_low by name: torch.save/load and
+    """The generated code calls ampfx.libraries.dgl.call_dgl_low by name: torch.save/load and
     deepcopy give a module that computes the same."""
     g, x = graph(), torch.randn(40, 8)
     amp = ampfx.convert(GAT(8, 4, 3, [2, 2, 2]), "bf16", example_inputs=(g, x))
@@ -573,17 +573,17 @@ def test_eager_leaves_follow_the_same_module_rules_as_traced_leaves():
 
 
 def test_observe_reports_each_leaf_and_leaves_the_model_as_it_was():
-    """The observation run watches DGL leaves (integrations.watched) and leaf_facts gives, per module path,
+    """The observation run watches DGL leaves (libraries.watched) and leaf_facts gives, per module path,
     what DGL's rules need (in-degree and feature sizes, COO-only graphs); training flags and RNG untouched;
     nothing to watch for a dtype whose rules need no values (bf16)."""
-    from ampfx import integrations
+    from ampfx import libraries
     from ampfx.inputs import ExampleInputs
     from ampfx.capture.observe import observe
 
     def facts(wrapper, inputs, dtype):
-        watch = integrations.watched(wrapper, dtype)
+        watch = libraries.watched(wrapper, dtype)
         seen = observe(wrapper, ExampleInputs.of(inputs), watch=watch).seen if watch else {}
-        return integrations.leaf_facts(wrapper, inputs, seen)
+        return libraries.leaf_facts(wrapper, inputs, seen)
 
     g = high_degree_graph(n_src=300, n_dst=2)
     x = torch.full((g.num_nodes(), 8), 3.0)
@@ -593,10 +593,10 @@ def test_observe_reports_each_leaf_and_leaves_the_model_as_it_was():
     assert list(got) == ["conv"] and got["conv"].stats.max_in_degree == 301
     assert got["conv"].stats.max_abs_node == 3.0 and not got["conv"].coo_only
     assert torch.equal(torch.random.get_rng_state(), state) and wrapper.training
-    assert integrations.watched(wrapper, torch.bfloat16) == {}
+    assert libraries.watched(wrapper, torch.bfloat16) == {}
     assert facts(wrapper, (g, x), torch.bfloat16)["conv"].stats is None
     assert facts(wrapper, (g.formats("coo"), x), torch.bfloat16)["conv"].coo_only
-    assert integrations.leaf_facts(wrapper, None, {}) == {}
+    assert libraries.leaf_facts(wrapper, None, {}) == {}
 
 
 def _reload(module):

@@ -10,7 +10,7 @@ opaque (leaves):
 - leaves: every other ``torch.nn`` module (as in ``torch.fx``: modules whose
   behaviour depends on ``training`` stay switchable), modules of an
   integrated library (DGL's, found by their class's package without
-  importing it: :func:`ampfx.integrations.library_of`), module types named
+  importing it: :func:`ampfx.libraries.library_of`), module types named
   on a policy list or in ``leaf_modules``, and modules named by path. User functions
   named on a policy list stay one ``call_function`` node.
 
@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import integrations, ops, runtime
+from .. import libraries, ops, runtime
 from ..errors import RootUntraceable
 from ..runtime.fixed import reads_training
 from ..runtime.graph_module import OutputCodeGen
@@ -160,7 +160,7 @@ class AmpTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_paths or integrations.library_of(m) is not None or self.policy.is_user_leaf(type(m)):
+        if qualname in self.leaf_paths or libraries.library_of(m) is not None or self.policy.is_user_leaf(type(m)):
             return True
         if isinstance(m, torch.jit.ScriptModule):  # compiled by TorchScript: its forward is not Python to trace
             return True

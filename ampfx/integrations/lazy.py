@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-import ampfx
+from ..api import convert
 from ..policy import policy_file
 from ..errors import ArgumentError, AutocastConflictError, PolicyMismatchError
 from ..errors import PolicyError
@@ -89,7 +89,7 @@ class Setup:
             inputs: Any = {**dict(zip(names, args)), **kwargs}
         else:
             inputs = args
-        return ampfx.convert(module, example_inputs=inputs, policy=self.policy, tracer=self.tracer,
+        return convert(module, example_inputs=inputs, policy=self.policy, tracer=self.tracer,
                              dynamic_dims=self.dynamic_dims)
 
     # ------------------------------------------------------------------ checkpoints

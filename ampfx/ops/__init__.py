@@ -37,7 +37,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import runtime
 
 
 class Category(str, enum.Enum):
@@ -448,7 +447,7 @@ for _name, _fns, _methods in [
     ("argmax", [torch.argmax, torch.argmin, torch.argsort, torch.nonzero, torch.any, torch.all, torch.bucketize,
                 torch.searchsorted, F.one_hot],
      ["argmax", "argmin", "argsort", "nonzero", "any", "all", "long", "int", "item", "tolist"]),
-    ("assert", [torch._assert, runtime.assert_is_none,
+    ("assert", [torch._assert,
                 *([torch.fx._symbolic_trace._assert_is_none]
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
@@ -567,6 +566,7 @@ _BY_QUALNAME: dict[str, str] = {
     "timm.models.layers.drop.drop_path": "dropout",
     "timm.layers.drop.drop_block_2d": "dropout",
     "timm.layers.drop.drop_block_fast_2d": "dropout",
+    "ampfx.runtime.assert_is_none": "assert",  # the guard generated code calls (the tables import no runtime)
 }
 
 
@@ -574,7 +574,7 @@ def register_library(entries: Iterable[tuple[str, Category, str, Iterable[str]]]
     """Add another library's ops to the tables: ``(canonical name, list, reason, qualified names)``
     each, the qualified names being the library's module types and functions that the op covers.
     Their tables live with their integration (data only: importing it imports no library), which
-    registers them when ampfx is imported (:mod:`ampfx.integrations`); this module imports none.
+    registers them when ampfx is imported (:mod:`ampfx.libraries`); this module imports none.
 
     >>> "dgl.GATConv" in ENTRIES and lookup_name("dgl.GATConv")
     'dgl.GATConv'

@@ -23,9 +23,8 @@ from typing import Any
 
 from .. import ops
 from . import custom_ops
-from ..errors import OpRegistrationError
+from ..errors import OpRegistrationError, did_you_mean
 from . import LISTS, Category
-from ..policy.names import did_you_mean
 
 _CATEGORIES = {c.value: c for c in LISTS}
 

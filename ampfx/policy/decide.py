@@ -1,7 +1,7 @@
 """The module and list part of the precedence chain, written once.
 
 ``passes/classify.py`` decides every node of a traced graph, and
-:func:`ampfx.integrations.convert_eager_leaf` decides another library's module
+:func:`ampfx.libraries.convert_eager_leaf` decides another library's module
 called from eager code (its parent could not be traced). Both ask this module
 the same two questions, in this order (the full chain is in :mod:`ampfx.policy`):
 
@@ -18,7 +18,7 @@ the same two questions, in this order (the full chain is in :mod:`ampfx.policy`)
 
 :func:`decide_leaf` is 1 then 2 for one leaf module. What comes after (probes
 and out-of-range constants for graph nodes, a library's device rules through
-:func:`ampfx.integrations.refine`) refines a :class:`Verdict`, and never one
+:func:`ampfx.libraries.refine`) refines a :class:`Verdict`, and never one
 whose rule is in :data:`FINAL_RULES`.
 
 >>> import torch, ampfx

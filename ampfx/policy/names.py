@@ -15,7 +15,7 @@ import torch
 
 from .. import ops
 from ..ops import custom_ops
-from ..errors import PolicyError
+from ..errors import PolicyError, did_you_mean
 from ..ops import Category
 
 ENV_PREFIX = "AMPFX_"
@@ -39,17 +39,6 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
             if isinstance(value, torch.dtype) and value.is_floating_point else "")
     raise PolicyError(f"{where}={value!r} is not a low-precision dtype{hint}; use one of "
                       "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
-
-
-def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
-    """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
-    suffix every "unknown name" message of ampfx ends with.
-
-    >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
-    " Did you mean 'softmax'?"
-    """
-    hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
-    return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
 
 
 def import_object(path: str) -> Any:

@@ -34,6 +34,7 @@ True
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,7 +45,6 @@ import torch.nn as nn
 from .. import runtime
 from . import written
 from ..errors import StaleModelError
-from ..passes.classify import attr_of
 
 
 def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
@@ -54,7 +54,7 @@ def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
         if node.op != "get_attr":
             continue
         try:
-            obj = attr_of(gm, str(node.target))
+            obj = operator.attrgetter(str(node.target))(gm)
         except AttributeError:  # a constant the graph holds outside the module tree (a generator the model owns)
             continue
         if isinstance(obj, nn.Parameter) and obj.dtype in runtime.CASTABLE:

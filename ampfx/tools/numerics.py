@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .. import integrations, runtime
+from .. import libraries, runtime
 from ..api import convert
 from ..errors import ArgumentError
 from ..runtime.graph_module import AmpGraphModule
@@ -143,7 +143,7 @@ class _Float32(sens.Rounding):
     def arguments(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         module = args[0] if args and isinstance(args[0], nn.Module) else None
         made = isinstance(record(node), CastInfo) or node.target is runtime.call_module_low or (
-            module is not None and integrations.runner(module) is node.target)
+            module is not None and libraries.runner(module) is node.target)
         if not made:
             return args, kwargs
         return tree_map(lambda a: torch.float32 if a is self.low else a, (args, kwargs))
