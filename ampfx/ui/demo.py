@@ -4,6 +4,7 @@ side on a synthetic task (no downloads), counting casts against autocast.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import textwrap
 import time
@@ -113,6 +114,28 @@ def _casts(fp32: nn.Module, amp: nn.Module, ids, labels, low: torch.dtype) -> tu
     return ours, count_casts(autocast_step)
 
 
+def _step_ms(fp32: nn.Module, amp: nn.Module, ids, labels, low: torch.dtype, reps: int = 21) -> dict[str, float]:
+    """Median milliseconds of a training step (forward, float32 loss, backward) of ampfx, autocast (the loss inside
+    its region) and float32, the three interleaved step by step after two warm-up steps."""
+    def autocast_step() -> None:
+        with torch.autocast("cpu", low):
+            value = F.cross_entropy(fp32(ids), labels)
+        value.backward()
+
+    steps = {"ampfx": lambda: F.cross_entropy(amp(ids), labels).backward(), "autocast": autocast_step,
+             "float32": lambda: F.cross_entropy(fp32(ids), labels).backward()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for k in range(reps + 2):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            if k >= 2:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    fp32.zero_grad(set_to_none=True)
+    amp.zero_grad(set_to_none=True)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _loss_scale(path: str | None, scale_log: dict | None, low: torch.dtype, echo: Callable[[str], None]) -> None:
     """Plot the GradScaler's scale to ``path``, or say why there is no plot."""
     if path and scale_log is not None:
@@ -175,6 +198,10 @@ def main(dtype: str = "bf16", steps: int = 200, echo: Callable[[str], None] = pr
     for name, (loss, acc) in results.items():
         echo(f"{name:<16}{loss:>12.3f}{acc:>10.2f}")
     echo(f"\ncasts per training step (forward + backward): ampfx {ours}, torch.autocast {theirs}")
+    if timings:
+        ms = _step_ms(fp32, amp, ids[:64], labels[:64], low)
+        echo(f"ms per training step (median of 21, interleaved, this machine): ampfx {ms['ampfx']:.2f}, "
+             f"torch.autocast {ms['autocast']:.2f}, float32 {ms['float32']:.2f}")
     echo(textwrap.fill(
         "A cast is a dtype-changing copy of a tensor: memory traffic on top of the arithmetic. Both keep this "
         f"model's residual stream and norms float32, so the counts are close; the {dtype_name(low)} run is worth "
