@@ -34,7 +34,7 @@ from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
-from .passes import ANALYSES, COUNTS, DECIDING, PIPELINE, autocast, boundary, calibrate, sensitivity, shapes
+from .passes import ANALYSES, COUNTS, DECIDING, LOWERING, PIPELINE, autocast, boundary, calibrate, sensitivity, shapes
 from .passes.context import Ends, PassContext
 from .policy import Policy, Resolved
 from .request import Request
@@ -90,6 +90,9 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                            exported, request.policy.pad)
     remember(gm, work, capture, request.policy, request.resolved, prefix, arrive)
     report = graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
+    if any([seen.run(name, step, gm) for name, step in LOWERING]):  # after the report: it keeps every node
+        gm.graph.lint()
+        gm.recompile()
     where = prefix.rstrip(".")
     return gm, dataclasses.replace(report, steps=tuple((where, s, t) for s, t in seen.steps),
                                    step_code={where: tuple(seen.code)} if seen.keep_code else {})

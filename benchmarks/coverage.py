@@ -13,6 +13,7 @@ lane's torch 2.13; the test lane's .venv-models plus diffusers will do):
     /tmp/venv-models/bin/pip install -e .
     /tmp/venv-models/bin/python benchmarks/coverage.py            # everything (a subprocess per case)
     /tmp/venv-models/bin/python benchmarks/coverage.py --one hf_t5 bf16
+    /tmp/venv-models/bin/python benchmarks/coverage.py --compile [models...]   # bf16, and a compiled step of each
 
 Results go to stdout and /tmp/probe_results.json; the last run is recorded in docs/coverage.md.
 """
@@ -363,6 +364,10 @@ def run_case(name, dt):
             r["problems"].append(f"writes {r['mb_ampfx']:.3g} MB > autocast {r['mb_autocast']:.3g} MB")
     except Exception:
         r["errors"].append({"stage": "casts", "tb": traceback.format_exc()})
+    if COMPILE:
+        r["compile"] = compiled_steps(model, amp, inp, spec, dtype)
+        if r["compile"]["autocast"] == "ok" and r["compile"]["ampfx"] != "ok":
+            r["problems"].append(f"ampfx + compile fails where autocast + compile trains: {r['compile']['ampfx']}")
     if root_left_eager(r["methods"]):
         r["problems"].append("root left eager")
     if r.get("total") and r["converted"] == 0:
@@ -370,6 +375,34 @@ def run_case(name, dt):
     if r["status"] == "ok" and (r["problems"] or r["errors"]):
         r["status"] = "suspicious" if not r["errors"] else "error"
     return r
+
+
+COMPILE = os.environ.get("AMPFX_COVERAGE_COMPILE") == "1"
+"""``--compile``: also a training step of each tool under ``torch.compile`` (inductor): does it train?"""
+
+
+def compiled_steps(model, amp, inp, spec, dtype):
+    """A training step (float32 loss, backward) of ``torch.compile`` over the model under autocast and over ampfx's
+    conversion: ``"ok"`` or the error's first line, per tool."""
+    import torch
+    out = {}
+    for tool in ("autocast", "ampfx"):
+        torch._dynamo.reset()
+        model.train()
+        model.zero_grad(set_to_none=True)
+        try:
+            run = torch.compile(model if tool == "autocast" else amp)
+            if tool == "autocast":
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = loss_of(call(run, inp), spec)
+            else:
+                loss = loss_of(call(run, inp), spec)
+            loss.backward()
+            out[tool] = "ok" if torch.isfinite(loss) else "non-finite loss"
+        except Exception as e:  # noqa: BLE001 - the row says what failed
+            out[tool] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def fmt(x, digits=2):
@@ -399,7 +432,7 @@ def capture(res):
 
 def main():
     only = sys.argv[1:]
-    cases = [(m, d) for m in MODELS for d in DTYPES if not only or m in only]
+    cases = [(m, d) for m in MODELS for d in (["bf16"] if COMPILE else DTYPES) if not only or m in only]
     results = []
     from concurrent.futures import ThreadPoolExecutor
 
@@ -407,7 +440,8 @@ def main():
         m, d = case
         t0 = time.time()
         try:
-            p = subprocess.run([sys.executable, __file__, "--one", m, d], capture_output=True, text=True, timeout=900)
+            p = subprocess.run([sys.executable, __file__, "--one", m, d], capture_output=True, text=True,
+                               timeout=2700 if COMPILE else 900)
             line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
             if line:
                 res = json.loads(line[-1][7:])
@@ -421,13 +455,15 @@ def main():
               f"MB {fmt(res.get('mb_ampfx'), 3)}/{fmt(res.get('mb_autocast'), 3)} "
               f"saved {fmt(res.get('saved_mb_ampfx'), 3)}/{fmt(res.get('saved_mb_autocast'), 3)} "
               f"convert {res.get('convert_s')} s (inference {res.get('convert_inference_s')} s) err {fmt(res.get('rel_err'))} "
-              f"(autocast {fmt(res.get('rel_err_autocast'))}) {res.get('problems') or ''}", flush=True)
+              f"(autocast {fmt(res.get('rel_err_autocast'))}) "
+              f"{'compile ' + str(res['compile']) + ' ' if 'compile' in res else ''}{res.get('problems') or ''}",
+              flush=True)
         return res
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(one, cases))
     print("\n| model | dtype | capture | convert s train / inference | converted | casts ampfx / autocast | MB written ampfx / autocast "
-          "| MB saved for backward ampfx / autocast | error ampfx / autocast | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| MB saved for backward ampfx / autocast | error ampfx / autocast | status |" + (" compile autocast / ampfx |" if COMPILE else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if COMPILE else ""))
     for res in sorted(results, key=lambda r: (r["model"], r["dtype"])):
         casts = f"{res.get('casts_ampfx')} / {res.get('casts_autocast') or 'n/a (autocast fails)'}"
         errs = f"{fmt(res.get('rel_err'))} / {fmt(res.get('rel_err_autocast'))}"
@@ -436,12 +472,18 @@ def main():
         status = res["status"] + (": " + "; ".join(res.get("problems") or []) if res.get("problems") else "")
         seconds = f"{fmt(res.get('convert_s'), 3)} / {fmt(res.get('convert_inference_s'), 3)}"
         print(f"| {res['model']} | {res['dtype']} | {capture(res)} | {seconds} "
-              f"| {res.get('converted')}/{res.get('total')} | {casts} | {mb} | {saved} | {errs} | {status} |")
+              f"| {res.get('converted')}/{res.get('total')} | {casts} | {mb} | {saved} | {errs} | {status} |" +
+              (f" {res.get('compile', {}).get('autocast', 'n/a')} / {res.get('compile', {}).get('ampfx', 'n/a')} |"
+               if COMPILE else ""))
     out = "/tmp/probe_results.json" if not only else f"/tmp/probe_results_{'_'.join(only)}.json"
     json.dump(results, open(out, "w"), indent=1, default=str)
 
 
 if __name__ == "__main__":
+    if "--compile" in sys.argv:  # read by every case's subprocess
+        sys.argv.remove("--compile")
+        os.environ["AMPFX_COVERAGE_COMPILE"] = "1"
+        COMPILE = True
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         res = run_case(sys.argv[2], sys.argv[3])
         print("RESULT " + json.dumps(res, default=str))

@@ -5,7 +5,8 @@ reads and writes ``node.meta``. Internal: the public entry point is
 Every step that runs on a captured graph, in order, is listed here: first
 :data:`ANALYSES` (facts from running the graph on its example inputs; they
 run only with example inputs, calibration batches or a ``sensitivity_threshold``,
-see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, and, on the converted graph, :data:`COUNTS`; each step under a
+see :func:`ampfx.rewrite.analyse`), then :data:`PIPELINE`, and, on the converted graph, :data:`COUNTS`, then, after
+the report, :data:`LOWERING`; each step under a
 :class:`ampfx.observer.Observer` that times it, logs it, records which step set
 each node's :class:`~ampfx.report.records.Decision` (``Decision.history``) and, with
 ``AMPFX_LOG_PATH``, keeps the graph after it. Then one lint and one recompile.
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, gemms, pad, paint, reductions, sensitivity,
-               shapes, tuned, unpack, writes)
+               shapes, transforms, tuned, unpack, writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -52,3 +53,9 @@ COUNTS: list[tuple[str, Callable[..., Any]]] = [
     ("count_gemms", gemms.count_gemms),  # the ATen GEMMs each converted node runs, low or not (fake tensors)
 ]
 """Analyses of the converted graph (after :data:`PIPELINE`, with example inputs): facts for the report."""
+
+LOWERING: list[tuple[str, Callable[[fx.GraphModule], Any]]] = [
+    ("outline_transforms", transforms.outline_transforms),  # each torch.func level one eager call (torch.compile)
+]
+"""Rewrites after the report is built (its records keep every node the passes decided): how the converted graph
+runs, not what it computes. Each ``step(gm)`` returns whether it changed the graph."""

@@ -35,7 +35,8 @@ def test_each_step_is_timed_and_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="ampfx.observer"):
         report = ampfx.convert(_net(), "bf16", example_inputs=(X,)).ampfx_report
     ran = [step for graph, step, _ in report.steps if graph == ""]
-    assert ran == ["propagate_shapes"] + [p.__name__ for p in passes.PIPELINE] + [name for name, _ in passes.COUNTS]
+    assert ran == ["propagate_shapes"] + [p.__name__ for p in passes.PIPELINE] + [name for name, _ in passes.COUNTS] \
+        + [name for name, _ in passes.LOWERING]
     assert all(seconds >= 0 for *_, seconds in report.steps)
     assert sum("ampfx: classify on <root>" in r.getMessage() for r in caplog.records) == 1
 
@@ -66,7 +67,8 @@ def test_a_log_path_keeps_the_graph_after_each_step(tmp_path, monkeypatch):
     monkeypatch.setenv("AMPFX_LOG_PATH", str(tmp_path))
     ampfx.convert(_net(), "bf16", example_inputs=(X,))
     dumps = sorted(p.name for p in (tmp_path / "steps" / "root").iterdir())
-    assert dumps[0] == "00_propagate_shapes.py" and len(dumps) == 1 + len(passes.PIPELINE) + len(passes.COUNTS)
+    assert dumps[0] == "00_propagate_shapes.py" and \
+        len(dumps) == 1 + len(passes.PIPELINE) + len(passes.COUNTS) + len(passes.LOWERING)
     at = {name.split("_", 1)[1][:-3]: tmp_path / "steps" / "root" / name for name in dumps}
     assert "torch.bfloat16" in at["insert_casts"].read_text() and "torch.bfloat16" not in at["paint"].read_text()
     assert at["decide_writes"].read_text() == at["paint"].read_text()  # a deciding step rewrites nothing

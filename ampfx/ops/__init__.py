@@ -491,11 +491,32 @@ their parameters become ``get_attr`` nodes the cast pass casts once, and attenti
 visible to the policy. Every other ``torch.nn`` module stays a leaf (its mode stays switchable)."""
 
 # --------------------------------------------------------------------------- torch.func's own calls
-TRANSFORM_CALLS: frozenset = frozenset(fn for fn in vars(torch._C._functorch).values() if callable(fn))
+def _predispatch() -> list[Any]:
+    """torch.export's Python wrappers of the torch.func calls (torch >= 2.5 writes these into graphs)."""
+    try:
+        from torch._functorch import predispatch
+    except ImportError:  # torch 2.2 (the DGL lane) writes the C functions themselves
+        return []
+    return [fn for name, fn in vars(predispatch).items() if callable(fn) and getattr(fn, "__module__", "") ==
+            predispatch.__name__ and not name.startswith("__")]
+
+
+TRANSFORM_CALLS: frozenset = frozenset([*(fn for fn in vars(torch._C._functorch).values() if callable(fn)),
+                                        *_predispatch()])
 """The calls with which a graph opens and closes a torch.func level and moves values across it
 (``_vmap_increment_nesting``, ``_add_batch_dim``, ...: torch.export writes ``torch.vmap`` as these, as in HF's
 attention masks). Their results belong to one level: a run that reuses results of calls with equal sizes
 (:class:`~ampfx.ops.shape_memo.ShapeMemo`) never reuses theirs."""
+
+TRANSFORM_OPENS: frozenset = frozenset(fn for fn in TRANSFORM_CALLS if getattr(fn, "__name__", "") in (
+    "_vmap_increment_nesting", "_jvp_increment_nesting", "_grad_increment_nesting", "_enter_dual_level"))
+"""The calls that open a torch.func level (:mod:`ampfx.passes.transforms` runs each level as one eager call)."""
+TRANSFORM_CLOSES: frozenset = frozenset(fn for fn in TRANSFORM_CALLS if getattr(fn, "__name__", "") in (
+    "_vmap_decrement_nesting", "_jvp_decrement_nesting", "_grad_decrement_nesting", "_exit_dual_level"))
+"""The calls that close one."""
+TRANSFORM_SETUP: frozenset = frozenset(fn for fn in TRANSFORM_CALLS
+                                       if getattr(fn, "__name__", "") == "lazy_load_decompositions")
+"""A call torch.export writes just before a vmap level opens (it loads vmap's decompositions): part of the level."""
 
 
 # --------------------------------------------------------------------------- what the report counts as a GEMM

@@ -12,6 +12,7 @@ call), :mod:`~ampfx.runtime.follow`, :mod:`~ampfx.runtime.guards`, :mod:`~ampfx.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -157,6 +158,83 @@ def _parametrized(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(sub, leaf) for sub in module.modules() if parametrize.is_parametrized(sub)
             for leaf in sub.parametrizations]
 
+
+
+@torch.compiler.disable
+def eager_region(region: torch.nn.Module, *args: Any) -> Any:
+    """``region(*args)``: a part of a converted graph that runs eagerly, also inside ``torch.compile`` (a graph
+    break): a torch.func level the graph opens and closes (:mod:`ampfx.passes.transforms`).
+
+    >>> eager_region(torch.nn.Identity(), torch.ones(1))
+    tensor([1.])
+    """
+    proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+    if proxy is not None:  # re-tracing a converted module (unpickling does): stay one node, reading the region
+        root = proxy.tracer.root
+        name = next((k for k, v in vars(root).items() if v is region), None) or \
+            next(n for n, m in root.named_modules() if m is region)
+        held = proxy.tracer.create_proxy("get_attr", name, (), {})
+        return proxy.tracer.create_proxy("call_function", eager_region, (held, *args), {})
+    return region(*args)
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        found.append(c)
+        stack.extend(c.__subclasses__())
+    return found
+
+
+class Retracer(torch.fx.Tracer):
+    """The tracer unpickling re-traces a converted graph's code with (its ``_tracer_cls``): torch.func's calls
+    (:data:`ampfx.ops.TRANSFORM_CALLS`, which torch.export writes for ``torch.vmap``) are recorded as they
+    stand, never run while tracing (they refuse proxies, and one without arguments would close a level for
+    real)."""
+
+    def trace(self, root: Any, *args: Any, **kwargs: Any) -> Any:
+        from .. import ops  # the tables import nothing of the runtime: no cycle
+
+        # the code names them by their modules (torch._functorch.predispatch._vmap_increment_nesting): those
+        # attributes record while this trace runs
+        places = [(m, name, fn) for fn in ops.TRANSFORM_CALLS for m in (sys.modules.get(getattr(fn, "__module__", "")),
+                  torch._C._functorch) if m is not None and getattr(m, getattr(fn, "__name__", ""), None) is fn
+                  for name in (fn.__name__,)]
+        for m, name, fn in places:
+            setattr(m, name, functools.partial(self._record, fn))
+        # higher-order ops (flat_apply: HF's mask index functions) refuse proxies too: each class's __call__
+        # records a call given proxies
+        hops = [c for c in _subclasses(torch._ops.HigherOrderOperator) if "__call__" in c.__dict__]
+        calls = [c.__dict__["__call__"] for c in hops]
+        for cls, call in zip(hops, calls):
+            cls.__call__ = self._hop_recorder(call)
+        try:
+            return super().trace(root, *args, **kwargs)
+        finally:
+            for cls, call in zip(hops, calls):
+                cls.__call__ = call
+            for m, name, fn in places:
+                setattr(m, name, fn)
+
+    def _hop_recorder(self, call: Any) -> Any:
+        def recorded(op: Any, *args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(v, torch.fx.Proxy) for v in torch.utils._pytree.tree_leaves((args, kwargs))):
+                return self._record(op, *args, **kwargs)
+            return call(op, *args, **kwargs)
+        return recorded
+
+    def _record(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.nn.Module, self._held, (args, kwargs))
+        return self.create_proxy("call_function", fn, args, kwargs)
+
+    def _held(self, module: torch.nn.Module) -> Any:
+        """A graph a higher-order op takes (held as a plain attribute of the converted module: it is no child of
+        the model's), read from where the module holds it."""
+        name = next((k for k, v in vars(self.root).items() if v is module), None)
+        if name is None:
+            return module  # a child: torch.fx reads it by its path
+        return self.create_proxy("get_attr", name, (), {})
 
 
 def assert_is_none(value: Any, message: str) -> None:

@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import builtins
 import copy
+import dataclasses
 import dis
 import enum
+import importlib
 import inspect
 import sys
 import types
@@ -241,6 +243,27 @@ def global_reads(cls: type) -> tuple[tuple[str, str], ...]:
     return _GLOBALS[cls]
 
 
+@dataclass(frozen=True)
+class _Place:
+    """A module-level global by its place (``module.name``), in a pickle of :class:`Recorded`."""
+
+    home: str
+    name: str
+
+    def resolve(self) -> Any:
+        try:
+            return getattr(importlib.import_module(self.home), self.name, _MISSING)
+        except ImportError:
+            return _MISSING
+
+
+def _loaded(fields: dict) -> Recorded:
+    """A :class:`Recorded` from its pickle: each global compared by identity is the object its place holds now."""
+    fields["globals"] = tuple((home, glob, by_value, value.resolve() if isinstance(value, _Place) else value)
+                              for home, glob, by_value, value in fields["globals"])
+    return Recorded(**fields)
+
+
 def _snapshot(value: Any) -> tuple[bool, Any]:
     """``(by_value, what to compare with)``: a copy of a plain value, else the object (compared by identity)."""
     if plain(value):
@@ -264,6 +287,15 @@ class Recorded:
     classes: tuple[tuple[type, str, Any], ...] = ()  # class-level defaults the forward reads (class, name, value)
     objects: tuple[tuple[str, str, dict], ...] = ()  # plain fields of module-level objects (module, global, fields)
     folded: tuple[tuple[str, str, Any], ...] = ()  # buffers the graph holds the values of: (path, name, values)
+
+    def __reduce__(self) -> tuple:
+        """A pickle keeps each global compared by identity (a registry, a function table: HF's
+        ``ALL_ATTENTION_FUNCTIONS``) as its place, not as a copy: a loaded copy compares with the object that
+        place holds when it is loaded (a copy of the object would never be it)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["globals"] = tuple((home, glob, by_value, value if by_value else _Place(home, glob))
+                                  for home, glob, by_value, value in self.globals)
+        return (_loaded, (fields,))
 
     def bind(self, module: nn.Module, where: str, root_hooks: bool = False, low: torch.dtype = torch.bfloat16) -> Fixed:
         """The check of these values against ``module`` (the model's module the graph stands for, at

@@ -50,6 +50,7 @@ import torch.nn as nn
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
+from .. import runtime
 from ..errors import StaleModelError, TrainingModeError
 from ..state import TORCH_KEYS
 
@@ -455,6 +456,7 @@ class AmpGraphModule(fx.GraphModule):
     def __reduce__(self):  # noqa: ANN204
         """A standalone copy: the model module's attributes become this module's own, and nothing is
         checked against a model (a loaded module shares no tensors with one)."""
+        self.__dict__["_tracer_cls"] = runtime.Retracer  # loading re-traces the code: torch.func's calls as they are
         alt = self.__dict__.get("_ampfx_alt")
         if alt is not None and isinstance(alt[1], PendingMode):  # a loaded copy cannot convert: made now
             self._other_mode(alt, None)
