@@ -25,7 +25,7 @@ CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 if hasattr(torch.compiler, "is_compiling"):
     is_compiling = torch.compiler.is_compiling
 else:  # torch < 2.3 (the DGL lane's 2.2.1)
-    from torch._dynamo.external_utils import is_compiling
+    from torch._dynamo.external_utils import is_compiling  # noqa: E402
 """Only these dtypes are ever converted. float64, integers and bool pass through."""
 
 WEIGHTS = threading.local()
@@ -160,7 +160,24 @@ def _parametrized(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 
 
-@torch.compiler.disable
+def compile_disabled(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)``, applied at its first call: the decorator imports torch._dynamo (over a
+    second), which ``import ampfx`` should not pay.
+
+    >>> compile_disabled(abs)(-2)
+    2
+    """
+    disabled: list[Any] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+    return call
+
+
+@compile_disabled
 def eager_region(region: torch.nn.Module, *args: Any) -> Any:
     """``region(*args)``: a part of a converted graph that runs eagerly, also inside ``torch.compile`` (a graph
     break): a torch.func level the graph opens and closes (:mod:`ampfx.passes.transforms`).

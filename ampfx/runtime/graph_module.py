@@ -254,7 +254,7 @@ class AmpGraphModule(fx.GraphModule):
             return self
         return self._other_mode(alt, None) if isinstance(alt[1], PendingMode) else alt[1]
 
-    @torch.compiler.disable
+    @runtime.compile_disabled
     def _other_mode(self, alt: tuple[bool, PendingMode], call: tuple[tuple, dict] | None) -> nn.Module:
         """Make the other training mode's conversion that ``alt`` waits for (:class:`PendingMode`), keep it in
         its place and return it (a :class:`ModeUnavailable` where converting in that mode failed). ``call``:
@@ -332,7 +332,7 @@ class AmpGraphModule(fx.GraphModule):
                 return variant
         return self._reconvert(d.get("_ampfx_fixed"), args, kwargs)
 
-    @torch.compiler.disable
+    @runtime.compile_disabled
     def _reconvert(self, fixed: Any, args: tuple, kwargs: dict, changes: list[str] | None = None) -> nn.Module:
         changes = changes or (fixed.changes() if fixed is not None else []) or ["a value the graph fixed changed"]
         make = self.__dict__.get("_ampfx_reconvert")

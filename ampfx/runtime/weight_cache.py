@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -275,17 +276,24 @@ def _why_off(gm: nn.Module, entries: list[_Entry]) -> str | None:
     if torch.is_inference_mode_enabled():
         return "torch.inference_mode (a copy made there could not be used by autograd later)"
     # fully_shard swaps the class of the module it is given; on a converted module, of the model module it stands for
-    if _fsdp_module is not None and any(isinstance(m, _fsdp_module) for m in (gm, gm.__dict__.get("_ampfx_model"))):
+    fsdp_module = _fsdp_module()
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in (gm, gm.__dict__.get("_ampfx_model"))):
         return "FSDP2 shards the module (its MixedPrecisionPolicy owns the low weights)"
     if any(type(e.owner.get(e.name)).__name__ == "DTensor" for e in entries):
         return "its parameters are DTensors (FSDP2 or tensor parallelism owns them)"
     return None
 
 
-try:
-    from torch.distributed.fsdp import FSDPModule as _fsdp_module
-except ImportError:  # torch built without distributed, or before FSDP2
-    _fsdp_module = None
+def _fsdp_module() -> type | None:
+    """FSDP2's module class, or ``None`` (torch built without distributed, or before FSDP2); imported when first
+    needed (it takes about half a second), and only where FSDP could have sharded anything already."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None  # nothing was sharded in this process
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
 
 
 def install(gm: fx.GraphModule, low: torch.dtype) -> WeightCache:
