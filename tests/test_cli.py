@@ -151,3 +151,40 @@ def test_the_run_check_leaves_the_models_buffers_as_they_were():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     _check_runs(model, (torch.randn(8, 4) * 3 + 1,), argparse.Namespace(target="t", input=["8,4"]))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_misspelt_flag_gets_a_suggestion(capsys):
+    """A misspelt option of a subcommand is rejected naming it, with the close options of that subcommand."""
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "tests/support/models.py:MLP", "--imput", "4,12"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--imput" in err and "Did you mean '--input'" in err
+
+
+def test_a_bad_dtype_names_what_a_shell_can_type(capsys):
+    """The --dtype error lists the names a shell can give (half included), not torch.bfloat16."""
+    with pytest.raises(SystemExit):
+        main(["explain", "tests/support/models.py:MLP", "--dtype", "bfloat"])
+    err = capsys.readouterr().err
+    assert "'bfloat'" in err and "half" in err and "torch." not in err
+
+
+def test_plot_checks_its_figure_before_the_work_and_makes_its_folder(capsys, tmp_path):
+    """An --out matplotlib cannot write (its extension) is one line, exit 2, before the model is loaded; an --out in
+    folders that do not exist yet is written there."""
+    pytest.importorskip("matplotlib")
+    argv = ["plot", "tests/support/models.py:MLP", "--input", "4,12"]
+    assert main(argv + ["--out", str(tmp_path / "range.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "matplotlib writes no .txt figure" in err and ".png" in err
+    out = tmp_path / "new" / "deeper" / "range.png"
+    assert main(argv + ["--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_says_why_a_root_runs_its_python(capsys):
+    """Without --input nothing is run: a root whose forward raises while tracing keeps its Python, and the summary
+    names the error, not only report.parts."""
+    assert main(["explain", "tests/support/cli_models.py:AlwaysRaises"]) == 0
+    out = capsys.readouterr().out
+    assert "capture <root>: eager" in out and "first error: ValueError: this model always raises" in out

@@ -190,6 +190,9 @@ class Report:
                 extra = f"; leaves: {', '.join(p for p, _ in reg.leaves)}" if reg.leaves else ""
                 extra += (f"; functions kept whole (torch.fx.wrap): {', '.join(f for f, _ in reg.functions)}"
                           if reg.functions else "")
+                if reg.method.startswith("eager") and reg.steps:  # why its Python runs as written
+                    first = reg.steps[0].split(": ", 1)[-1].strip()
+                    extra += f"; first error: {first[:160]}{'...' if len(first) > 160 else ''}"
                 lines.append(f"  capture {where}: {reg.method}{extra}")
         return "\n".join(lines)
 

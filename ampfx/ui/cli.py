@@ -32,6 +32,7 @@ from ..api import convert
 from ..tools.compare import compare
 from ..errors import CLIError, PolicyError
 from ..ops import LISTS
+from ..errors import did_you_mean
 from ..policy.names import LIST_NAMES, parse_dtype
 from ..policy import Policy, from_env
 
@@ -43,8 +44,9 @@ _TENSOR_DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": t
 def _dtype_arg(value: str) -> torch.dtype:
     try:
         return parse_dtype(value, where="--dtype")
-    except PolicyError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except PolicyError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a low-precision dtype: give bf16, bfloat16, fp16, "
+                                         "float16 or half") from None
 
 
 def _positive(value: str) -> int:
@@ -169,6 +171,17 @@ def _check_writable(path: str | None, flag: str, *, directory: bool = False) -> 
         raise CLIError(f"{flag} {path!r}: cannot write there ({parent} is not a writable directory)")
 
 
+def _check_figure(path: str) -> None:
+    """Fail before any work when matplotlib cannot write a figure of ``path``'s extension."""
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in kinds:
+        raise CLIError(f"--out {path!r}: matplotlib writes no {('.' + suffix) if suffix else 'extensionless'} "
+                       f"figure; give one of {', '.join('.' + k for k in sorted(kinds))}")
+
+
 def _write(path: str, text: str, flag: str) -> None:
     try:
         Path(path).write_text(text, encoding="utf-8")
@@ -269,9 +282,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not inputs:
         raise CLIError("give at least one --input, e.g. --input 8,3,32,32")
     _check_writable(args.out, "--out")
+    _check_figure(args.out)
     model = load_target(args.target)
     _check_runs(model, inputs, args)
     mags = collect_magnitudes(model, (inputs, None), synthetic_loss(args.loss), by=args.by)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     range_plot(mags, args.dtype, path=args.out, log_y=args.log_y)
     print(describe(mags, args.dtype))
     print(f"figure saved to {args.out}", file=sys.stderr)
@@ -351,7 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse names them without a suggestion
+        sub = _subparser(parser, args.command)
+        known = [o for a in sub._actions for o in a.option_strings]
+        hints = "".join(did_you_mean(u.split("=")[0], known) for u in unknown if u.startswith("-"))
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}.{hints}")
     try:
         return args.func(args)
     except BrokenPipeError:  # `ampfx lists | head`
@@ -362,6 +382,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ampfx {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of ``command`` (its options are what a misspelt one is compared with)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command, parser)
+    return parser
 
 
 def _user_error(e: BaseException) -> bool:
