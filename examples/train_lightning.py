@@ -17,7 +17,7 @@ import logging
 import tempfile
 import time
 
-import pytorch_lightning as pl
+import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from ampfx.tools.measure import measure_step
 VOCAB, LENGTH, CLASSES = 64, 16, 4
 
 
-class SequenceClassifier(pl.LightningModule):
+class SequenceClassifier(L.LightningModule):
     """A small transformer encoder over token ids, mean-pooled, then a linear head."""
 
     def __init__(self, width: int = 64, layers: int = 2) -> None:
@@ -66,10 +66,10 @@ def data(n: int = 512) -> TensorDataset:
     return TensorDataset(ids, labels)
 
 
-def fit(epochs: int, root: str, **trainer_kwargs) -> tuple[SequenceClassifier, pl.Trainer, float]:
+def fit(epochs: int, root: str, **trainer_kwargs) -> tuple[SequenceClassifier, L.Trainer, float]:
     torch.manual_seed(0)
     model = SequenceClassifier()
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", default_root_dir=root, logger=False,
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", default_root_dir=root, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          **trainer_kwargs)
     t0 = time.perf_counter()
@@ -77,7 +77,7 @@ def fit(epochs: int, root: str, **trainer_kwargs) -> tuple[SequenceClassifier, p
     return model, trainer, time.perf_counter() - t0
 
 
-def step_cost(model: SequenceClassifier, trainer: pl.Trainer, batch: tuple) -> tuple[int, int, int]:
+def step_cost(model: SequenceClassifier, trainer: L.Trainer, batch: tuple) -> tuple[int, int, int]:
     """(casts, cast bytes, bytes written) of one forward + loss + backward, in the trainer's forward context."""
     def step() -> None:
         with trainer.precision_plugin.forward_context():
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "them down many times over)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning").setLevel(logging.ERROR)
     own_flag = "bf16-mixed" if args.dtype == "bf16" else "16-mixed"
     with tempfile.TemporaryDirectory() as root:
         fp32, _, t32 = fit(args.epochs, root)

@@ -1,7 +1,8 @@
-"""PyTorch Lightning: ``Trainer(plugins=[AmpfxPrecision("bf16")])`` trains through ampfx.
+"""PyTorch Lightning: ``L.Trainer(plugins=[AmpfxPrecision("bf16")])`` trains through ampfx.
 
-Install with ``pip install 'ampfx[lightning]'`` (the ``pytorch-lightning`` package, imported as
-``pytorch_lightning``; a ``lightning.pytorch.Trainer`` takes only plugins of its own package).
+Install with ``pip install 'ampfx[lightning]'`` (the unified ``lightning`` package, imported as ``import lightning as
+L``, as Lightning's docs teach since 2.0); the standalone ``pytorch-lightning`` package works too. A Trainer takes
+only plugins of its own package: :class:`AmpfxPrecision` is a ``Precision`` of each one installed.
 
 - ``convert_module`` routes the LightningModule's ``forward`` so that its first call converts it with
   :func:`ampfx.convert` (that call's inputs are the example inputs: the first batch, or
@@ -24,14 +25,13 @@ Install with ``pip install 'ampfx[lightning]'`` (the ``pytorch-lightning`` packa
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.plugins.precision import Precision
 from torch.optim import LBFGS
 
 from ..errors import ArgumentError
@@ -45,7 +45,26 @@ log = logging.getLogger(__name__)
 FORMAT = "ampfx-lightning/1"
 
 
-class AmpfxPrecision(Precision):
+def _packages() -> list[Any]:
+    """The Lightning packages installed: the unified ``lightning`` (``lightning.pytorch``, which its docs teach since
+    2.0) and the standalone ``pytorch_lightning``, each with its own ``Precision`` and ``LightningModule`` classes."""
+    found = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    if not found:
+        raise ImportError("ampfx.integrations.lightning needs Lightning: pip install lightning (or pytorch-lightning)")
+    return found
+
+
+PACKAGES = _packages()
+_PRECISIONS = tuple(importlib.import_module(f"{p.__name__}.plugins.precision").Precision for p in PACKAGES)
+_MODULES = tuple(p.LightningModule for p in PACKAGES)
+
+
+class AmpfxPrecision(*_PRECISIONS):  # a Precision of each package: either's Trainer takes it
     """A Lightning precision plugin that converts the LightningModule's forward with ampfx.
 
     ``dtype``: ``"bf16"`` (the default, or ``policy.dtype``) or ``"fp16"`` (or a torch dtype); ``policy`` or
@@ -85,6 +104,9 @@ class AmpfxPrecision(Precision):
         setup = Setup.from_state(state, f"AmpfxPrecision.from_checkpoint({str(path)!r})")
         return cls(policy=setup.policy, tracer=setup.tracer, dynamic_dims=setup.dynamic_dims, **kwargs)
 
+    def __repr__(self) -> str:
+        return f"AmpfxPrecision({dtype_name(self.setup.dtype)!r}, precision={self.precision!r})"
+
     # ------------------------------------------------------------------ the module
     @property
     def report(self) -> Report | None:
@@ -103,7 +125,7 @@ class AmpfxPrecision(Precision):
                 return module
             raise ArgumentError("AmpfxPrecision: this plugin already converts another LightningModule; make one "
                                 "plugin per Trainer")
-        if not isinstance(module, pl.LightningModule):
+        if not isinstance(module, _MODULES):
             raise ArgumentError(f"AmpfxPrecision: expected a LightningModule, got {type(module).__name__}")
         self._first = FirstCall(module, self.setup, self._converted, who="AmpfxPrecision")
         self._first.install()
@@ -137,13 +159,13 @@ class AmpfxPrecision(Precision):
         return self.scaler
 
     def pre_backward(self, tensor: torch.Tensor,  # type: ignore[override]
-                     module: "pl.LightningModule") -> torch.Tensor:
+                     module: Any) -> torch.Tensor:
         scaler = self._scaler_for(tensor)
         if scaler is not None:
             tensor = scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule",  # type: ignore[override]
+    def optimizer_step(self, optimizer: Any, model: Any,  # type: ignore[override]
                        closure: Callable[[], Any], **kwargs: Any) -> Any:
         """As Lightning's ``MixedPrecision``: bfloat16 steps as usual; float16 runs the closure, unscales the
         gradients (before clipping and ``on_before_optimizer_step``), then the scaler steps (skipped where a
