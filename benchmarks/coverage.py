@@ -26,13 +26,16 @@ import sys
 import time
 import traceback
 
+import families
+
 MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_b_16", "tv_convnext_tiny",
           "timm_resnet18", "timm_vit_tiny", "timm_deit_tiny", "timm_mobilenetv3_small_050", "timm_efficientnet_b0",
           "hf_bert_seqcls", "hf_gpt2_lm", "hf_roberta", "hf_distilbert", "hf_t5",
           "hf_gpt2_lm_nocache", "hf_t5_nocache", "hf_llama_nocache", "hf_bart_nocache", "hf_vit", "hf_albert",
           "timm_convnext_atto", "timm_swin_tiny", "tv_regnet_y_400mf", "tv_densenet121",
           "tv_r3d_18", "diffusers_unet2d", "nn_lstm_cls", "nn_gru_cls", "nn_transformer",
-          "timm_mobilevit_xxs", "timm_efficientvit_m0"]  # conv/attention hybrids: slow exports, many parts
+          "timm_mobilevit_xxs", "timm_efficientvit_m0",  # conv/attention hybrids: slow exports, many parts
+          *families.FAMILIES]
 DTYPES = ["bf16", "fp16"]
 B, S, V, NC = 2, 16, 1000, 10
 CONVERT_S = 10.0
@@ -176,6 +179,8 @@ def build(name):
         src = torch.randn(B, S, 64, generator=g)
         tg = torch.randn(B, S, 64, generator=g)
         return m, (src, tg), ("ce_hidden", torch.randint(0, 64, (B, S), generator=g))
+    if name in families.FAMILIES:
+        return families.build(name)
     raise KeyError(name)
 
 
@@ -197,6 +202,9 @@ def primary(out):
 def loss_of(out, spec):
     import torch
     import torch.nn.functional as F
+    own = families.loss_of(out, spec)
+    if own is not None:
+        return own
     kind, tgt = spec
     if kind == "hf":
         loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)

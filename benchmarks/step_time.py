@@ -60,8 +60,6 @@ MODELS = {
 def build(name):
     """``(model, inputs, loss spec)`` for ``name``: the coverage benchmark's models and a few of this one's."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     import coverage
     g = torch.Generator().manual_seed(0)
@@ -97,13 +95,6 @@ def build(name):
         except ImportError:
             return _unet(g), (torch.randn(B, 3, 16, 16, generator=g), torch.tensor([10, 500])), \
                 ("mse", torch.randn(B, 3, 16, 16, generator=g))
-    if name == "dlrm":
-        return _dlrm(), (torch.randn(64, 13, generator=g), torch.randint(0, 1000, (64, 8), generator=g)), \
-            ("bce", torch.randint(0, 2, (64,), generator=g).float())
-    if name == "gcn":
-        n, e = 512, 4096
-        src, dst = torch.randint(0, n, (e,), generator=g), torch.randint(0, n, (e,), generator=g)
-        return _gcn(), (torch.randn(n, 32, generator=g), src, dst), ("ce", torch.randint(0, NC, (n,), generator=g))
     return coverage.build(name)
 
 
@@ -164,63 +155,8 @@ def _unet(g):
     return UNet()
 
 
-def _dlrm():
-    """A DLRM-style recommender: a bottom MLP on dense features, embedding bags on sparse ones, pairwise dot
-    interactions, a top MLP."""
-    import torch
-    import torch.nn as nn
-
-    class DLRM(nn.Module):
-        def __init__(self, tables=8, rows=1000, d=32):
-            super().__init__()
-            self.bottom = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, d), nn.ReLU())
-            self.emb = nn.ModuleList(nn.EmbeddingBag(rows, d, mode="sum") for _ in range(tables))
-            n = tables + 1
-            self.top = nn.Sequential(nn.Linear(d + n * (n - 1) // 2, 64), nn.ReLU(), nn.Linear(64, 1))
-            self.register_buffer("li", torch.tril_indices(n, n, -1)[0], persistent=False)
-            self.register_buffer("lj", torch.tril_indices(n, n, -1)[1], persistent=False)
-
-        def forward(self, dense, sparse):
-            x = self.bottom(dense)
-            feats = [x] + [e(sparse[:, i:i + 1]) for i, e in enumerate(self.emb)]
-            t = torch.stack(feats, dim=1)
-            z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
-            return self.top(torch.cat([x, z], dim=1)).squeeze(1)
-
-    return DLRM()
-
-
-def _gcn():
-    """A graph convolutional network written with scatter (index_add_): degree-normalised neighbour sums."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class GCN(nn.Module):
-        def __init__(self, d_in=32, d=64, classes=10):
-            super().__init__()
-            self.l1, self.l2, self.l3 = nn.Linear(d_in, d), nn.Linear(d, d), nn.Linear(d, classes)
-
-        def propagate(self, h, src, dst):
-            ones = torch.ones(dst.shape[0], dtype=h.dtype, device=h.device)  # as PyG's gcn_norm makes its weights
-            deg = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device).index_add_(0, dst, ones)
-            out = torch.zeros_like(h).index_add_(0, dst, h[src])
-            return out / deg.clamp(min=1)[:, None]
-
-        def forward(self, x, src, dst):
-            h = F.relu(self.propagate(self.l1(x), src, dst))
-            h = F.relu(self.propagate(self.l2(h), src, dst))
-            return self.l3(h)
-
-    return GCN()
-
-
 def loss_of(out, spec):
-    import torch.nn.functional as F
-
     import coverage
-    if spec[0] == "bce":
-        return F.binary_cross_entropy_with_logits(out.float(), spec[1])
     return coverage.loss_of(out, spec)
 
 

@@ -15,7 +15,10 @@ switch:
   stream of a transformer stays float32 (its adds read the float32 stream and a low branch, as
   under autocast), so do carried states (``h = a * h + b``) and positions. Clear ops join only on
   the way to an infer/deny op (as in TF-AMP's deny propagation): a view that only feeds a GEMM is
-  cast after, not computed in float32.
+  cast after, not computed in float32. Nor does a product or quotient by a float32 value smaller
+  than its result whose value only GEMMs read (``linear(h / deg[:, None])``, a graph network's
+  degree normalisation): the GEMM rounds it to the low dtype either way, and casting the small
+  factor moves fewer bytes than casting the product.
 - ``float32_operands`` (rule ``fidelity:operand``): an add/sub (``OpEntry.additive``) of a float32
   parameter, buffer or view of one computes in float32: ``x + pos_embed``, ``attn + bias_table[idx]``.
   So does a product or quotient with one (``OpEntry.promotes``: autocast leaves it to type promotion,
@@ -43,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import decision, out_infos
+from ..meta import decision, numel, out_infos
 from ..ops import Category, Result
 from ..policy import Policy
 from ..report.records import Decision, Rule
@@ -64,7 +67,11 @@ def float32_values(nodes: list[fx.Node], cat: dict, decided: dict[fx.Node, Decis
     exact = _exact_cone(nodes, cat, decided) if policy.exact_values else set()
     kinds: dict[fx.Node, str] = {}
     for n in nodes:  # graph order: a view of a parameter is a parameter too
-        kind = _float32_kind(n, cat, decided, denied) or _parameter_view(n, cat, kinds)
+        if decided[n].inplace:  # x.index_add_(...) holds what its target holds: zeros_like(h) follows h
+            target = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            kind = kinds.get(target) if n not in denied else _STREAM
+        else:
+            kind = _float32_kind(n, cat, decided, denied) or _parameter_view(n, cat, kinds)
         if kind is not None:
             kinds[n] = kind
     queue = deque(kinds)
@@ -119,14 +126,34 @@ def _promotes(v: fx.Node, kind: str, u: fx.Node, cat: dict, u_set: set[fx.Node],
         return Rule.FIDELITY_EXACT
     if cat[u] is Category.CLEAR and u not in u_set:
         return None  # a view or clear op that only leads to a GEMM: cast after it, not computed in float32
-    if kind in (_STREAM, _ASSUMED) and policy.float32_stream:
-        return Rule.FIDELITY_STREAM
     entry = ops.ENTRIES.get(decision(u).op)
+    if kind in (_STREAM, _ASSUMED) and policy.float32_stream:
+        if small_factor(v, u, cat):
+            return None  # h / deg[:, None] before a GEMM: the small float32 factor is cast, not the product
+        return Rule.FIDELITY_STREAM
     if kind != _PARAM or not policy.float32_operands or entry is None:
         return None
     if entry.additive or (entry.promotes and not _only_gemms_read(u, cat)):
         return Rule.FIDELITY_OPERAND
     return None
+
+
+def small_factor(v: fx.Node, u: fx.Node, cat: dict) -> bool:
+    """Is the float32 value ``v`` a factor that the product or quotient ``u`` broadcasts over a larger operand
+    (a per-row normaliser, a mask: by shapes), with ``u``'s value read by GEMMs only? Then ``u`` may compute
+    low: the GEMM rounds its value to the low dtype either way, and the small factor is cast, not the product."""
+    entry = ops.ENTRIES.get(decision(u).op)
+    return bool(entry is not None and entry.promotes and not entry.additive and _scales(v, u)
+                and _only_gemms_read(u, cat))
+
+
+def _scales(v: fx.Node, u: fx.Node) -> bool:
+    """Is ``v`` smaller than ``u``'s value (which it is broadcast over), by shapes?"""
+    mine, theirs = out_infos(v), out_infos(u)
+    if not mine or not theirs:
+        return False
+    small, large = numel(mine[0]), numel(theirs[0])
+    return isinstance(small, int) and isinstance(large, int) and small < large
 
 
 def _only_gemms_read(n: fx.Node, cat: dict) -> bool:

@@ -192,8 +192,9 @@ def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, dec
             continue
         pinned = _fp32_slot_inputs(n)  # statistics/affine slots stay float32 whatever the op's dtype
         feeds = [p for p in n.all_input_nodes if carries_float(p, decided) and p not in pinned]
-        lows = [p for p in feeds if color.get(p, (None,))[0] == low]
-        if not lows or any(p in denied for p in feeds):
+        lows = [p for p in feeds if _painted(p, color, decided) == low]
+        if not lows or any(p in denied and not (cat[n] is Category.INFER and fidelity.small_factor(p, n, cat))
+                           for p in feeds):
             continue
         if cat[n] is Category.CLEAR:
             color[n] = (low, Rule.PAINT_FOLLOW_ALLOW, f"clear op fed by low-precision {lows[0].name}: {low_name}")
@@ -203,6 +204,27 @@ def _follow_allow(nodes: list[fx.Node], cat: dict, color: dict, denied: set, dec
         elif len(lows) == len(feeds):
             color[n] = (low, Rule.PAINT_FOLLOW_ALLOW,
                         f"all float inputs are {low_name} ({', '.join(p.name for p in lows)}): runs in their dtype")
+
+
+def _painted(n: fx.Node, color: Color, decided: dict) -> object:
+    """The dtype painted so far for ``n``'s value: its own paint; for an in-place op (``zeros_like(h).index_add_(...)``)
+    its target's, for a selection its source's, for a factory that takes its argument's dtype (``zeros_like(h)``)
+    that argument's; ``None`` where nothing is painted yet."""
+    seen = 0
+    while n not in color and seen < 16:
+        d, seen = decided[n], seen + 1
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if d.inplace and isinstance(written(n), fx.Node):
+            n = written(n)
+        elif first is not None and (d.rule is Rule.SELECT or (
+                d.category is Category.PASS and pass_result(n, d, {first: _MARK}) is _MARK)):
+            n = first
+        else:
+            return None
+    return color[n][0] if n in color else None
+
+
+_MARK = object()
 
 
 def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decided: dict,
@@ -242,12 +264,14 @@ def _save_casts(nodes: list[fx.Node], cat: dict, color: dict, denied: set, decid
                     "float32 saves a cast")
 
 
-LAUNCH_BYTES = 16 * 1024
-"""What a cast costs beyond its bytes, in bytes: its launch (microseconds, in which a CPU core moves tens of
-kilobytes and a GPU megabytes). Counted where only cost differs: a cluster of clear ops (copies,
-concatenations, views) holds the same values cast before it or after it. A diffusion model's timestep
-embedding ``cat([cos(t), sin(t)])`` feeding a GEMM is cast once after the ``cat`` rather than twice
-before it, for a few hundred bytes more."""
+LAUNCH_BYTES = 64 * 1024
+"""What a cast costs beyond its bytes, in bytes: its launch. ``benchmarks/cast_launch.py`` measures it: on one
+core of an x86 CPU with torch 2.13 a bfloat16 cast's launch (2 us) costs what moving 70 KiB costs, a float16
+cast's 144 KiB; on a GPU a launch (a few us) is worth megabytes. This is a round figure below those. Counted
+where only cost differs: a cluster of clear ops (copies, concatenations, views) holds the same values cast before
+it or after it. A diffusion model's timestep embedding ``cat([cos(t), sin(t)])`` feeding a GEMM is cast once after
+the ``cat`` rather than twice before it; a recommender's float32 embedding lookups are stacked beside its low
+dense features in float32 and cast once, rather than each cast before the stack."""
 
 
 def _float32_clusters(gm: fx.GraphModule, ctx: PassContext) -> bool:
@@ -284,7 +308,10 @@ def _float32_clusters(gm: fx.GraphModule, ctx: PassContext) -> bool:
             users_of.setdefault(pair, set()).add(n)
 
     moved = False
-    for cluster in _low_clusters(nodes, dec, low):
+    clusters = _low_clusters(nodes, dec, low)
+    for cluster in [*clusters, *([n] for c in clusters if len(c) > 1 for n in c if _joins(n, dec))]:
+        if any(dec[n].out != low for n in cluster):
+            continue  # moved with its whole cluster
         members = set(cluster)
         consumers = {u for n in cluster for u in n.users if u not in members}
         if any(dec[u].inplace or (dec[u].category is Category.PASS and dec[u].rule is not Rule.SELECT
@@ -310,6 +337,15 @@ def _float32_clusters(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 users_of.setdefault(pair, set()).add(n)
         moved = True
     return moved
+
+
+def _joins(n: fx.Node, dec: dict[fx.Node, Decision]) -> bool:
+    """Does ``n`` join float values into one without changing them (``cat``, ``stack``: a clear op, not a view,
+    with two or more float inputs)? Such an op is weighed on its own too when its cluster stays low: eight
+    float32 embedding lookups stacked beside one low feature are stacked in float32 and cast once."""
+    if dec[n].category is not Category.CLEAR or ops.is_view(dec[n].op) or dec[n].rule is Rule.SELECT:
+        return False
+    return sum(1 for p in n.all_input_nodes if dec[p].out in CASTABLE) >= 2
 
 
 def _low_clusters(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch.dtype) -> list[list[fx.Node]]:
