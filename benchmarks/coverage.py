@@ -25,8 +25,10 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
-import families
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import families  # noqa: E402 - beside this script
 
 MODELS = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_vit_b_16", "tv_convnext_tiny",
           "timm_resnet18", "timm_vit_tiny", "timm_deit_tiny", "timm_mobilenetv3_small_050", "timm_efficientnet_b0",

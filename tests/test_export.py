@@ -689,6 +689,55 @@ def test_a_cache_a_forward_fills_under_export_stops_it_there_and_is_emptied_agai
     assert drops == {"first"} and m.first.cache == {} and m.second.cache == {}
 
 
+class _Pyramid(nn.Module):
+    """A module whose state its parent sets through a method (RAFT's ``corr_block.build_pyramid``); its forward
+    is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.levels = None
+
+    def build(self, x):
+        self.levels = [x, F.avg_pool1d(x[:, None], 2)[:, 0]]
+
+    def read(self):
+        return self.levels[1].sum(-1, keepdim=True)
+
+
+AFTER_CALLS: list[int] = []
+
+
+class _SetsThroughAMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pyramid, self.before, self.after = _Pyramid(), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.after.register_forward_pre_hook(lambda m, a: AFTER_CALLS.append(1))
+
+    def forward(self, x):
+        h = self.before(x.clamp(min=torch.finfo(x.dtype).min))
+        self.pyramid.build(h)
+        for _ in range(3):
+            h = self.after(h) + self.pyramid.read()
+        return h
+
+
+def test_state_a_parent_sets_through_a_child_method_stops_export_at_the_next_module_call():
+    """The child's forward never runs, so its end cannot say it: the next module call does (export of a
+    recurrent flow model went on tracing its whole loop, then again with static sizes, before it said so)."""
+    from ampfx.capture import export
+    from ampfx.inputs import ExampleInputs
+    m = _SetsThroughAMethod()
+    AFTER_CALLS.clear()
+    with pytest.raises(export.ExportFailed) as e:
+        export.capture(m, ExampleInputs.of((torch.randn(2, 16),)), drops=(drops := set()))
+    assert "'pyramid': attribute 'levels' changed" in str(e.value.steps), e.value.steps
+    assert drops == {"pyramid"} and len(AFTER_CALLS) <= 1 and m.pyramid.levels is None
+    assert sum("torch.export" in s for s in e.value.steps) == 1, e.value.steps  # no second, static-size try
+    amp = ampfx.convert(m, "bf16", example_inputs=(torch.randn(2, 16),))
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(amp(x), m(x), atol=0.1, rtol=0.05)
+
+
 def test_modules_of_a_class_export_found_unfaithful_are_not_exported_again_in_that_mode():
     """After the root's export stopped at ``first``'s cache, neither ``first`` nor ``second`` (the same
     class) is exported again in eval mode: their regions say why, and the model's caches work as in eager."""

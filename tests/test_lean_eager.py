@@ -66,6 +66,56 @@ def test_same_padding_from_integer_buffers_costs_no_more_than_autocast():
     assert any("down.stride" in step and "read as their values" in step for step in region.steps), region.steps
 
 
+class CodecConv(nn.Module):
+    """An audio codec's padded convolution (EnCodec's, as transformers writes it): the padding is tensor
+    arithmetic on integer buffers (``torch.ceil`` of the frame count), compared with the length and given to
+    ``F.pad`` as tensors (reflect padding)."""
+
+    def __init__(self, cin: int, cout: int, k: int = 4, s: int = 2) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, k, s)
+        self.register_buffer("stride", torch.tensor(s), persistent=False)
+        self.register_buffer("kernel_size", torch.tensor(k), persistent=False)
+        self.register_buffer("padding_total", torch.tensor(k - s), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[-1]
+        frames = torch.ceil((length - self.kernel_size + self.padding_total) / self.stride + 1).to(torch.int64) - 1
+        extra = frames * self.stride + self.kernel_size - self.padding_total - length
+        right = self.padding_total // 2
+        return self.conv(self._pad(x, (self.padding_total - right, right + extra)))
+
+    @staticmethod
+    def _pad(x: torch.Tensor, pads: tuple) -> torch.Tensor:
+        """Reflect padding, zero-padded first where the input is shorter than the padding."""
+        extra = max(pads[0], pads[1]) - x.shape[-1] + 1 if x.shape[-1] <= max(pads[0], pads[1]) else 0
+        padded = F.pad(F.pad(x, (0, extra)) if extra else x, pads, "reflect")
+        return padded[..., :padded.shape[-1] - extra]
+
+
+class Codec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(CodecConv(1, 8), nn.ELU(), CodecConv(8, 8), nn.ELU(), CodecConv(8, 8, 3, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_padding_computed_as_tensors_from_integer_buffers_costs_no_more_than_autocast():
+    """Pattern: EnCodec's padding. torch.export with a dynamic length gets a ``SymFloat`` for ``torch.ceil``; with
+    the example's length the buffers' arithmetic is computed for real. Each padded conv is one exported graph (it
+    kept its Python before, taking and returning float32), so the convolutions pass the low dtype to each other
+    as under autocast."""
+    torch.manual_seed(0)
+    cost = against_autocast(Codec(), (torch.randn(2, 1, 64),))
+    assert cost.casts <= cost.casts_autocast, cost
+    assert cost.saved <= cost.saved_autocast, cost
+    assert cost.gemms_reported == cost.gemms_run == cost.gemms_low == 3, cost
+    methods = {r.path: r.method for r in cost.report.parts}
+    assert not any(m.startswith("eager") for m in methods.values()), methods
+
+
 @pytest.mark.parametrize("change", ["in place", "reassigned"])
 def test_an_integer_buffer_the_graph_holds_changed_after_convert_converts_again(change):
     """The graph holds the buffers' values: a change after convert (written in place, or a new tensor) converts

@@ -343,9 +343,12 @@ def _no_stack_traces() -> Iterator[None]:
 
 
 def _about_sizes(e: BaseException) -> bool:
-    """Did export fail over dynamic sizes (then static sizes may work)?"""
+    """Did export fail over dynamic sizes (then static sizes may work)? A symbolic number where Python wanted a
+    tensor or a plain number counts: ``torch.ceil(length / self.stride)`` gets a ``SymFloat`` where the length is
+    symbolic, and a tensor of the stride's value where it is the example's."""
     text = f"{type(e).__name__} {e}"
-    return any(w in text for w in ("Constraint", "dynamic_shapes", "Dim.", "specializ"))
+    return any(w in text for w in ("Constraint", "dynamic_shapes", "Dim.", "specializ", "SymFloat", "SymInt",
+                                   "SymBool"))
 
 
 def _unlift(ep: Any) -> fx.GraphModule:

@@ -133,6 +133,7 @@ class Watch:
         self._state: dict[str, _ModuleState] = {}
         self._paths: dict[int, str] = {}  # id of each watched module -> its path (under export)
         self._slots: dict[int, list[dict[str, Any]]] = {}  # its buffers as each of its running forwards began
+        self.written: set[int] = set()  # ids of watched modules an attribute was set on (under export)
 
     def __enter__(self) -> Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -144,6 +145,7 @@ class Watch:
             stack.enter_context(_wrapped_apply())
             if self.export and self._state:
                 self._paths = {id(s.module): p for p, s in self._state.items()}
+                stack.enter_context(_noted_writes(self))
                 stack.callback(register_module_forward_pre_hook(self._note_buffers).remove)
                 stack.callback(register_module_forward_hook(self._stop_at_attribute).remove)
             self._stack = stack.pop_all()
@@ -160,8 +162,26 @@ class Watch:
                     self.python_state = self.python_state or not of_tensor
 
     def _note_buffers(self, module: nn.Module, args: Any) -> None:
+        self._stop_at_written(module)
         if self._paths.get(id(module)):  # a submodule (the root's re-assigned buffers export keeps)
             self._slots.setdefault(id(module), []).append(dict(module._buffers))
+
+    def _stop_at_written(self, running: nn.Module) -> None:
+        """A module whose forward is not running had a Python attribute set that feeds the computation (a
+        method of it called from its parent's forward: RAFT's ``corr_block.build_pyramid``): say so at the next
+        module call, instead of after tracing the rest of the model (a module's own forward is checked as
+        it ends)."""
+        for key in [k for k in self.written if k != id(running) and k not in self._slots_running()]:
+            self.written.discard(key)
+            path = self._paths[key]
+            changed = self._state[path].unfaithful()
+            if changed and path:  # the root's own attributes: its forward's end says
+                for words in changed:
+                    self.drop(path, words)
+                raise Dropped(f"{path!r}: {'; '.join(changed)}")
+
+    def _slots_running(self) -> set[int]:
+        return {k for k, held in self._slots.items() if held}
 
     def _stop_at_attribute(self, module: nn.Module, args: Any, output: Any) -> None:
         """torch.export runs the Python once: a module whose forward set a Python attribute that feeds the
@@ -172,6 +192,8 @@ class Watch:
         path = self._paths.get(id(module))
         if path is None:
             return
+        self._stop_at_written(module)
+        self.written.discard(id(module))
         changed = self._state[path].unfaithful()
         held = self._slots.get(id(module))
         if held:
@@ -313,6 +335,25 @@ def _op_autograd(cls: type) -> bool:
     applied inside the op's call)? The graph records the op itself, whose kernel runs again when the graph runs: its
     backward is kept."""
     return cls.__module__ == "torch._library.autograd"
+
+
+@contextlib.contextmanager
+def _noted_writes(watch: Watch) -> Iterator[None]:
+    """``nn.Module.__setattr__`` notes in ``watch.written`` the watched modules an attribute is set on, until
+    the block ends."""
+    original = nn.Module.__setattr__
+    paths = watch._paths
+
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+        if id(self) in paths:
+            watch.written.add(id(self))
+        original(self, name, value)
+
+    nn.Module.__setattr__ = __setattr__
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original
 
 
 @contextlib.contextmanager
