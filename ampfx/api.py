@@ -132,34 +132,57 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
 
 def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -> None:
     """Give every graph module of the converted tree the means to convert its model module again when
-    what its graph fixed changes (:class:`ampfx.runtime.view.Reconvert`); what those conversions depend on is
-    added to what ``follower`` watches. The modules the policy names are found again in ``model`` as it
-    is then (a module that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it).
-    The example inputs are not held: a conversion made again uses the inputs of the call that needs it."""
-    request = dataclasses.replace(request, inputs=None)
+    what its graph fixed changes (:class:`ampfx.runtime.view.Reconvert` with an :class:`Again`); what those
+    conversions depend on is added to what ``follower`` watches. The example inputs are not held: a
+    conversion made again uses the inputs of the call that needs it."""
+    again = Again(dataclasses.replace(request, inputs=None), model)
+    Arm(again, request.policy.reconvert_limit, follower, views)(views)
 
-    def again(module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None, training: bool | None = None,
-              memo: Memo | None = None) -> tuple[nn.Module, Report]:
-        args, kwargs = call
+
+@dataclasses.dataclass
+class Again:
+    """Converts a model module again as ``request`` asks, on the inputs of a call (``(args, kwargs)``) at path
+    ``where`` of ``model``. The modules the policy names are found again in ``model`` as it is then (a module
+    that got hooks since is kept as a boundary, as ``keep_modules="auto"`` keeps it). Pickled with a converted
+    module (with the model: a loaded copy converts its own copy of the model again)."""
+
+    request: Request
+    model: nn.Module
+
+    def __call__(self, module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None,
+                 training: bool | None = None, memo: Memo | None = None) -> tuple[nn.Module, Report]:
+        request, args, kwargs = self.request, *call
         inputs = ExampleInputs.from_call(module, args, kwargs).snapshot()
         # tracer='export' inlines every module: a module hooked since conversion would run its hooks once, while
         # tracing; 'auto' keeps it a boundary where torch.fx captures the rest (the other mode's conversion
         # is the first conversion's other half: its tracer)
         tracer = "auto" if request.tracer == "export" and training is None else request.tracer
-        req = dataclasses.replace(request, resolved=resolve(model, request.policy), inputs=inputs,
+        req = dataclasses.replace(request, resolved=resolve(self.model, request.policy), inputs=inputs,
                                   dynamic_dims=request.dynamic_dims if not where else None, tracer=tracer)
         tensors = inputs.tensors()
         with untouched(module, *tensors), one_thread(module, *tensors):
             return convert_module(copy_tree(module), req, inputs, where, arrive, training, memo)
 
-    def arm(made: view.Views) -> None:
-        if made is not views:
-            follower.watch(made)
-        for gm, _ in made.graphs:
-            gm.set_reconvert(view.Reconvert(again, gm.__dict__.get("_ampfx_arrive"), request.policy.reconvert_limit,
-                                            arm))
 
-    arm(views)
+@dataclasses.dataclass
+class Arm:
+    """Gives each graph module of a conversion (:class:`~ampfx.runtime.view.Views`) its
+    :class:`~ampfx.runtime.view.Reconvert`; a conversion made again at a call is watched by ``follower`` (the
+    structure follower of the first conversion's views, ``first``). A pickled copy follows no structure."""
+
+    again: Again
+    limit: int
+    follower: Any = None
+    first: Any = None
+
+    def __call__(self, made: view.Views) -> None:
+        if made is not self.first and self.follower is not None:
+            self.follower.watch(made)
+        for gm, _ in made.graphs:
+            gm.set_reconvert(view.Reconvert(self.again, gm.__dict__.get("_ampfx_arrive"), self.limit, self))
+
+    def __getstate__(self) -> dict:
+        return {"again": self.again, "limit": self.limit, "follower": None, "first": None}
 
 
 def _model_of(module: nn.Module) -> nn.Module:

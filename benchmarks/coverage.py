@@ -387,7 +387,7 @@ def run_case(name, dt):
     return r
 
 
-COMPILE = os.environ.get("AMPFX_COVERAGE_COMPILE") == "1"
+COMPILE = os.environ.get("COVERAGE_COMPILE") == "1"
 """``--compile``: also a training step of each tool under ``torch.compile`` (inductor): does it train?"""
 
 
@@ -492,7 +492,7 @@ def main():
 if __name__ == "__main__":
     if "--compile" in sys.argv:  # read by every case's subprocess
         sys.argv.remove("--compile")
-        os.environ["AMPFX_COVERAGE_COMPILE"] = "1"
+        os.environ["COVERAGE_COMPILE"] = "1"
         COMPILE = True
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         res = run_case(sys.argv[2], sys.argv[3])

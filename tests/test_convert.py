@@ -487,6 +487,76 @@ def test_a_loaded_copy_reports_the_mode_it_was_saved_in_and_trains_after_train(n
         assert not torch.equal(loaded(*ex), loaded(*ex))  # dropout is active
 
 
+class Scaled(nn.Module):
+    """A Python number the forward reads (the graph reads it at every call) and a flag that chooses an op
+    (torch.fx fixes it while tracing), in the root or in a child that a module keeping its Python calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.scale, self.act = nn.Linear(8, 16), nn.Linear(16, 4), 2.0, "relu"
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2((torch.relu(h) if self.act == "relu" else torch.tanh(h)) * self.scale)
+
+
+class KeepsPython(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Scaled()
+
+    def forward(self, x):
+        return self.inner(x) if x.sum() > -1e9 else -self.inner(x)  # a data-dependent branch: kept eager
+
+
+def _changed_copy(where, how, attr, value):
+    """A model, its loaded converted copy and an input, with ``attr`` set to ``value`` on both."""
+    torch.manual_seed(0)
+    m, x = (Scaled() if where == "root" else KeepsPython()), torch.randn(4, 8)
+    loaded = _loaded(ampfx.convert(m, "bf16", example_inputs=(x,)), how)
+    before = loaded(x).detach()
+    for module in (m, loaded):
+        setattr(module if where == "root" else module.inner, attr, value)
+    return m, loaded, x, before
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_loaded_copy_reads_the_attributes_its_graph_reads_at_every_call(where, how):
+    """Rule: loading re-traces the graph's code; a Python number it reads at every call (``self.scale``) stays a
+    read of the copy's attribute (the re-trace made it a constant: a change was ignored in silence)."""
+    m, loaded, x, before = _changed_copy(where, how, "scale", 5.0)
+    with torch.no_grad():
+        ref = m(x)
+    out = loaded(x)
+    assert not torch.allclose(before.float(), ref, atol=0.5)
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    again = pickle.loads(pickle.dumps(loaded))
+    assert (again if where == "root" else again.inner).code == (loaded if where == "root" else loaded.inner).code
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_loaded_copy_converts_again_when_a_value_its_graph_fixed_changes(where, how):
+    """Rule: a loaded copy follows a changed value its graph fixed as the original does: its next call converts
+    again (the conversion in ``variants()``, noted in its report), on the copy's own parameters, and computes
+    what the model's Python now computes; it trains (gradients land on the copy's parameters)."""
+    m, loaded, x, before = _changed_copy(where, how, "act", "tanh")
+    owner = loaded if where == "root" else loaded.inner
+    with torch.no_grad():
+        ref = m(x)
+    out = loaded(x)
+    assert not torch.allclose(before.float(), ref, atol=0.2)
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    (variant,) = owner.variants()
+    assert any("converted again at a call" in n for n in variant.ampfx_report.notes)
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in loaded.parameters())
+    assert all(p.grad is None for p in m.parameters())  # the copy's own parameters, not the model's
+    torch.testing.assert_close(loaded(x).float(), ref, atol=0.1, rtol=0.05)  # the variant runs again
+    assert len(owner.variants()) == 1
+
+
 class Swish(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(x)

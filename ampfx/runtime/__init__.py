@@ -204,6 +204,12 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
+_ABSENT = object()
+LIVE_READS = "_ampfx_live_reads"
+"""The key, in a pickled graph module's state, of the attributes its graph reads at every call that are neither
+tensors nor modules (``self.scale``): :class:`Retracer` keeps them reads."""
+
+
 class Retracer(torch.fx.Tracer):
     """The tracer unpickling re-traces a converted graph's code with (its ``_tracer_cls``): torch.func's calls
     (:data:`ampfx.ops.TRANSFORM_CALLS`, which torch.export writes for ``torch.vmap``) are recorded as they
@@ -226,13 +232,35 @@ class Retracer(torch.fx.Tracer):
         calls = [c.__dict__["__call__"] for c in hops]
         for cls, call in zip(hops, calls):
             cls.__call__ = self._hop_recorder(call)
+        self._live = []  # (holder's __dict__, name, value) of the attributes read as they are at each call
         try:
             return super().trace(root, *args, **kwargs)
         finally:
+            for held, name, value in reversed(self._live):
+                if value is _ABSENT:
+                    held.pop(name, None)
+                else:
+                    held[name] = value
             for cls, call in zip(hops, calls):
                 cls.__call__ = call
             for m, name, fn in places:
                 setattr(m, name, fn)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        """fx's, then each attribute the graph reads at every call (``LIVE_READS``: a Python number, a flag) is
+        a ``get_attr`` proxy while the code runs: read as a plain value, the trace would make it a constant,
+        and the loaded copy would ignore a change of it."""
+        out = super().create_args_for_root(root_fn, is_module, concrete_args)
+        for target in getattr(self.root, "__dict__", {}).get(LIVE_READS, ()):
+            *path, name = target.split(".")
+            try:
+                holder = self.root.get_submodule(".".join(path)) if path else self.root
+            except AttributeError:
+                continue
+            held = vars(holder)  # a view's own dict may not hold it (read from its model module at a call)
+            self._live.append((held, name, held.get(name, _ABSENT)))
+            held[name] = self.create_proxy("get_attr", target, (), {})
+        return out
 
     def _hop_recorder(self, call: Any) -> Any:
         def recorded(op: Any, *args: Any, **kwargs: Any) -> Any:

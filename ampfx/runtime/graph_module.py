@@ -24,7 +24,10 @@ or one made again at the call: :meth:`AmpGraphModule.set_mode_graph`,
 :class:`~ampfx.errors.StaleModelError` naming the change.
 
 A copy (``copy.deepcopy``) copies the model module along and stays a view of the copy;
-a pickled and loaded module is standalone (the model module's attributes kept as its own).
+a pickled and loaded module is a view of the copy of the model module the pickle holds too, and converts that
+copy again as the original converts the model; where the model cannot be pickled (a lambda on it, a class local
+to a function) it is standalone (the model module's attributes kept as its own) and raises where it would have to
+convert again.
 
 >>> import torch, torch.fx as fx
 >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
@@ -40,7 +43,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import io
 import logging
+import pickle
 import types
 from typing import Any, Callable
 
@@ -295,14 +300,14 @@ class AmpGraphModule(fx.GraphModule):
                 return None
             if isinstance(alt[1], PendingMode):
                 return self._other_mode(alt, (args, kwargs))
-            if "_ampfx_model" not in d:  # a loaded copy: its flags are its own, the other mode's follow them
+            if not _stands_for(alt[1]):  # a loaded copy's other mode (a plain module): it follows its flags
                 _copy_flags(self, alt[1])
             return alt[1]
         if fixed.holds():
             return None
         if alt is not None and isinstance(alt[1], PendingMode) and self.training == alt[0]:
             alt = (alt[0], self._other_mode(alt, (args, kwargs)))
-        if alt is not None and "_ampfx_model" not in d:  # a loaded copy: the other mode follows its flags
+        if alt is not None and not _stands_for(alt[1]):  # a loaded copy's other mode follows its flags
             _copy_flags(self, alt[1])
         if alt is not None and _holds(alt[1], alt[0], self):
             return alt[1]
@@ -454,20 +459,31 @@ class AmpGraphModule(fx.GraphModule):
         return res
 
     def __reduce__(self):  # noqa: ANN204
-        """A standalone copy: the model module's attributes become this module's own, and nothing is
-        checked against a model (a loaded module shares no tensors with one)."""
+        """A copy over a copy of the model module, which the pickle holds with the means to convert it again
+        (:class:`ampfx.api.Again`), as a deep copy is; where those cannot be pickled, a standalone copy: the
+        model module's attributes become this module's own, what its graph fixed is checked against its own tree,
+        and it cannot convert again. The attributes its graph reads at every call (``runtime.LIVE_READS``) stay
+        reads when loading re-traces its code."""
         self.__dict__["_tracer_cls"] = runtime.Retracer  # loading re-traces the code: torch.func's calls as they are
         alt = self.__dict__.get("_ampfx_alt")
         if alt is not None and isinstance(alt[1], PendingMode):  # a loaded copy cannot convert: made now
             self._other_mode(alt, None)
         fn, (body, *rest) = super().__reduce__()
+        body[runtime.LIVE_READS] = _live_reads(self)
         model = body.pop("_ampfx_model", None)
         fixed = body.pop("_ampfx_fixed", None)
-        for key in ("_ampfx_reconvert", "_ampfx_check", "_ampfx_variants"):
+        reconvert = body.pop("_ampfx_reconvert", None)
+        for key in ("_ampfx_check", "_ampfx_variants"):
             body.pop(key, None)
         if fixed is not None:  # the loaded copy checks what its graph fixed against its own tree
             body["_ampfx_rebind"] = fixed.source[2:]
-        if model is not None:
+        if model is not None and reconvert is not None and _picklable((model, reconvert)):
+            # a view of the model module's copy, which it converts again (the copy of the model in the pickle)
+            body["_ampfx_model"], body["_ampfx_reconvert"] = model, reconvert
+            for target in body[runtime.LIVE_READS]:  # loading builds the graph module from them (then reads its model's)
+                if "." not in target and target in model.__dict__ and target not in body:
+                    body[target] = model.__dict__[target]
+        elif model is not None:
             body["_ampfx_training"] = model.training
             source = type(model)
             if "<locals>" not in source.__qualname__:
@@ -479,6 +495,36 @@ class AmpGraphModule(fx.GraphModule):
             body.pop("_ampfx_source")
         tree = {k: body[k] for k in (*TREE, *HOOKS) if k in body}
         return (_rebuild, (fn, (body, *rest), tree, getattr(self.graph._codegen, "pytree_info", None)))
+
+
+def _picklable(value: Any) -> bool:
+    """Can ``value`` be pickled (tensors aside: their data is not written)? A model whose class is local to a
+    function cannot."""
+    class Structure(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return id(obj) if isinstance(obj, torch.Tensor) else None
+
+    try:
+        Structure(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception:  # noqa: BLE001 - any failure: the copy is standalone
+        return False
+    return True
+
+
+def _live_reads(gm: AmpGraphModule) -> tuple[str, ...]:
+    """The ``get_attr`` targets of ``gm``'s graph whose values are neither tensors nor modules (``self.scale``)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            value = gm.get_submodule(".".join(node.target.split(".")[:-1])) if "." in node.target else gm
+            value = getattr(value, node.target.split(".")[-1])
+        except AttributeError:
+            continue
+        if not isinstance(value, (torch.Tensor, nn.Module)):
+            out.append(node.target)
+    return tuple(out)
 
 
 class _Copied(_CodeOnlyModule):
@@ -594,9 +640,13 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
         # GraphModule.__init__ set its own defaults (the training flag as True): what was saved wins over them
         if (key not in gm.__dict__ or key.startswith("_ampfx")) and key not in ("_graph", "_code"):
             gm.__dict__[key] = value
+    model = gm.__dict__.get("_ampfx_model")
+    if model is not None:  # a view of the loaded copy of its model module, as a deep copy is
+        gm.view_of(model)
     rebind, recorded = gm.__dict__.pop("_ampfx_rebind", None), gm.__dict__.get("_ampfx_recorded")
     if rebind is not None and recorded is not None:
-        gm.__dict__["_ampfx_fixed"] = recorded.bind(gm, *rebind, low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16))
+        gm.__dict__["_ampfx_fixed"] = recorded.bind(model if model is not None else gm, *rebind,
+                                                    low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16))
     if DISPATCHED & gm.__dict__.keys():
         gm._install_dispatch()
     return gm

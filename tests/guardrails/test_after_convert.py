@@ -433,10 +433,23 @@ def test_a_float_the_low_dtype_cannot_hold_stays_a_constant_and_a_lifted_one_sta
     assert rel(amp(X), scaled(X)) < 0.03 and len(amp.variants()) == 1
 
 
-def test_a_converted_module_saved_after_a_change_raises_where_it_cannot_follow(tmp_path):
+def test_a_converted_module_saved_after_a_change_converts_again_when_loaded(tmp_path):
     """torch.save of the converted module after a value its graph fixed changed: the loaded copy checks what its
-    graph fixed against its own modules and raises (it cannot convert again), never the old graph in silence."""
+    graph fixed against its own copy of the model and converts again, never the old graph in silence."""
     model = nn.Sequential(nn.Linear(8, 8), Flagged())
+    amp = ampfx.convert(model, example_inputs=(X,))
+    model[1].flag = False
+    torch.save(amp, tmp_path / "amp.pt")
+    loaded = torch.load(tmp_path / "amp.pt", weights_only=False)
+    assert rel(loaded(X), model(X)) < 0.03
+    assert any("model.1.flag" in note for v in loaded.variants() for note in v.ampfx_report.notes)
+
+
+def test_a_loaded_copy_of_a_model_that_cannot_be_pickled_whole_raises_where_it_cannot_follow(tmp_path):
+    """A model holding what pickle refuses (a lambda) is saved without it: the loaded copy is standalone, checks
+    what its graph fixed against its own modules and raises (it cannot convert again)."""
+    model = nn.Sequential(nn.Linear(8, 8), Flagged())
+    model.hook = lambda x: x  # noqa: E731 - pickle refuses it
     amp = ampfx.convert(model, example_inputs=(X,))
     model[1].flag = False
     torch.save(amp, tmp_path / "amp.pt")
