@@ -48,6 +48,12 @@ class GuardError(ValueError):
     The message names the input, what it was converted for, what it got, and the fix."""
 
 
+class BakedValueError(GuardError):
+    """A :class:`GuardError` for a value the graph holds as it was while tracing (``None`` for an optional
+    argument, a flag): a converted module that can convert again does so for the call's value, as for a
+    changed attribute (within ``reconvert_limit``); otherwise it raises this."""
+
+
 class ExampleInputsError(ValueError):
     """The model itself does not run on the ``example_inputs`` given to :func:`ampfx.convert`."""
 

@@ -56,7 +56,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
 from .. import runtime
-from ..errors import StaleModelError, TrainingModeError
+from ..errors import BakedValueError, GuardError, StaleModelError, TrainingModeError
 from ..state import TORCH_KEYS
 
 log = logging.getLogger(__name__)
@@ -375,10 +375,28 @@ class AmpGraphModule(fx.GraphModule):
         variants.append(variant)
         return variant
 
+    def _for_values(self, args: tuple, kwargs: dict, error: BakedValueError) -> nn.Module:
+        """The conversion for a call whose argument differs from the value this graph holds (``error`` says
+        which): one made again earlier whose own checks accept the call, or a new one (within
+        ``reconvert_limit``, as for a changed attribute: :meth:`_reconvert`); ``error`` where this module cannot
+        convert again."""
+        d = self.__dict__
+        make = d.get("_ampfx_reconvert")
+        if make is None or not make.limit:
+            raise error
+        for variant in d.get("_ampfx_variants", ())[d.get("_ampfx_retired", 0):]:
+            if _holds(variant, None, self) and _accepts(variant, args, kwargs):
+                return variant
+        what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
+        return self._reconvert(None, args, kwargs, [what])
+
     def _run_graph(self, args: tuple, kwargs: dict) -> Any:
         guard, low = self.__dict__.get("_ampfx_guard"), self.__dict__.get("_ampfx_low")
         if guard is not None:
-            guard(args, kwargs)
+            try:
+                guard(args, kwargs)
+            except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
+                return run(self._for_values(args, kwargs, e), args, kwargs)
         if low is not None:  # mode="inference": weights changed since their copies were made are copied again
             low.refresh(self)
         cache = self.__dict__.get("_ampfx_weights")
@@ -563,6 +581,18 @@ def _holds(module: nn.Module, mode: bool | None, owner: AmpGraphModule) -> bool:
         fixed = module.__dict__.get("_ampfx_fixed")
         return fixed.holds() if fixed is not None else mode is None or owner.training == mode
     return mode is None or owner.training == mode
+
+
+def _accepts(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Does ``module`` (a conversion made again) take these arguments: its guard passes (Python takes any)?"""
+    guard = module.__dict__.get("_ampfx_guard") if isinstance(module, AmpGraphModule) else None
+    if guard is None:
+        return True
+    try:
+        guard(args, kwargs)
+    except GuardError:
+        return False
+    return True
 
 
 def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:

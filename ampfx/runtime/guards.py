@@ -46,7 +46,7 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .. import runtime
-from ..errors import GuardError, PolicyError
+from ..errors import BakedValueError, GuardError, PolicyError
 from ..inputs import ExampleInputs
 from ..state import kept_buffers
 
@@ -202,9 +202,10 @@ class Guard:
             return None
         return [bound.arguments.get(n, _MISSING) for n, _, _ in self.signature.params]
 
-    def fail(self, path: str, got: str, expected: str, why: str, fix: str) -> None:
+    def fail(self, path: str, got: str, expected: str, why: str, fix: str,
+             error: type[GuardError] = GuardError) -> None:
         where = f" at {self.signature.module!r}" if self.signature.module else ""
-        raise GuardError(f"ampfx: input {path} of the converted module{where} is {got}, but it was converted "
+        raise error(f"ampfx: input {path} of the converted module{where} is {got}, but it was converted "
                          f"for {expected} ({why}). Fix: {fix}.")
 
 
@@ -265,7 +266,7 @@ def _by_key(spec: TreeSpec | None) -> Any:
 def _check_leaf(guard: Guard, g: TensorGuard | ValueGuard, value: Any) -> None:
     if type(g) is ValueGuard:
         if not _same_value(value, g.value):
-            guard.fail(g.path, _short(value), repr(g.value), g.why, g.fix)
+            guard.fail(g.path, _short(value), repr(g.value), g.why, g.fix, error=BakedValueError)
         return
     if not isinstance(value, torch.Tensor):
         guard.fail(g.path, _short(value), f"{_a(g.kind)} {g.kind} tensor", "it was a tensor in example_inputs",

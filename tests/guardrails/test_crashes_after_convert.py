@@ -33,10 +33,12 @@ class Flag(nn.Module):
 def test_fixed_container_and_bool_defaults_convert_and_are_guarded(tracer):
     """Arguments torch.fx fixed at their defaults, a tuple among them, keep forward's signature (one
     argument each, with its default, in forward's order): calls at those values, by position or
-    keyword, give the model's result; any other value raises GuardError naming the argument and the fix,
-    never a graph built for the defaults."""
+    keyword, give the model's result; any other value converts again for it (the model's result), or, with
+    reconvert_limit=0, raises GuardError naming the argument and the fix, never a graph built for the defaults."""
     model, x = Flag(), torch.randn(3, 4)
-    amp = ampfx.convert(model, example_inputs=(x,), tracer=tracer)
+    again = ampfx.convert(model, example_inputs=(x,), tracer=tracer)
+    assert rel(again(x, True, (0.1, 0.9)), model(x, True, (0.1, 0.9))) < 0.03 and len(again.variants()) == 1
+    amp = ampfx.convert(model, example_inputs=(x,), tracer=tracer, reconvert_limit=0)
     assert amp.ampfx_report.parts[0].method == "fx, optional arguments fixed"
     params = inspect.signature(amp.forward).parameters
     assert [(p.name, p.default) for p in params.values()][1:] == [("flag", False), ("mix", (0.5, 0.5))]

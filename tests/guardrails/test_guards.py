@@ -194,15 +194,23 @@ def test_export_specialises_an_example_size_of_one():
         amp(torch.randn(4, 4))
 
 
-def test_a_python_int_baked_by_export_must_keep_its_value():
-    """export bakes `n=3` into the graph: n=5 raises GuardError (it silently used 3 before); n=3 is right."""
+def test_a_python_int_baked_by_export_converts_again_for_another_value():
+    """export bakes `n=3` into the graph (it silently used 3 for n=5 once): n=5 converts again, as a changed
+    attribute does (the conversion in variants(), its report naming the input), and computes with 5; n=3 runs
+    the first graph, n=5 again the variant. With reconvert_limit=0 it raises GuardError naming the value."""
     model = Repeat()
     x = torch.randn(2, 4)
     amp = ampfx.convert(model, example_inputs=(x, 3))
     assert amp.ampfx_report.parts[0].method == "export"
+    assert rel(amp(x, 5), model(x, 5)) < 0.03
+    (variant,) = amp.variants()
+    assert any("input n of the converted module is 5, but it was converted for 3" in n
+               for n in variant.ampfx_report.notes), variant.ampfx_report.notes
+    assert rel(amp(x, 3), model(x, 3)) < 0.03 and rel(amp(x, 5), model(x, 5)) < 0.03
+    assert len(amp.variants()) == 1
+    strict = ampfx.convert(model, example_inputs=(x, 3), reconvert_limit=0)
     with pytest.raises(GuardError, match=r"input n .* is 5, but it was converted for 3.*baked"):
-        amp(x, 5)
-    assert rel(amp(x, 3), model(x, 3)) < 0.03
+        strict(x, 5)
 
 
 def test_export_rank_is_fixed_but_fx_rank_is_free():
@@ -220,11 +228,17 @@ def test_export_rank_is_fixed_but_fx_rank_is_free():
 
 # -- values fixed while tracing ----------------------------------------------------------------------------------
 
-def test_an_argument_fx_fixed_at_its_default_raises_a_guard_error():
-    """fx traced `scale` as None; passing one raises GuardError naming it and the fix."""
-    amp = ampfx.convert(Flagged(), example_inputs=(torch.randn(2, 4),), tracer="fx")
+def test_an_argument_fx_fixed_at_its_default_converts_again_or_raises_a_guard_error():
+    """fx traced `scale` as None; passing one converts again for it (the model's result, the conversion in
+    variants()); with reconvert_limit=0 it raises GuardError naming the input and the fix."""
+    torch.manual_seed(0)
+    model, x, scale = Flagged(), torch.randn(2, 4), torch.tensor(2.0)
+    amp = ampfx.convert(model, example_inputs=(x,), tracer="fx")
+    assert rel(amp(x, scale=scale), model(x, scale=scale)) < 0.03 and len(amp.variants()) == 1
+    assert rel(amp(x), model(x)) < 0.03
+    strict = ampfx.convert(model, example_inputs=(x,), tracer="fx", reconvert_limit=0)
     with pytest.raises(GuardError, match=r"input scale .*converted for None.*example_inputs that give scale"):
-        amp(torch.randn(2, 4), scale=torch.tensor(2.0))
+        strict(x, scale=scale)
 
 
 def test_keyword_calls_are_checked_like_positional_ones():

@@ -433,10 +433,13 @@ class ScaledLayerDrop(LayerDrop):
 def test_the_other_modes_call_is_checked_by_that_modes_conversion_alone():
     """Converted in eval mode by export (``n=1`` baked, guarded), then ``.train()``: the train mode
     keeps the model's Python, which takes any ``n``; the eval graph's guard must not refuse that
-    call. Back in eval mode, ``n=2`` is refused by the eval graph's guard, not computed with 1."""
+    call. Back in eval mode, ``n=2`` is refused by the eval graph's guard (with reconvert_limit=0; by default it
+    converts again for 2), not computed with 1."""
     torch.manual_seed(0)
     m, x = ScaledLayerDrop().eval(), torch.randn(3, 8)
-    amp = ampfx.convert(m, "bf16", example_inputs=(x, 1), tracer="export")
+    again = ampfx.convert(m, "bf16", example_inputs=(x, 1), tracer="export")
+    assert rel_err(again(x, 2), m.eval()(x, 2)) < 0.03
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, 1), tracer="export", reconvert_limit=0)
     amp.train()
     assert amp(x, 2).shape == x.shape
     amp.eval()
