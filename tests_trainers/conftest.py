@@ -1,7 +1,10 @@
+import math
 import os
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -63,3 +66,29 @@ def gap(a, b):
     """Largest absolute difference of two loss curves of the same length."""
     assert len(a) == len(b) and len(a) > 0
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def classifier(package):
+    """The Lightning tests' small classifier, a ``LightningModule`` of ``package`` (``lightning`` or
+    ``pytorch_lightning``). ``poison_first=True`` makes the first step's loss infinite (a float16 scaler must skip
+    it)."""
+    class Classifier(package.LightningModule):
+        def __init__(self, poison_first=False):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+            self.losses, self.poison_first = [], poison_first
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.losses.append(loss.item())
+            if self.poison_first and i == 0 and self.current_epoch == 0:
+                loss = loss * math.inf  # gradients not finite: a float16 scaler must skip this step
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+    return Classifier

@@ -1,13 +1,11 @@
 """AmpfxPrecision: Lightning trains through ampfx without autocast, like its own bf16 mode."""
 import logging
-import math
 
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from conftest import gap
+from conftest import classifier, gap
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampfx.errors import ArgumentError
@@ -17,25 +15,7 @@ from ampfx.integrations.lightning import AmpfxPrecision
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self, poison_first=False):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
-        self.losses, self.poison_first = [], poison_first
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.losses.append(loss.item())
-        if self.poison_first and i == 0 and self.current_epoch == 0:
-            loss = loss * math.inf  # gradients not finite: a float16 scaler must skip this step
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.2)
+Classifier = classifier(pl)
 
 
 def data():

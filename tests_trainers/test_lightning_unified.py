@@ -4,9 +4,7 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from conftest import gap
+from conftest import classifier, gap
 from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning")
@@ -15,27 +13,6 @@ from ampfx.integrations.lightning import AmpfxPrecision  # noqa: E402
 
 logging.getLogger("lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-
-
-def classifier(package):
-    class Classifier(package.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
-            self.losses = []
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, i):
-            x, y = batch
-            loss = F.cross_entropy(self(x), y)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.2)
-    return Classifier
 
 
 def data():
