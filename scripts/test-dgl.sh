@@ -11,6 +11,7 @@ WORKING_SET=("torch==2.2.1" "dgl==2.1.0" "torchdata==0.7.1" "numpy<2" "pandas<2.
              pyyaml pydantic requests tqdm psutil scipy networkx)
 export DGLBACKEND=pytorch  # dgl otherwise writes ~/.dgl/config.json and says so on every import
 source scripts/quietly.sh
+free_after "$VENV"
 if ! "$VENV/bin/python" -c "import torch, dgl; assert torch.__version__.startswith('2.2.1'), torch.__version__" \
     >/dev/null 2>&1; then
   rm -rf "$VENV"

@@ -10,6 +10,7 @@ if [ ! -x .venv-models/bin/python ]; then
   "$PY" -m venv .venv-models
 fi
 source scripts/quietly.sh
+free_after ".venv-models"
 .venv-models/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 quietly .venv-models/bin/python -m pip install "torch==2.14.1" "torchvision==0.29.1"
 quietly .venv-models/bin/python -m pip install "timm" "transformers==4.57.*" pytest

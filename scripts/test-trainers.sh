@@ -10,6 +10,7 @@ case " ${SKIP_LANES:-} " in *" trainers "*) echo "trainers lane skipped (SKIP_LA
 PY=${PYTHON:-python3}
 VENV=.venv-trainers
 source scripts/quietly.sh
+free_after "$VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
