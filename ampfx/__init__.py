@@ -20,10 +20,12 @@ from .report.records import CastInfo, Decision
 from .tools.tune import TuneResult, tune
 from .runtime import weight_cache
 from .runtime.weight_cache import attach
+from .integrations.dynamo import Backend, backend
 
 __all__ = ["convert", "Policy", "PolicyError", "Category", "Decision", "CastInfo", "Report", "count_casts",
            "debug", "NonFiniteError",
            "compare", "Comparison", "ParamError",
            "sensitivity", "SensitivityResult", "NodeSensitivity",
-           "tune", "TuneResult", "TuneError", "register_op", "attach", "weight_cache"]
+           "tune", "TuneResult", "TuneError", "register_op", "attach", "weight_cache",
+           "backend", "Backend"]
 __version__ = "0.1.0"

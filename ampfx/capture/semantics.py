@@ -95,6 +95,14 @@ class Dropped(BaseException):
 
 
 _INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_FX_OWN = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras", "_in_spec",
+                     "_out_spec", "_erased", "meta", "shape_env"})
+"""What a ``GraphModule`` sets of itself when it first runs (a lazy one, as dynamo hands a backend, compiles its code
+then): bookkeeping of torch.fx, never the model's computation."""
+
+
+def _internal(m: nn.Module) -> frozenset[str]:
+    return _INTERNAL | _FX_OWN if isinstance(m, torch.fx.GraphModule) else _INTERNAL
 _ACTIVE: list[Watch] = []
 
 
@@ -399,7 +407,8 @@ class _ModuleState:
     @classmethod
     def of(cls, m: nn.Module, tensors: bool = True) -> _ModuleState:
         """The module's state now (``tensors=False``: its Python attributes only)."""
-        attrs = {k: v for k, v in vars(m).items() if k not in _INTERNAL}
+        internal = _internal(m)
+        attrs = {k: v for k, v in vars(m).items() if k not in internal}
         contents = {k: v.copy() for k, v in attrs.items() if type(v) in (list, dict)}
         if not tensors:
             return cls(m, attrs, {}, {}, contents)
@@ -457,8 +466,8 @@ class _ModuleState:
     def attr_changes(self, own: set[str]) -> list[tuple[str, str | None]]:
         """Each Python attribute set or changed since :meth:`of`, with what changed in words (``None``:
         bookkeeping that cannot feed the computation, :func:`_computes`); changes nothing."""
-        now, out = vars(self.module), []
-        for key in [k for k in now if k not in _INTERNAL and k not in self.attrs and k not in own]:
+        now, out, internal = vars(self.module), [], _internal(self.module)
+        for key in [k for k in now if k not in internal and k not in self.attrs and k not in own]:
             out.append((key, f"attribute {key!r} set{_traced(now[key])}" if _computes(now[key]) else None))
         for key, value in self.attrs.items():
             if not _unchanged(value, now.get(key, _MISSING)):

@@ -495,11 +495,15 @@ class Fixed:
         hooks when a hook was registered anywhere since they last held.)"""
         if not self._values_hold():
             return False
-        if self.hooked or RemovableHandle.next_id != self.seen:
+        # under torch.compile the hook dicts themselves are read: dynamo guards on what a frame reads, and the
+        # process-wide handle counter moves whenever any hook anywhere is registered (a recompile at every step)
+        compiling = runtime.is_compiling()
+        if self.hooked or compiling or RemovableHandle.next_id != self.seen:
             if [len(d) for d, _ in self.hooks] != self._hook_ids[0] or \
                     [sum(d) for d, _ in self.hooks] != self._hook_ids[1]:
                 return False
-            self.seen = RemovableHandle.next_id
+            if not compiling:
+                self.seen = RemovableHandle.next_id
         return True
 
     def _loop(self) -> bool:

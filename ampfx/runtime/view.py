@@ -168,7 +168,8 @@ def mirror(model: nn.Module, children: dict, cross: torch.dtype | None = None,
         raise StaleModelError(f"a TorchScript module ({type(model).__name__}) cannot stand for converted "
                               "children; convert the Python model before scripting it")
     cls = mirror_class(type(model))
-    obj = cls.__new__(cls)
+    # GraphModule.__new__ makes a class for each instance (one that dynamo hands a backend is one): not for a mirror
+    obj = object.__new__(cls) if isinstance(model, torch.fx.GraphModule) else cls.__new__(cls)
     object.__setattr__(obj, "__dict__", model.__dict__)
     for name, value in zip(_SLOTS[:5], (children, model, cross, None, hand)):
         object.__setattr__(obj, name, value)

@@ -1,0 +1,196 @@
+"""ampfx as a ``torch.compile`` backend: ``torch.compile(model, backend="ampfx")``.
+
+Dynamo captures the model's Python as graphs, splits it where it cannot (a graph break: a ``print``, a
+data-dependent branch, a call it does not trace) and guards each graph. Given as the backend, ampfx converts each
+graph dynamo hands it, as :func:`ampfx.convert` converts a model (the same lists, rules, casts and log), and hands
+the converted graph to an inner backend (inductor by default) to compile. Dynamo's guards decide when a graph is
+captured again (a new shape, a changed attribute, the other training mode): that graph is converted again, so
+nothing ampfx fixed while converting can go stale, and the converted graph needs none of :func:`ampfx.convert`'s
+call-time checks.
+
+>>> import torch, torch.nn as nn, ampfx
+>>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2), nn.Softmax(-1))
+>>> amp = ampfx.backend("bf16", inner="eager")        # or torch.compile(net, backend="ampfx"): bf16, inductor
+>>> compiled = torch.compile(net, backend=amp)
+>>> compiled(torch.randn(4, 8)).dtype                 # softmax stays float32, as convert keeps it
+torch.float32
+>>> [str(g.report.by_node("softmax").dtype) for g in amp.graphs]
+['torch.float32']
+>>> print(amp.summary())                              # doctest: +ELLIPSIS
+ampfx backend (bfloat16, inner eager): 1 graph
+  graph 0/0: converted 3/4 nodes to bfloat16 using 5 casts (0 of weights) [return_value]
+
+Graph ends: a graph hands the Python after it (and the next graph) float32 values where the model's own are
+float32, as a part of a model :func:`ampfx.convert` converts part by part does: dynamo traces the code after a break
+as the user wrote it, before any backend sees it, so a low value there would meet float32 weights (where
+``convert`` captures through the break, as ``torch.fx`` does through a ``print``, it saves that cast each way).
+
+Graph inputs: dynamo passes a module's parameters to its graph as inputs, so their casts are counted as casts of
+inputs, not of weights, and each runs inside the compiled graph. ``AMPFX_*`` variables are read once, when the
+backend is made (for ``backend="ampfx"``: at the first graph). ``ampfx.convert`` then ``torch.compile`` remains
+the way to keep ampfx's call-time checks and a converted module to save; the backend is for models dynamo already
+captures, graph breaks included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..api import convert
+from ..errors import ArgumentError
+from ..report import Report
+from ..policy import from_env
+from ..policy.names import parse_dtype
+from ..request import check_options, policy_of
+from ..runtime.graph_module import AmpGraphModule
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGraph:
+    """One graph dynamo handed the backend: its compile id (``"0/0"``: frame 0, first compile; ``"0/1"``:
+    that frame captured again after a guard failed), why dynamo ended it there, and ampfx's report of it
+    (``converted=False``: it went to the inner backend as captured, and ``why`` says why)."""
+
+    compile_id: str
+    reason: str
+    report: Report | None
+    converted: bool = True
+    why: str = ""
+
+    def line(self) -> str:
+        head = f"graph {self.compile_id}"
+        if not self.converted:
+            return f"{head}: left as captured ({self.why})"
+        summary = self.report.summary().splitlines()[0].removeprefix("ampfx: ")
+        return f"{head}: {summary}" + (f" [{self.reason}]" if self.reason else "")
+
+
+class Backend:
+    """A ``torch.compile`` backend that converts each captured graph with ampfx, then compiles it with ``inner``
+    (a backend name such as ``"inductor"``, ``"aot_eager"``, ``"eager"``, or a backend callable). ``dtype``,
+    ``policy`` and the keyword options are :func:`ampfx.convert`'s; ``graphs`` lists every graph converted so far,
+    recompiles included, and ``report`` merges their reports."""
+
+    def __init__(self, dtype: Any = None, inner: str | Callable = "inductor", policy: Any = None, *,
+                 mode: str = "train", environ: dict[str, str] | None = None, **options: Any) -> None:
+        check_options("backend", options)
+        if mode not in ("train", "inference"):
+            raise ArgumentError(f"backend(mode={mode!r}): mode is 'train' or 'inference'")
+        if not (isinstance(inner, str) or callable(inner)):
+            raise ArgumentError(f"backend(inner={inner!r}): give a torch.compile backend's name ('inductor', "
+                                "'aot_eager', 'eager') or a backend callable")
+        self.environ = dict(os.environ if environ is None else environ)  # read once, here
+        resolved = from_env(policy_of("backend", dtype, policy, options), self.environ,
+                            dtype_given=dtype is not None or policy is not None)
+        _check_no_modules(resolved)
+        self.dtype = resolved.dtype
+        if dtype is not None:
+            dtype = parse_dtype(dtype)
+        self.given_dtype, self.inner, self.policy, self.mode, self.options = dtype, inner, policy, mode, options
+        self.graphs: list[CompiledGraph] = []
+
+    def __repr__(self) -> str:
+        return f"ampfx.backend({str(self.dtype).replace('torch.', '')!r}, inner={self._inner_name()!r})"
+
+    def _inner_name(self) -> str:
+        return self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", repr(self.inner))
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._dynamo.backends.registry import lookup_backend
+        compile_id = str(gm.meta.get("dynamo_compile_id", len(self.graphs)))
+        cause = getattr(gm, "compile_subgraph_reason", None)
+        reason = _words(cause)
+        converted = convert(gm, self.given_dtype, example_inputs=_example(example_inputs), policy=self.policy,
+                            tracer="fx", mode=self.mode, environ=self.environ, **self.options)
+        report = converted.ampfx_report
+        if isinstance(converted, AmpGraphModule):
+            graph = fx.GraphModule(converted, _copy(converted.graph), class_name=type(gm).__name__)
+            graph.meta.update(gm.meta)
+            self.graphs.append(CompiledGraph(compile_id, reason, report))
+        else:  # the graph did not convert whole (its parts' steps say why): compiled as dynamo captured it
+            why = "; ".join(s for p in report.parts for s in p.steps[-1:]) or "not converted whole"
+            log.warning("ampfx backend: graph %s is compiled as captured, without mixed precision: %s", compile_id, why)
+            graph = gm
+            self.graphs.append(CompiledGraph(compile_id, reason, report, converted=False, why=why))
+        return lookup_backend(self.inner)(graph, example_inputs)
+
+    @property
+    def report(self) -> Report:
+        """Every converted graph's report in one (each graph's own: ``graphs[i].report``)."""
+        return Report.merge(self.dtype, [g.report for g in self.graphs if g.report is not None])
+
+    def summary(self) -> str:
+        """A line per graph: what ampfx converted, and why dynamo ended the graph there."""
+        n = len(self.graphs)
+        head = (f"ampfx backend ({str(self.dtype).replace('torch.', '')}, inner {self._inner_name()}): "
+                f"{n} graph{'s' if n != 1 else ''}")
+        return "\n".join([head, *(f"  {g.line()}" for g in self.graphs)])
+
+
+def backend(dtype: Any = None, inner: str | Callable = "inductor", policy: Any = None, **options: Any) -> Backend:
+    """A ``torch.compile`` backend converting each graph dynamo captures (:class:`Backend`)."""
+    return Backend(dtype, inner, policy, **options)
+
+
+_DEFAULT: list[Backend] = []
+
+
+def default() -> Backend:
+    """The backend ``torch.compile(model, backend="ampfx")`` uses: bfloat16 (or ``AMPFX_DTYPE``) and inductor,
+    made at its first graph; its ``graphs`` and ``report`` gather every model compiled that way."""
+    if not _DEFAULT:
+        _DEFAULT.append(Backend())
+    return _DEFAULT[0]
+
+
+def ampfx_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """``backend="ampfx"`` (registered through the ``torch_dynamo_backends`` entry point): :func:`default`."""
+    return default()(gm, example_inputs)
+
+
+_BY_MODULE = {"fp32_modules": "AMPFX_FP32_MODULES", "leaf_modules": "AMPFX_LEAF_MODULES"}
+
+
+def _check_no_modules(policy: Any) -> None:
+    """Options that name modules are refused: a graph dynamo hands a backend holds no modules (their parameters are
+    its inputs), so such an option would match nothing there, or fail inside ``torch.compile``."""
+    named = [f"{field} / {var} = {getattr(policy, field)!r}" for field, var in _BY_MODULE.items()
+             if getattr(policy, field)]
+    if policy.module_filter_fn is not None:
+        named.append("module_filter_fn")
+    if named:
+        raise ArgumentError(f"backend(): {'; '.join(named)} names modules, and the graphs dynamo hands a backend hold "
+                            "none (a module's parameters are graph inputs). Keep ops float32 by op instead "
+                            "(denylist_add=[op] with its list's *_remove, or AMPFX_DENYLIST_ADD), or convert first and compile the result: "
+                            "torch.compile(ampfx.convert(model, ..., fp32_modules=[...]))")
+
+
+def _example(example_inputs: list[Any]) -> tuple | None:
+    """The example inputs ampfx converts on: dynamo's, unless they are fake (no values to run on)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if any(isinstance(x, FakeTensor) for x in example_inputs):
+        return None
+    return tuple(example_inputs)
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _words(cause: Any) -> str:
+    """Why dynamo ended a graph, in its first line (``graph break: ...`` or dynamo's own word)."""
+    if cause is None:
+        return ""
+    text = str(getattr(cause, "reason", cause)).strip().splitlines()
+    first = text[0] if text else ""
+    return f"graph break: {first}" if getattr(cause, "graph_break", False) else first
