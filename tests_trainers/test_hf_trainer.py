@@ -102,3 +102,32 @@ def test_checkpoint_resumes_with_the_same_policy(tmp_path):
     AcceleratorState._reset_state(True)
     with pytest.raises(PolicyMismatchError, match="fp32_modules"):
         train(tmp_path, cls=AmpfxTrainer, steps=4, resume=str(ckpt))
+
+
+def test_resume_from_the_last_checkpoint_and_from_one_not_written_by_ampfx(tmp_path):
+    """``resume_from_checkpoint=True`` checks the last checkpoint's policy file, as the Trainer resolves it; a
+    checkpoint the plain Trainer wrote holds none, and resuming from it is refused, naming the file."""
+    train(tmp_path, cls=AmpfxTrainer, steps=4, save=True)
+    AcceleratorState._reset_state(True)
+    trainer, _ = train(tmp_path, cls=AmpfxTrainer, steps=6, resume=True)
+    assert trainer.state.global_step == 6
+    plain = tmp_path / "plain"
+    train(plain, steps=4, save=True)
+    AcceleratorState._reset_state(True)
+    with pytest.raises(ArgumentError, match=POLICY_FILE):
+        train(tmp_path / "other", cls=AmpfxTrainer, steps=4, resume=str(plain / "checkpoint-2"))
+
+
+def test_ampfx_trainer_overrides_no_private_method_and_pins_the_one_seam_it_patches():
+    """AmpfxTrainer uses the Trainer's public extension points (a callback's ``on_save``, ``train``,
+    ``autocast_smart_context_manager``) and overrides no underscore method; the one seam it patches, the name
+    ``Accelerator`` that ``create_accelerator_and_postprocess`` calls in ``transformers.trainer``, is pinned here,
+    so a transformers release that moves it fails this test rather than training without ampfx."""
+    import inspect
+
+    import transformers.trainer
+
+    private = [n for n in vars(AmpfxTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n)]
+    assert private == []
+    assert hasattr(transformers.trainer, "Accelerator")
+    assert "Accelerator(" in inspect.getsource(Trainer.create_accelerator_and_postprocess)

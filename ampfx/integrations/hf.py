@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import transformers.trainer
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..errors import ArgumentError
 from ..policy import Policy
@@ -44,6 +46,7 @@ class AmpfxTrainer(Trainer):
         self._ampfx = dict(dtype=ampfx, policy=ampfx_policy,
                            ampfx_options=ampfx_options)
         super().__init__(*args, **kwargs)
+        self.add_callback(PolicyWriter(self))
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own set-up, with an :class:`AmpfxAccelerator` in place of ``Accelerator``."""
@@ -66,18 +69,34 @@ class AmpfxTrainer(Trainer):
             raise ArgumentError("AmpfxTrainer: the Trainer's CPU autocast is on; set bf16=False and fp16=False")
         return super().autocast_smart_context_manager(cache_enabled)
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"{transformers.trainer.PREFIX_CHECKPOINT_DIR}-" \
-            f"{self.state.global_step}"
-        if self.args.should_save and folder.is_dir():
-            state = self.accelerator._checkpoint_state()
-            (folder / POLICY_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; resuming checks the checkpoint's ``ampfx_policy.json`` first (a checkpoint written
+        with another policy raises :class:`~ampfx.errors.PolicyMismatchError`) and restores its state."""
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)  # as Trainer.train resolves it (it raises if none)
+        if folder:
+            path = Path(folder) / POLICY_FILE
+            if not path.is_file():
+                raise ArgumentError(f"AmpfxTrainer: {str(folder)!r} holds no {POLICY_FILE}: it was not written by "
+                                    "an AmpfxTrainer, so the policy it was trained with is not known")
+            self.accelerator._load_checkpoint_state(json.loads(path.read_text(encoding="utf-8")))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        path = Path(resume_from_checkpoint) / POLICY_FILE
-        if not path.is_file():
-            raise ArgumentError(f"AmpfxTrainer: {str(resume_from_checkpoint)!r} holds no {POLICY_FILE}: it was not "
-                                "written by an AmpfxTrainer, so the policy it was trained with is not known")
-        self.accelerator._load_checkpoint_state(json.loads(path.read_text(encoding="utf-8")))
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+class PolicyWriter(TrainerCallback):
+    """Writes ``ampfx_policy.json`` into each checkpoint the Trainer saves (``on_save``, after the checkpoint's
+    own files): the policy and dtype the model was converted with, checked when training resumes from it."""
+
+    def __init__(self, trainer: AmpfxTrainer) -> None:
+        self.trainer = weakref.proxy(trainer)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not args.should_save:
+            return control
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        found = sorted(Path(args.output_dir).glob(f"**/{name}"), key=lambda f: f.stat().st_mtime)
+        if found:  # output_dir/checkpoint-N, or output_dir/run-<trial>/checkpoint-N in a hyperparameter search
+            state_of = self.trainer.accelerator._checkpoint_state()
+            (found[-1] / POLICY_FILE).write_text(json.dumps(state_of, indent=1) + "\n", encoding="utf-8")
+        return control
