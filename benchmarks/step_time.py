@@ -193,7 +193,7 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
     base.train()
     r = {"model": name, "family": MODELS.get(name, ""), "dtype": dt, "compiled": compiled}
     runs = {}
-    for tool in ("float32", "autocast", "ampfx"):
+    for tool in ("float32", "autocast", "ampfx") + (("backend",) if compiled else ()):
         model = copy.deepcopy(base)
         run = model
         if tool == "ampfx":
@@ -201,8 +201,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
             run = ampfx.convert(model, dtype, example_inputs=inp)
             r["convert_s"] = round(time.perf_counter() - t0, 2)
             r["capture"] = [(p.path, p.method) for p in run.ampfx_report.parts]
-        if compiled:
-            run = torch.compile(run)
+        if compiled:  # the backend: torch.compile(model, backend="ampfx"), each graph dynamo captures converted
+            run = torch.compile(run, backend=ampfx.backend(dtype) if tool == "backend" else "inductor")
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         region = (lambda: torch.autocast("cpu", dtype=dtype)) if tool == "autocast" else None
 
@@ -232,6 +232,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
             wall = time.perf_counter() - t0
         r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
     r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
+    if compiled:
+        r["backend_ratio"] = r["backend_ms"] / r["autocast_ms"]
     return r
 
 
@@ -245,7 +247,9 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--reps", type=int, default=11)
-    parser.add_argument("--compile", action="store_true", help="also time each tool under torch.compile")
+    parser.add_argument("--compile", action="store_true", help="also time each tool under torch.compile, and ampfx "
+                        "as the compile backend (torch.compile(model, backend=ampfx.backend(dtype)))")
+    parser.add_argument("--compiled-only", action="store_true", help="--compile without the eager rows")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "COMPILED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -259,7 +263,8 @@ def main() -> None:
     print(f"step time, {args.dtype}, CPU, one thread, median of {args.reps} interleaved steps after 2 warm-ups; "
           f"torch {torch.__version__}, python {sys.version.split()[0]}")
     rows = []
-    for compiled in ([False, True] if args.compile else [False]):
+    modes = [True] if args.compiled_only else [False, True] if args.compile else [False]
+    for compiled in modes:
         for name in args.models.split(","):
             p = subprocess.run([sys.executable, __file__, "--one", name, str(int(compiled)), "--dtype", args.dtype,
                                 "--reps", str(args.reps)], capture_output=True, text=True, timeout=3600)
@@ -274,9 +279,10 @@ def main() -> None:
             print(f"{name:24s} {'compiled' if compiled else 'eager':8s} float32 {res['float32_ms']:8.2f} ms  "
                   f"autocast {res['autocast_ms']:8.2f}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
                   f"{res['ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
-                  f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}",
+                  f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}"
+                  + (f"  backend {res['backend_ms']:8.2f} ({res['backend_ratio']:.2f}x)" if compiled else ""),
                   flush=True)
-    for compiled in ([False, True] if args.compile else [False]):
+    for compiled in modes:
         done = [r for r in rows if r["compiled"] == compiled and "ratio" in r]
         if not done:
             continue
@@ -285,7 +291,9 @@ def main() -> None:
         whole_above = [r["model"] for r in done if whole(r.get("capture")) and r["ratio"] > 1.0]
         print(f"{'compiled' if compiled else 'eager'}: {len(done)} models, median ampfx/autocast "
               f"{statistics.median(ratios):.2f}x, above 1.05x: {above or 'none'}; captured whole above 1.0x: "
-              f"{whole_above or 'none'}")
+              f"{whole_above or 'none'}"
+              + (f"; the ampfx backend: median {statistics.median(r['backend_ratio'] for r in done):.2f}x"
+                 if compiled else ""))
     Path("/tmp/step_time.json").write_text(json.dumps(rows, indent=1, default=str))
 
 

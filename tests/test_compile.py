@@ -225,3 +225,18 @@ def test_op_lists_apply_to_every_graph_the_backend_converts():
         torch.compile(net, backend=amp)(torch.randn(4, 8))
         gelu = [r for r in amp.report.records if "gelu" in r.target]
         assert gelu and all(r.dtype == torch.float32 and origin in r.reason + str(r.rule) for r in gelu), gelu
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_the_saved_log_holds_every_graph(tmp_path, how):
+    """``log_path`` (or AMPFX_LOG_PATH) saves every graph's report in one place, each graph's code under its
+    compile id, rather than each graph's save replacing the one before."""
+    given = {"log_path": str(tmp_path)} if how == "option" else {"environ": {"AMPFX_LOG_PATH": str(tmp_path)}}
+    amp = ampfx.backend("bf16", inner="eager", **given)
+    model = Block()
+    torch.compile(model, backend=amp)(torch.randn(4, 8, 32))
+    assert len(amp.graphs) == 2
+    saved = sorted(p.name for p in tmp_path.glob("graph_after*.py"))
+    assert saved == ["graph_after.graph_0_0.py", "graph_after.graph_1_0.py"]
+    lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
+    assert len(lines) == sum(len(g.report.records) for g in amp.graphs)

@@ -90,7 +90,11 @@ class Backend:
         resolved = from_env(policy_of("backend", dtype, policy, options), self.environ,
                             dtype_given=dtype is not None or policy is not None)
         _check_no_modules(resolved)
-        self.dtype = resolved.dtype
+        self.dtype, self.log_path = resolved.dtype, resolved.log_path
+        # each graph's conversion saves nothing: the backend saves every graph's report in one, after each graph
+        self.environ.pop("AMPFX_LOG_PATH", None)
+        options = {k: v for k, v in options.items() if k != "log_path"}
+        policy = dataclasses.replace(policy, log_path=None) if policy is not None else None
         if dtype is not None:
             dtype = parse_dtype(dtype)
         self.given_dtype, self.inner, self.policy, self.mode, self.options = dtype, inner, policy, mode, options
@@ -119,12 +123,15 @@ class Backend:
             log.warning("ampfx backend: graph %s is compiled as captured, without mixed precision: %s", compile_id, why)
             graph = gm
             self.graphs.append(CompiledGraph(compile_id, reason, report, converted=False, why=why))
+        if self.log_path:
+            self.report.save(self.log_path)
         return lookup_backend(self.inner)(graph, example_inputs)
 
     @property
     def report(self) -> Report:
-        """Every converted graph's report in one (each graph's own: ``graphs[i].report``)."""
-        return Report.merge(self.dtype, [g.report for g in self.graphs if g.report is not None])
+        """Every converted graph's report in one, each graph a part named ``graph_<frame>_<compile>`` (its code in
+        ``graph_before.graph_0_0.py`` when saved); each graph's own report: ``graphs[i].report``."""
+        return Report.merge(self.dtype, [_labelled(g) for g in self.graphs if g.report is not None])
 
     def summary(self) -> str:
         """A line per graph: what ampfx converted, and why dynamo ended the graph there."""
@@ -170,6 +177,17 @@ def _check_no_modules(policy: Any) -> None:
                             "none (a module's parameters are graph inputs). Keep ops float32 by op instead "
                             "(denylist_add=[op] with its list's *_remove, or AMPFX_DENYLIST_ADD), or convert first and compile the result: "
                             "torch.compile(ampfx.convert(model, ..., fp32_modules=[...]))")
+
+
+def _labelled(graph: CompiledGraph) -> Report:
+    """``graph``'s report with its parts and code named after the graph (``graph_0_1``: frame 0, second compile)."""
+    label = "graph_" + graph.compile_id.replace("/", "_").replace(" ", "_")
+    name = lambda path: f"{label}.{path}" if path else label  # noqa: E731
+    report = graph.report
+    return dataclasses.replace(
+        report, parts=tuple(dataclasses.replace(p, path=name(p.path), why=p.why or graph.reason) for p in report.parts),
+        code_before={name(k): v for k, v in report.code_before.items()},
+        code_after={name(k): v for k, v in report.code_after.items()})
 
 
 def _example(example_inputs: list[Any]) -> tuple | None:
