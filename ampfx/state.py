@@ -157,6 +157,37 @@ def _random_states(torch_too: bool) -> list[Any]:
     return states
 
 
+_UNWIND = {"Vmap": "_vmap_decrement_nesting", "Grad": "_grad_decrement_nesting", "Jvp": "_jvp_decrement_nesting",
+           "Functionalize": "_func_decrement_nesting"}
+
+
+@contextlib.contextmanager
+def kept_functorch() -> Iterator[None]:
+    """The torch.func levels open on entry are the ones open on exit: a level the block entered and did not leave
+    (a trace that failed between a graph's ``_vmap_increment_nesting`` and its decrement, as in the graphs dynamo
+    makes of Hugging Face's vmapped masks) is left here, or every op after it would run inside it.
+
+    >>> with kept_functorch():
+    ...     _ = torch._C._functorch._vmap_increment_nesting(2, "error")
+    >>> torch._C._functorch.peek_interpreter_stack() is None
+    True
+    """
+    depth = _functorch_depth()
+    try:
+        yield
+    finally:
+        for _ in range(_functorch_depth() - depth):
+            kind = torch._C._functorch.peek_interpreter_stack().key().name
+            getattr(torch._C._functorch, _UNWIND[kind])()
+
+
+def _functorch_depth() -> int:
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return 0
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return len(retrieve_all_functorch_interpreters())
+
+
 @contextlib.contextmanager
 def kept_random(torch_too: bool = True) -> Iterator[Draws]:
     """Python's, numpy's and (with ``torch_too``) torch's random state put back on exit; the
@@ -353,7 +384,7 @@ def untouched(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
     with _kept_values(small):
         try:
             with kept_attributes(model), kept_rng(*held, *tensors), kept_random(torch_too=False), \
-                    kept_generators(model), (contextlib.nullcontext() if cloned else guard):
+                    kept_generators(model), kept_functorch(), (contextlib.nullcontext() if cloned else guard):
                 yield
         finally:
             _put_back(data, guard.saved, cloned)

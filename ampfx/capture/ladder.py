@@ -22,12 +22,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch.fx as fx
 import torch.nn as nn
 
 from ..runtime.graph_module import graph_module
 from ..inputs import ExampleInputs
 from ..policy import Policy
-from ..state import kept_random
+from ..state import kept_functorch, kept_random
 from . import export
 from .base import Capture, Uncaptured
 from ..errors import RootUntraceable
@@ -54,6 +55,10 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     run that checks the torch.fx graph shows a forward doing that (an eval-mode cache filled); those
     modules' paths are added to ``drops``."""
     fx_capture, steps, run = None, [], _ModelRun()
+    if tracer != "export" and _graph_as_given(module):
+        return Capture(graph=_copied(module.graph), method="fx (the graph module's own graph)",
+                       why="a graph module calling no submodule, with plain code (as dynamo hands a backend): its own "
+                           "graph, not traced again (a trace would run its torch.func calls on proxies)")
     if tracer != "export":
         only_fx = tracer == "fx" or inputs is None
         fx_capture, steps, exportable = _fx_rung(module, policy, inputs, run, check=not only_fx, kept=kept,
@@ -99,6 +104,19 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
              "traces",) if kept else ()
     return dataclasses.replace(exported, steps=(*steps, *exported.steps), why="torch.export captured one graph",
                                notes=(*exported.notes, *notes))
+
+
+def _graph_as_given(module: nn.Module) -> bool:
+    """A graph module whose graph is taken as it is: it calls no submodule (nothing to keep as a leaf or boundary)
+    and generates plain code (no pytree signature of its own to carry)."""
+    return (isinstance(module, fx.GraphModule) and type(module.graph._codegen) is fx.graph.CodeGen
+            and not any(n.op == "call_module" for n in module.graph.nodes))
+
+
+def _copied(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
 
 
 def _few(paths: frozenset[str], n: int = 4) -> str:
@@ -148,7 +166,7 @@ def _fx_rung(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, ru
     try:
         # tracing runs the Python: the Watch puts back what it changes (`self.count += 1` on a real buffer); a
         # random draw is frozen
-        with kept_random() as draws:
+        with kept_random() as draws, kept_functorch():
             given = inputs.tensor_names(module.forward) if inputs is not None else None
             got = trace(module, policy, given, kept, named, into_wrapped=check and into_wrapped)
     except RootUntraceable as e:

@@ -14,7 +14,7 @@ call-time checks.
 >>> compiled = torch.compile(net, backend=amp)
 >>> compiled(torch.randn(4, 8)).dtype                 # softmax stays float32, as convert keeps it
 torch.float32
->>> [str(g.report.by_node("softmax").dtype) for g in amp.graphs]
+>>> [str(r.dtype) for g in amp.graphs for r in g.report.records if "softmax" in r.target]
 ['torch.float32']
 >>> print(amp.summary())                              # doctest: +ELLIPSIS
 ampfx backend (bfloat16, inner eager): 1 graph
