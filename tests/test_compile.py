@@ -268,3 +268,32 @@ def test_a_graph_holding_vmap_levels_converts_whole_and_leaves_no_level_open():
     assert amp.graphs and all(g.converted for g in amp.graphs)
     assert any(r.dtype == torch.bfloat16 and r.gemms for g in amp.graphs for r in g.report.records)
     torch.testing.assert_close(out, net(x), atol=3e-2, rtol=0)
+
+
+class Sliced(nn.Module):
+    """Repeated blocks run through a slice of their ModuleList (``self.layers[:n]``, as Hugging Face's decoders do),
+    in a forward that branches on a value (so it keeps its Python around the converted blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        if x.sum() > 1e9:
+            x = x / 2
+        return self.head(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_slice_of_a_converted_module_list_is_a_module_list_of_its_converted_blocks(compiled):
+    """Slicing the converted tree's ModuleList gives a ModuleList of its converted blocks, eager and under
+    torch.compile (torch built the slice as a new object of the mirror's class, which dynamo could not make)."""
+    net, x = Sliced(), torch.randn(4, 16)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+    part = amp.layers[:2]
+    assert type(part) is nn.ModuleList and list(part) == list(amp.layers)[:2]
+    run = torch.compile(amp, backend="aot_eager") if compiled else amp
+    torch.testing.assert_close(run(x), net(x), atol=3e-2, rtol=0)

@@ -743,6 +743,8 @@ def is_inplace_name(name: str) -> bool:
 
     >>> is_inplace_name("add_"), is_inplace_name("__iadd__"), is_inplace_name("__add__"), is_inplace_name("add")
     (True, True, False, False)
+    >>> is_inplace_name("__eq__"), is_inplace_name("__hash__")
+    (False, False)
     """
     if name in INPLACE_DUNDERS:
         return True
@@ -771,6 +773,8 @@ def _aten_writes_first(name: str) -> bool | None:
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):  # a dunder of the namespace object (__eq__, __hash__)
         return None
     overloads = [getattr(packet, o) for o in packet.overloads()]
     return any(writes_first_argument(o) for o in overloads) if overloads else None

@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
+from .. import runtime
 from ..errors import StaleModelError
 
 _TRACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model module -> WeakSet of followers
@@ -69,6 +70,8 @@ FIX = ("convert the model again (ampfx.convert(model, ...)), or allow conversion
 
 
 def _note(module: nn.Module, kind: str, name: str) -> None:
+    if runtime.is_compiling():  # dynamo replays a traced registration after its graph, and this notes it then;
+        return  # read while tracing, the table of followed modules would be one of its guards (keys that come and go)
     try:
         followers = _TRACKED.get(module)
     except TypeError:  # an unhashable module cannot have been converted

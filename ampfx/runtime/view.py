@@ -30,6 +30,7 @@ False
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -154,11 +155,25 @@ def mirror_class(cls: type) -> type:
     """The :class:`Mirror` class of modules of ``cls`` (made once per class)."""
     made = _CLASSES.get(cls)
     if made is None:
+        extra = {"__getitem__": _sliced} if issubclass(cls, (nn.ModuleList, nn.Sequential)) else {}
         made = type(cls.__name__, (Mirror, cls), {"__slots__": _SLOTS, "_ampfx_base": cls,
                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                   "__doc__": cls.__doc__})
+                                                   "__doc__": cls.__doc__, **extra})
         _CLASSES[cls] = made
     return made
+
+
+def _sliced(self: Mirror, idx: Any) -> Any:
+    """``blocks[:n]`` of a mirrored ``ModuleList`` / ``Sequential``: a container of the model's class holding the
+    converted tree's children (torch builds it as ``self.__class__(...)``, which for a mirror is a mirror that
+    stands for no model module; torch.compile could not trace making one)."""
+    base = type(self)._ampfx_base
+    if not isinstance(idx, slice):
+        return base.__getitem__(self, idx)
+    items = list(self._ampfx_modules.items())[idx]
+    if issubclass(base, nn.Sequential):
+        return base(collections.OrderedDict(items))
+    return base([m for _, m in items])
 
 
 def mirror(model: nn.Module, children: dict, cross: torch.dtype | None = None,
