@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import ampfx  # noqa: E402
+import step_time  # noqa: E402
 
 
 class Block(nn.Module):
@@ -83,19 +84,13 @@ def built_in(name):
 def build(name):
     if name in ("transformer", "cnn"):
         return built_in(name)
-    import step_time
     return step_time.build(name)
 
 
 def loss_of(out, spec):
     if spec == "classes":
         return F.cross_entropy(out.float(), torch.zeros(out.shape[0], dtype=torch.long))
-    import coverage
-    return coverage.loss_of(out, spec)
-
-
-def call(m, inp):
-    return m(**inp) if isinstance(inp, dict) else m(*inp)
+    return step_time.loss_of(out, spec)
 
 
 def steps(base, inp, spec, inner):
@@ -110,18 +105,8 @@ def steps(base, inp, spec, inner):
             run = torch.compile(ampfx.convert(model, "bf16", example_inputs=inp), backend=inner)
         else:
             run = torch.compile(model, backend=ampfx.backend("bf16", inner=inner))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step(run=run, model=model, opt=opt, tool=tool):
-            model.zero_grad(set_to_none=True)
-            if tool == "autocast":
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = loss_of(call(run, inp), spec)
-            else:
-                loss = loss_of(call(run, inp), spec)
-            loss.backward()
-            opt.step()
-        runs[tool] = step
+        runs[tool] = step_time.training_step(run, model, inp, spec, torch.bfloat16 if tool == "autocast" else None,
+                                             loss_of)
     return runs
 
 

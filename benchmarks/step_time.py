@@ -164,6 +164,25 @@ def call(m, inp):
     return m(**inp) if isinstance(inp, dict) else m(*inp)
 
 
+def training_step(run, model, inp, spec, autocast=None, loss=None):
+    """One training step of ``run`` (``model`` or a module over its parameters): forward, the loss (``loss``, default
+    :func:`loss_of`) in float32 inside ``torch.autocast(autocast)``'s region when given, backward, an SGD step."""
+    import torch
+    loss = loss or loss_of
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if autocast is not None:
+            with torch.autocast("cpu", dtype=autocast):
+                value = loss(call(run, inp), spec)
+        else:
+            value = loss(call(run, inp), spec)
+        value.backward()
+        opt.step()
+    return step
+
+
 def _aten_seconds(prof) -> float:
     """Seconds of a profiled step spent in top-level ATen ops (an ATen op inside another counts once)."""
     total = 0.0
@@ -203,19 +222,7 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
             r["capture"] = [(p.path, p.method) for p in run.ampfx_report.parts]
         if compiled:  # the backend: torch.compile(model, backend="ampfx"), each graph dynamo captures converted
             run = torch.compile(run, backend=ampfx.backend(dtype) if tool == "backend" else "inductor")
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        region = (lambda: torch.autocast("cpu", dtype=dtype)) if tool == "autocast" else None
-
-        def step(run=run, model=model, opt=opt, region=region):
-            model.zero_grad(set_to_none=True)
-            if region is not None:
-                with region():
-                    loss = loss_of(call(run, inp), spec)
-            else:
-                loss = loss_of(call(run, inp), spec)
-            loss.backward()
-            opt.step()
-        runs[tool] = step
+        runs[tool] = training_step(run, model, inp, spec, dtype if tool == "autocast" else None)
     times = {tool: [] for tool in runs}
     for k in range(reps + 2):
         for tool, step in runs.items():

@@ -134,11 +134,13 @@ class AmpfxPrecision(*_PRECISIONS):  # a Precision of each package: either's Tra
     def _converted(self, report: Report) -> None:
         trainer = getattr(self._first.module, "_trainer", None)
         check_applied(self._resumed, report, "AmpfxPrecision")
-        if self.log_dir is False or (trainer is not None and not trainer.is_global_zero):
+        if self.log_dir is False:
             return
+        # trainer.log_dir broadcasts rank 0's folder under DDP: every rank asks (each converts at its first call),
+        # or rank 0 waits for the others until the process group's timeout
         where = self.log_dir if self.log_dir not in (None, True) else (
             Path(trainer.log_dir or trainer.default_root_dir) / "ampfx" if trainer is not None else None)
-        if where is not None:
+        if where is not None and (trainer is None or trainer.is_global_zero):
             self.saved_to = report.save(where)
             log.info("AmpfxPrecision: decision log saved to %s", self.saved_to)
 
