@@ -172,20 +172,19 @@ def kept_functorch() -> Iterator[None]:
     >>> torch._C._functorch.peek_interpreter_stack() is None
     True
     """
-    depth = _functorch_depth()
+    top = _functorch_level()
     try:
         yield
     finally:
-        for _ in range(_functorch_depth() - depth):
+        while _functorch_level() > top:
             kind = torch._C._functorch.peek_interpreter_stack().key().name
             getattr(torch._C._functorch, _UNWIND[kind])()
 
 
-def _functorch_depth() -> int:
-    if torch._C._functorch.peek_interpreter_stack() is None:
-        return 0
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    return len(retrieve_all_functorch_interpreters())
+def _functorch_level() -> int:
+    """The level of the innermost torch.func transform open now (0: none)."""
+    top = torch._C._functorch.peek_interpreter_stack()
+    return 0 if top is None else top.level()
 
 
 @contextlib.contextmanager
