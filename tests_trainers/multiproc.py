@@ -6,7 +6,7 @@ after its own timeout: a rank that fails fails the test, it never hangs it.
 
 MODE: ``accelerate`` (Accelerator float32 / own bf16 / AmpfxAccelerator bf16 and fp16, then a resume from
 ``save_state`` on both ranks), ``hf`` (Trainer float32 / own bf16 / AmpfxTrainer bf16, then a resume from a
-checkpoint on both ranks) or ``lightning`` (``import lightning as L``, DDP: float32 / bf16-mixed / AmpfxPrecision
+checkpoint on both ranks, then AmpfxTrainer fp16) or ``lightning`` (``import lightning as L``, DDP: float32 / bf16-mixed / AmpfxPrecision
 bf16 and fp16, then a resume from the last checkpoint on both ranks).
 """
 import datetime
@@ -134,13 +134,14 @@ def hf_run(out):
                                                         num_attention_heads=2, intermediate_size=64,
                                                         max_position_embeddings=32, num_labels=2))
 
-    def train(folder, cls=Trainer, steps=8, resume=None, save=False, **flags):
+    def train(folder, cls=Trainer, steps=8, resume=None, save=False, ampfx=None, **flags):
         args = TrainingArguments(output_dir=str(folder), max_steps=steps, per_device_train_batch_size=8,
                                  logging_steps=1, learning_rate=2e-3, report_to=[], use_cpu=True, seed=0,
                                  save_strategy="steps" if save else "no", save_steps=4, disable_tqdm=True,
                                  ddp_backend="gloo", ddp_timeout=int(TIMEOUT.total_seconds()), **flags)
         losses = Losses()
-        trainer = cls(model=bert(), args=args, train_dataset=Data(), callbacks=[losses])
+        extra = {"ampfx": ampfx} if ampfx else {}
+        trainer = cls(model=bert(), args=args, train_dataset=Data(), callbacks=[losses], **extra)
         trainer.train(resume_from_checkpoint=resume)
         return trainer, losses.losses
 
@@ -157,6 +158,9 @@ def hf_run(out):
     resumed, _ = train(out / "ampfx", cls=AmpfxTrainer, resume=str(out / "ampfx" / "checkpoint-4"))
     result["resumed_step"] = resumed.state.global_step
     result["ampfx_bf16_checksum"] = checksum(trainer.model)
+    fp16, result["ampfx_fp16"] = train(out / "fp16", cls=AmpfxTrainer, ampfx="fp16")
+    result["ampfx_fp16_checksum"] = checksum(fp16.model)
+    result["ampfx_fp16_scale"] = fp16.accelerator.scaler.get_scale()
     return result
 
 

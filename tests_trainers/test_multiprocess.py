@@ -46,17 +46,21 @@ def test_accelerate_in_two_processes(tmp_path):
 
 def test_hf_trainer_in_two_processes(tmp_path):
     """AmpfxTrainer under torchrun: both ranks convert; the loss curve is as close to the Trainer's own bf16 as
-    that is to float32; one decision log in output_dir/ampfx; each checkpoint holds its policy file, and both
-    ranks resume from it to the last step."""
+    that is to float32; float16 trains with its scaler (the same scale on both ranks); one decision log per run in
+    output_dir/ampfx; each checkpoint holds its policy file, and both ranks resume from it to the last step."""
     ranks = launch("hf", tmp_path)
     zero = ranks[0]
     for r in ranks:
         assert r["ampfx_bf16_converted"] and r["ampfx_bf16_world"] == 2
         assert r["resumed_step"] == 8
         assert r["ampfx_bf16_checksum"] == pytest.approx(zero["ampfx_bf16_checksum"], rel=1e-6)
-    assert gap(zero["ampfx_bf16"], zero["own_bf16"]) <= 2 * gap(zero["own_bf16"], zero["fp32"]) + 1e-3
+        assert r["ampfx_fp16_checksum"] == pytest.approx(zero["ampfx_fp16_checksum"], rel=1e-6)
+        assert r["ampfx_fp16_scale"] == zero["ampfx_fp16_scale"] > 0
+    own = gap(zero["own_bf16"], zero["fp32"])
+    assert gap(zero["ampfx_bf16"], zero["own_bf16"]) <= 2 * own + 1e-3
+    assert gap(zero["ampfx_fp16"], zero["fp32"]) <= 2 * own + 1e-3
     saved = sorted(p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("summary.txt"))
-    assert saved == ["ampfx/ampfx"], saved
+    assert saved == ["ampfx/ampfx", "fp16/ampfx"], saved
     assert (tmp_path / "ampfx" / "checkpoint-4" / "ampfx_policy.json").is_file()
 
 
