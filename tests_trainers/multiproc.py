@@ -103,36 +103,10 @@ def accelerate_run(out):
 # --- HF Trainer ---------------------------------------------------------------------------------------------------
 
 def hf_run(out):
-    from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from hf_parts import Data, Losses, bert
+    from transformers import Trainer, TrainingArguments
 
     from ampfx.integrations.hf import AmpfxTrainer
-
-    class Data(torch.utils.data.Dataset):
-        def __init__(self, n=128, length=12):
-            g = torch.Generator().manual_seed(0)
-            self.ids = torch.randint(1, 64, (n, length), generator=g)
-            self.labels = (self.ids == 7).any(1).long() | (self.ids[:, 0] > 40).long()
-
-        def __len__(self):
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.labels[i]}
-
-    class Losses(TrainerCallback):
-        def __init__(self):
-            self.losses = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
-
-    def bert():
-        torch.manual_seed(0)
-        return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                        num_attention_heads=2, intermediate_size=64,
-                                                        max_position_embeddings=32, num_labels=2))
 
     def train(folder, cls=Trainer, steps=8, resume=None, save=False, ampfx=None, **flags):
         args = TrainingArguments(output_dir=str(folder), max_steps=steps, per_device_train_batch_size=8,
@@ -141,7 +115,7 @@ def hf_run(out):
                                  ddp_backend="gloo", ddp_timeout=int(TIMEOUT.total_seconds()), **flags)
         losses = Losses()
         extra = {"ampfx": ampfx} if ampfx else {}
-        trainer = cls(model=bert(), args=args, train_dataset=Data(), callbacks=[losses], **extra)
+        trainer = cls(model=bert(), args=args, train_dataset=Data(128), callbacks=[losses], **extra)
         trainer.train(resume_from_checkpoint=resume)
         return trainer, losses.losses
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from conftest import gap
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from hf_parts import Data, Losses, bert
+from transformers import Trainer, TrainingArguments
 
 from ampfx.errors import ArgumentError
 from ampfx.integrations.hf import POLICY_FILE, AmpfxTrainer
@@ -11,37 +12,6 @@ from ampfx.errors import PolicyMismatchError
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
-
-class Data(torch.utils.data.Dataset):
-    """Token sequences labelled by whether token 7 occurs (synthetic, made here)."""
-
-    def __init__(self, n=96, length=12):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1, 64, (n, length), generator=g)
-        self.labels = (self.ids == 7).any(1).long() | (self.ids[:, 0] > 40).long()
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
-
-
-class Losses(TrainerCallback):
-    def __init__(self):
-        self.losses = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(logs["loss"])
-
-
-def bert():
-    torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                    num_attention_heads=2, intermediate_size=64,
-                                                    max_position_embeddings=32, num_labels=2))
 
 
 def train(tmp_path, cls=Trainer, steps=12, resume=None, save=False, **kwargs):
