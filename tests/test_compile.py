@@ -297,3 +297,20 @@ def test_a_slice_of_a_converted_module_list_is_a_module_list_of_its_converted_bl
     assert type(part) is nn.ModuleList and list(part) == list(amp.layers)[:2]
     run = torch.compile(amp, backend="aot_eager") if compiled else amp
     torch.testing.assert_close(run(x), net(x), atol=3e-2, rtol=0)
+
+
+def test_a_structure_edit_made_inside_compiled_code_shows_through():
+    """A submodule replaced by code torch.compile runs is noted when dynamo replays the assignment (the notes are
+    not read while it traces), so the converted module converts again, as for the same edit made eagerly."""
+    net, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(2, 4)
+    amp = ampfx.convert(net, "bf16", example_inputs=(x,))
+
+    @torch.compile(backend="eager")
+    def edit(model, x):
+        model[0] = nn.Identity()
+        return x * 2
+
+    edit(net, x)
+    assert isinstance(net[0], nn.Identity)
+    torch.testing.assert_close(amp(x), net(x), atol=3e-2, rtol=0)
+    assert len(amp.variants()) == 1

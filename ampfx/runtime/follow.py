@@ -70,14 +70,21 @@ FIX = ("convert the model again (ampfx.convert(model, ...)), or allow conversion
 
 
 def _note(module: nn.Module, kind: str, name: str) -> None:
-    if runtime.is_compiling():  # dynamo replays a traced registration after its graph, and this notes it then;
-        return  # read while tracing, the table of followed modules would be one of its guards (keys that come and go)
+    if runtime.is_compiling():  # a registration in code dynamo traces: recorded by Python, at a graph break (traced,
+        return _recorded_eagerly(module, kind, name)  # the table of followed modules would become one of its guards)
+    _record(module, kind, name)
+
+
+def _record(module: nn.Module, kind: str, name: str) -> None:
     try:
         followers = _TRACKED.get(module)
     except TypeError:  # an unhashable module cannot have been converted
         return
     for f in list(followers or ()):
         f.pending.append((weakref.ref(module), kind, name))
+
+
+_recorded_eagerly = runtime.compile_disabled(_record)
 
 
 def _on_parameter(module: nn.Module, name: str, value: Any) -> None:
