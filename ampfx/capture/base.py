@@ -7,6 +7,13 @@ from typing import Any
 import torch.fx as fx
 
 
+def copied_graph(graph: fx.Graph) -> fx.Graph:
+    """A new graph with ``graph``'s nodes (their ``meta`` shallow-copied) and plain code generation."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
 def short(e: BaseException) -> str:
     """An error as one line for the report: its type and the first line of its text."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""

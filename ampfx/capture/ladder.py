@@ -30,7 +30,7 @@ from ..inputs import ExampleInputs
 from ..policy import Policy
 from ..state import kept_functorch, kept_random
 from . import export
-from .base import Capture, Uncaptured
+from .base import Capture, Uncaptured, copied_graph
 from ..errors import RootUntraceable
 from .tracer import trace
 from .verify import compare, reference
@@ -56,7 +56,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
     modules' paths are added to ``drops``."""
     fx_capture, steps, run = None, [], _ModelRun()
     if tracer != "export" and _graph_as_given(module):
-        return Capture(graph=_copied(module.graph), method="fx (the graph module's own graph)",
+        return Capture(graph=copied_graph(module.graph), method="fx (the graph module's own graph)",
                        why="a graph module calling no submodule, with plain code (as dynamo hands a backend): its own "
                            "graph, not traced again (a trace would run its torch.func calls on proxies)")
     if tracer != "export":
@@ -111,12 +111,6 @@ def _graph_as_given(module: nn.Module) -> bool:
     and generates plain code (no pytree signature of its own to carry)."""
     return (isinstance(module, fx.GraphModule) and type(module.graph._codegen) is fx.graph.CodeGen
             and not any(n.op == "call_module" for n in module.graph.nodes))
-
-
-def _copied(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    new.output(new.graph_copy(graph, {}))
-    return new
 
 
 def _few(paths: frozenset[str], n: int = 4) -> str:

@@ -45,8 +45,8 @@ from ..api import convert
 from ..errors import ArgumentError
 from ..report import Report
 from ..policy import from_env
-from ..policy.names import parse_dtype
-from ..request import check_options, policy_of
+from ..capture.base import copied_graph
+from ..request import MODES, check_options, policy_of
 from ..runtime.graph_module import AmpGraphModule
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Backend:
     def __init__(self, dtype: Any = None, inner: str | Callable = "inductor", policy: Any = None, *,
                  mode: str = "train", environ: dict[str, str] | None = None, **options: Any) -> None:
         check_options("backend", options)
-        if mode not in ("train", "inference"):
+        if mode not in MODES:
             raise ArgumentError(f"backend(mode={mode!r}): mode is 'train' or 'inference'")
         if not (isinstance(inner, str) or callable(inner)):
             raise ArgumentError(f"backend(inner={inner!r}): give a torch.compile backend's name ('inductor', "
@@ -95,8 +95,6 @@ class Backend:
         self.environ.pop("AMPFX_LOG_PATH", None)
         options = {k: v for k, v in options.items() if k != "log_path"}
         policy = dataclasses.replace(policy, log_path=None) if policy is not None else None
-        if dtype is not None:
-            dtype = parse_dtype(dtype)
         self.given_dtype, self.inner, self.policy, self.mode, self.options = dtype, inner, policy, mode, options
         self.graphs: list[CompiledGraph] = []
 
@@ -115,7 +113,7 @@ class Backend:
                             tracer="fx", mode=self.mode, environ=self.environ, **self.options)
         report = converted.ampfx_report
         if isinstance(converted, AmpGraphModule):
-            graph = fx.GraphModule(converted, _copy(converted.graph), class_name=type(gm).__name__)
+            graph = fx.GraphModule(converted, copied_graph(converted.graph), class_name=type(gm).__name__)
             graph.meta.update(gm.meta)
             self.graphs.append(CompiledGraph(compile_id, reason, report))
         else:  # the graph did not convert whole (its parts' steps say why): compiled as dynamo captured it
@@ -175,8 +173,8 @@ def _check_no_modules(policy: Any) -> None:
     if named:
         raise ArgumentError(f"backend(): {'; '.join(named)} names modules, and the graphs dynamo hands a backend hold "
                             "none (a module's parameters are graph inputs). Keep ops float32 by op instead "
-                            "(denylist_add=[op] with its list's *_remove, or AMPFX_DENYLIST_ADD), or convert first and compile the result: "
-                            "torch.compile(ampfx.convert(model, ..., fp32_modules=[...]))")
+                            "(denylist_add=[op] with its list's *_remove, or AMPFX_DENYLIST_ADD), or convert first "
+                            "and compile the result: torch.compile(ampfx.convert(model, ..., fp32_modules=[...]))")
 
 
 def _labelled(graph: CompiledGraph) -> Report:
@@ -198,11 +196,6 @@ def _example(example_inputs: list[Any]) -> tuple | None:
     return tuple(example_inputs)
 
 
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new
 
 
 def _words(cause: Any) -> str:
