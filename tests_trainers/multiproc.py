@@ -183,6 +183,9 @@ def main():
     torch.set_num_threads(1)
     result = {"accelerate": accelerate_run, "hf": hf_run, "lightning": lightning_run}[mode](out)
     (out / f"rank{RANK}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # left to exit, gloo's threads may be torn down running (SIGABRT)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
