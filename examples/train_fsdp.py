@@ -5,10 +5,13 @@ then the root -> optimizer. ampfx keeps the repeated blocks as real modules (``a
 the wrappers see them. The same steps run in one process too, and the two loss curves must agree.
 
     torchrun --nproc-per-node 2 examples/train_fsdp.py     # torchrun starts the ranks
-    python examples/train_fsdp.py [--steps 5] [--mp]       # spawns 2 ranks itself (gloo, CPU)
+    python examples/train_fsdp.py [--steps 5] [--gather low|mp|float32]   # spawns 2 ranks itself (gloo, CPU)
 
-``--mp``: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32): parameters are
-all-gathered in bfloat16 (half the bytes), gradients reduced in float32 onto the float32 masters.
+``--gather low`` (the default): each parameter is all-gathered in the dtype the converted graphs read it in
+(``ampfx.integrations.fsdp.gather_low``: bfloat16 for the GEMMs' weights, float32 for the norms and embeddings).
+``--gather mp``: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) gathers every parameter
+in bfloat16. ``--gather float32``: the float32 masters are gathered, and the converted graph casts them. Gradients
+are reduced in float32 onto the float32 masters every way.
 """
 from __future__ import annotations
 
@@ -90,18 +93,22 @@ def train(model: nn.Module, data: list, part: slice) -> list[float]:
     return losses
 
 
-def rank_main(rank: int, world: int, steps: int, mixed: bool) -> list[float]:
+def rank_main(rank: int, world: int, steps: int, gather: str) -> list[float]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
                                                                              checkpoint_wrapper)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ampfx.integrations.fsdp import gather_low
 
     amp = converted()  # 1. convert: amp.blocks[i] are kept, converted modules
     if rank == 0:
         print(amp.ampfx_report.summary())
     blocks = set(amp.blocks)  # 2. checkpoint each block
     apply_activation_checkpointing(amp, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in blocks)
+    if gather == "low":  # each parameter in the dtype the plan reads it in; no param_dtype then
+        gather_low(amp)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-              if mixed else MixedPrecisionPolicy())
+              if gather == "mp" else MixedPrecisionPolicy())
     for block in amp.blocks:  # 3. shard each block, then the root
         fully_shard(block, mp_policy=policy)
     fully_shard(amp, mp_policy=policy)
@@ -109,31 +116,31 @@ def rank_main(rank: int, world: int, steps: int, mixed: bool) -> list[float]:
     return train(amp, batches(steps), slice(rank * per, (rank + 1) * per))
 
 
-def _spawned(rank: int, world: int, port: int, steps: int, mixed: bool, results: mp.Queue) -> None:
+def _spawned(rank: int, world: int, port: int, steps: int, gather: str, results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        results.put((rank, pickle.dumps(_in_group(rank, world, steps, mixed))))
+        results.put((rank, pickle.dumps(_in_group(rank, world, steps, gather))))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         results.put((rank, pickle.dumps(e)))
 
 
-def _in_group(rank: int, world: int, steps: int, mixed: bool) -> list[float]:
+def _in_group(rank: int, world: int, steps: int, gather: str) -> list[float]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        return rank_main(rank, world, steps, mixed)
+        return rank_main(rank, world, steps, gather)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(steps: int, mixed: bool, world: int = 2, deadline: float = 180.0) -> list[float]:
+def spawn(steps: int, gather: str, world: int = 2, deadline: float = 180.0) -> list[float]:
     """Run the ranks in child processes; rank 0's loss curve (a rank that fails or hangs fails this)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_spawned, args=(r, world, port, steps, mixed, results), daemon=True)
+    procs = [ctx.Process(target=_spawned, args=(r, world, port, steps, gather, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -164,15 +171,18 @@ def spawn(steps: int, mixed: bool, world: int = 2, deadline: float = 180.0) -> l
 def main(argv: list[str] | None = None) -> tuple[list[float], list[float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--mp", action="store_true", help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16)")
+    parser.add_argument("--gather", choices=["low", "mp", "float32"], default="low",
+                        help="low: each parameter in the dtype the converted graphs read it in (default); mp: FSDP2 "
+                             "MixedPrecisionPolicy(param_dtype=bf16); float32: the masters")
+    parser.add_argument("--mp", action="store_const", const="mp", dest="gather", help="--gather mp")
     args = parser.parse_args(argv)
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        curve = _in_group(rank, world, args.steps, args.mp)
+        curve = _in_group(rank, world, args.steps, args.gather)
         if rank != 0:
             return curve, []
     else:
-        curve = spawn(args.steps, args.mp)
+        curve = spawn(args.steps, args.gather)
     single = train(converted(), batches(args.steps), slice(0, BATCH))  # the same steps in one process
     print("step  2 ranks (FSDP2 + checkpointing)  1 process")
     for i, (a, b) in enumerate(zip(curve, single)):

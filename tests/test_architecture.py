@@ -258,6 +258,8 @@ FORBIDDEN = {  # importer prefix -> imported prefixes it must not import (docs/a
                      "ampfx.ui"),
     "ampfx.capture": ("ampfx.passes", "ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.ui"),
     "ampfx.runtime": ("ampfx.tree", "ampfx.rewrite", "ampfx.api", "ampfx.tools", "ampfx.ui"),
+    "ampfx.integrations.fsdp": ("ampfx.passes", "ampfx.capture", "ampfx.tree", "ampfx.rewrite", "ampfx.api",
+                                "ampfx.tools", "ampfx.ui"),
 }
 
 

@@ -63,6 +63,55 @@ def test_fsdp_mixed_precision_gathers_half_the_bytes(reference):
     assert mixed[0]["scattered"] == full[0]["scattered"]  # gradients reduced in float32 both ways
 
 
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def test_fsdp_gathers_each_weight_in_the_dtype_the_plan_reads_it_in(reference):
+    """gather_low: weights only low ops read cross the wire in bf16, norms and embeddings in float32; the gradients
+    are float32 and reduced so, and the step is the converted model's own in one process, within the rounding of
+    the ranks' sums: so output and gradient errors against float32 are no worse than autocast's."""
+    loss, grads = reference
+    full = harness.run(workers.step, "fsdp")
+    mixed = harness.run(workers.step, "fsdp_mp")
+    low = harness.run(workers.step, "fsdp_low")
+    for r in low:
+        assert abs(r["loss"] - loss) < 1e-3 * max(1.0, abs(loss))
+        _close(r["grads"], grads, 2e-2)
+        assert r["masters"] == {torch.float32} and r["grad_dtypes"] == {"torch.float32"}
+        assert r["scattered"] == full[0]["scattered"]  # gradients reduce-scattered in float32
+    gather = dict(line.split(": ", 1) for line in low[0]["gather"])
+    assert gather["blocks.0.qkv.weight"].startswith("bfloat16 (cast to bfloat16 for linear")
+    assert gather["blocks.2.ln1.weight"].startswith("float32 (read in float32 by ln1")
+    assert gather["wte.weight"].startswith("float32") and gather["head.weight"].startswith("bfloat16")
+    # bytes: the float32 islands' share over bf16 for everything, half of float32 for the rest
+    floats = sum(1 for v in gather.values() if v.startswith("float32"))
+    assert 0 < floats < len(gather)
+    assert mixed[0]["gathered"] < low[0]["gathered"] < 0.55 * full[0]["gathered"]
+    # numerics: against float32 in one process, no worse than autocast's
+    ref = workers.float32_and_autocast()
+    logits = torch.cat([r["logits"] for r in low])
+    want_logits, want_grads = ref["float32"]
+    auto_logits, auto_grads = ref["autocast"]
+    assert _error(logits, want_logits) <= _error(auto_logits, want_logits)
+    total = sum(_error(g, want_grads[k]) for k, g in low[0]["grads"].items())
+    assert total <= sum(_error(g, want_grads[k]) for k, g in auto_grads.items())
+
+
+def test_fsdp_low_gather_trains_as_the_float32_gather_does_and_saves_float32():
+    """Three AdamW steps: the same losses as gathering float32 (the graph casts the same weights to bf16 either
+    way), at about half the bytes every step; the full state dict holds plain float32 tensors."""
+    full = harness.run(workers.train, "fsdp")
+    low = harness.run(workers.train, "fsdp_low")
+    for f, r in zip(full, low):
+        assert r["losses"] == pytest.approx(f["losses"], rel=1e-5)
+        assert all(g < 0.55 * fg for g, fg in zip(r["gathered"], f["gathered"]))
+        assert r["state"].keys() == f["state"].keys()
+        for key, (kind, dtype, value) in r["state"].items():
+            assert (kind, dtype) == ("Tensor", torch.float32), key
+            torch.testing.assert_close(value, f["state"][key][2], rtol=1e-5, atol=1e-6)
+
+
 def _raises(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank one fails")

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
+from ampfx.integrations.fsdp import gather_low
 
 BATCH, SEQ, VOCAB = 4, 8, 32
 
@@ -115,7 +116,8 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    amp = converted(weight_cache=how != "ddp")  # plain DDP as by default; the others with the weight cache
+    amp = converted(weight_cache=how not in ("ddp", "fsdp_low"))  # plain DDP as by default; others with the cache
+    gathered = [str(d) for d in gather_low(amp)] if how == "fsdp_low" else []
     idx, target = data()
     half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     fired = []
@@ -132,11 +134,60 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
             fully_shard(block, mp_policy=mp_policy)
         model = fully_shard(amp, mp_policy=mp_policy)
     with Traffic() as traffic:
-        loss = loss_of(model, idx[half], target[half])
+        logits = model(idx[half])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), target[half].flatten())
         loss.backward()
     dist.all_reduce(loss := loss.detach())
     masters = {n: p.dtype for n, p in model.named_parameters()}
-    return {"loss": loss.item() / world, "grads": full_grads(model), "fired": len(fired),
+    return {"loss": loss.item() / world, "grads": full_grads(model), "fired": len(fired), "gather": gathered,
+            "logits": logits.detach().float(),
             "cache": ampfx.runtime.weight_cache.status(amp).splitlines(),
             "gathered": traffic.gathered, "scattered": traffic.scattered, "masters": set(masters.values()),
             "grad_dtypes": {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}}
+
+
+def float32_and_autocast() -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The logits and gradients of one step of the model in float32 and under ``torch.autocast`` (bf16), in one
+    process on the whole batch: what a low-precision run's error is measured against."""
+    idx, target = data()
+    out = {}
+    for how in ("float32", "autocast"):
+        torch.manual_seed(0)
+        model = GPT()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
+            logits = model(idx)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        loss.backward()
+        out[how] = logits.detach().float(), full_grads(model)
+    return out
+
+
+def train(rank: int, world: int, how: str, steps: int = 3) -> dict[str, Any]:
+    """``steps`` AdamW steps of the converted model under FSDP2 per block + root, each rank on its half of the
+    batch: gathering float32 (``fsdp``) or as :func:`ampfx.integrations.fsdp.gather_low` decides (``fsdp_low``).
+    The losses, the bytes each step all-gathers, and the full state dict at the end."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    amp = converted()
+    if how == "fsdp_low":
+        gather_low(amp)
+    for block in amp.blocks:
+        fully_shard(block)
+    fully_shard(amp)
+    opt = torch.optim.AdamW(amp.parameters(), lr=1e-2)
+    idx, target = data()
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses, gathered = [], []
+    for _ in range(steps):
+        with Traffic() as traffic:
+            loss = loss_of(amp, idx[half], target[half])
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss := loss.detach())
+        losses.append(loss.item() / world)
+        gathered.append(traffic.gathered)
+    state = get_model_state_dict(amp, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"losses": losses, "gathered": gathered, "state": {k: (type(v).__name__, v.dtype, v.clone())
+                                                               for k, v in state.items()}}
