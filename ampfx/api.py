@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 from typing import Any, Mapping
 
@@ -252,21 +253,29 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
 
 
 def _policy_log(request: Request) -> dict[str, Any]:
-    """The report's record of the policy: what was asked (:class:`~ampfx.policy.Policy`) and what it was
-    resolved to in the model (:class:`~ampfx.request.Resolved`)."""
+    """The report's record of the policy: every field of what was asked (:class:`~ampfx.policy.Policy`; the list
+    edits under ``edits``) and what it was resolved to in the model (:class:`~ampfx.request.Resolved`)."""
     policy = request.policy
-    edits = {}
-    for f in ("allowlist", "inferlist", "clearlist", "denylist"):
-        for a in ("add", "remove"):
-            v = getattr(policy, f"{f}_{a}")
-            if v:
-                edits[f"{f}_{a}"] = list(v)
-    return {"dtype": dtype_name(policy.dtype), "edits": edits,
-            "reduction_threshold": policy.reduction_threshold, "pad": policy.pad,
-            "pad_multiple": policy.pad_multiple or 8, "probe": policy.probe,
-            "fp32_modules": [module_match.describe(e) for e in policy.fp32_modules],
-            **request.resolved.as_json(), "tuned": dict(policy.tuned),
-            "keep_modules": [module_match.describe(e) for e in policy.keep_modules],
-            "leaf_modules": [str(m) for m in policy.leaf_modules], "keep_output_dtype": policy.keep_output_dtype,
-            "env": dict(policy.env),
-            "origins": {f"{f}:{n}": s for (f, n), s in policy.origins}}
+    edits = {f.name: list(getattr(policy, f.name)) for f in dataclasses.fields(policy)
+             if f.name.endswith(("_add", "_remove")) and getattr(policy, f.name)}
+    out: dict[str, Any] = {"dtype": dtype_name(policy.dtype), "edits": edits}
+    for f in dataclasses.fields(policy):
+        if f.name != "dtype" and not f.name.endswith(("_add", "_remove")) and f.name != "user_ops":
+            out[f.name] = _logged(f.name, getattr(policy, f.name))
+    out["pad_multiple"] = policy.pad_multiple or 8
+    return {**out, **request.resolved.as_json()}
+
+
+def _logged(name: str, value: Any) -> Any:
+    """A policy field's value as the report's JSON holds it."""
+    if name in ("fp32_modules", "keep_modules"):
+        return [module_match.describe(e) for e in value]
+    if name in ("tuned", "env"):
+        return dict(value)
+    if name == "origins":
+        return {f"{f}:{n}": s for (f, n), s in value}
+    if isinstance(value, tuple):
+        return [str(v) for v in value]
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return str(value) if isinstance(value, os.PathLike) else value

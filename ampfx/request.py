@@ -40,7 +40,7 @@ from .capture import export
 from .errors import ArgumentError, PolicyError, UninitializedModelError
 from .inputs import ExampleInputs
 from .policy.names import did_you_mean, parse_dtype
-from .policy import Policy, Resolved, from_env
+from .policy import INTERNAL, Policy, Resolved, from_env
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,12 @@ class Request:
 
 TRACERS = {"auto": "torch.fx, then torch.export where fx fails", "fx": "torch.fx", "export": "torch.export"}
 MODES = {"train": "float32 master weights", "inference": "weights stored in the low dtype once"}
-_INTERNAL = {"origins", "env", "user_ops"}  # Policy fields ampfx fills itself
 
 
 def options() -> list[str]:
     """The keyword options every converting entry point takes: the fields of :class:`~ampfx.policy.Policy`
     a user sets."""
-    return [f.name for f in dataclasses.fields(Policy) if f.name not in _INTERNAL and f.name != "dtype"]
+    return [f.name for f in dataclasses.fields(Policy) if f.name not in INTERNAL and f.name != "dtype"]
 
 
 def check_options(caller: str, given: Mapping[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Policy: validation, env overrides read once at convert(), precedence, clear errors."""
 import dataclasses
 import fnmatch
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -222,3 +223,21 @@ def test_each_fields_variable_is_defined_once_on_the_field():
         changed = [g.name for g in dataclasses.fields(Policy)
                    if g.name not in ("env",) and getattr(got, g.name) != getattr(base, g.name)]
         assert changed == [f.name], (var, changed)
+
+
+def test_the_reports_policy_record_holds_every_field_the_user_can_set():
+    """The report's policy record is derived from Policy's fields (a field added later is logged without a
+    second edit): every option convert takes is there with the value asked for, list edits under ``edits``."""
+    from ampfx.request import options
+
+    amp = ampfx.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "bf16", example_inputs=(torch.randn(2, 4),),
+                        weight_cache=True, exact_values=False, sensitivity_threshold=None, reconvert_limit=3,
+                        calibration_margin=4.0, export_timeout=12.0, denylist_add=["relu"], clearlist_remove=["relu"])
+    logged = amp.ampfx_report.policy
+    lists = [name for name in options() if name.endswith(("_add", "_remove"))]
+    assert logged["edits"] == {"denylist_add": ["relu"], "clearlist_remove": ["relu"]} and len(lists) == 8
+    missing = [name for name in options() if name not in lists and name not in logged]
+    assert missing == []
+    assert (logged["weight_cache"], logged["exact_values"], logged["sensitivity_threshold"]) == (True, False, None)
+    assert (logged["reconvert_limit"], logged["calibration_margin"], logged["export_timeout"]) == (3, 4.0, 12.0)
+    json.dumps(logged)  # the report's file holds it as it is

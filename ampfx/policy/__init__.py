@@ -267,11 +267,11 @@ class Policy:
         "AMPFX_DISABLE", "bool", "1 to return an unconverted copy (the report says so)"))
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
     #: where each list entry came from: ((field, op name), rule) pairs; Rule.ARGUMENT unless an env var
-    origins: tuple[tuple[tuple[str, str], Rule], ...] = ()
+    origins: tuple[tuple[tuple[str, str], Rule], ...] = field(default=(), metadata={"internal": True})
     #: the AMPFX_* environment values that were read, for the log
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=(), metadata={"internal": True})
     #: user functions / module types named in lists: (object, qualified name)
-    user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False)
+    user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -459,6 +459,9 @@ class Resolved:
 # ---------------------------------------------------------------------- environment
 _LIST_VARS = {f"{ENV_PREFIX}{LIST_NAMES[c].upper()}_{a.upper()}": f"{LIST_NAMES[c]}_{a}"
               for c in LISTS for a in ("add", "remove")}
+INTERNAL: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy) if f.metadata.get("internal"))
+"""Policy fields ampfx fills itself (where list entries came from, the environment read, user objects named):
+never an option, never saved in a policy file."""
 ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in dataclasses.fields(Policy) if "env" in f.metadata}
 """Each Policy field's environment variable (the field's metadata: :func:`_env`), by variable name."""
 

@@ -45,8 +45,9 @@ VAR = f"{ENV_PREFIX}POLICY_FILE"
 LIST_FIELDS = tuple(f"{LIST_NAMES[c]}_{a}" for c in LISTS for a in ("add", "remove"))
 ADDITIVE = (*LIST_FIELDS, "fp32_modules", "leaf_modules", "tuned")
 """Fields whose entries a file adds to the call's, rather than replacing them."""
-NOT_SAVED = ("origins", "env", "user_ops")
-"""Bookkeeping fields, rebuilt when the file is read."""
+def _not_saved(cls: type[Policy]) -> tuple[str, ...]:
+    """Bookkeeping fields (``internal`` in their metadata: ampfx fills them), rebuilt when the file is read."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("internal"))
 
 
 def _defaults(cls: type[Policy]) -> dict[str, Any]:
@@ -98,7 +99,7 @@ def as_json(policy: Policy) -> dict[str, Any]:
     out: dict[str, Any] = {"format": FORMAT, "dtype": dtype_name(policy.dtype)}
     for f in dataclasses.fields(policy):
         value = getattr(policy, f.name)
-        if f.name in ("dtype", "module_filter_fn", *NOT_SAVED) or value == defaults.get(f.name):
+        if f.name in ("dtype", "module_filter_fn", *_not_saved(type(policy))) or value == defaults.get(f.name):
             continue
         if f.name in LIST_FIELDS:
             out[f.name] = _list_names(policy, f.name)
@@ -136,7 +137,7 @@ def _fields(data: Any, path: str | os.PathLike, where: str, cls: type[Policy]) -
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise PolicyError(f"{where}: {str(path)!r} is not an ampfx policy file (format {found!r}, expected "
                           f"{FORMAT!r}); write one with Policy.save(path)")
-    known = [f.name for f in dataclasses.fields(cls) if f.name not in (*NOT_SAVED, "module_filter_fn")]
+    known = [f.name for f in dataclasses.fields(cls) if f.name not in (*_not_saved(cls), "module_filter_fn")]
     for key in data:
         if key != "format" and key not in known:
             raise PolicyError(f"{where}: {str(path)!r} sets {key!r}, which is not a Policy field."
