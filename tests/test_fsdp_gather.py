@@ -99,6 +99,11 @@ def test_the_gathered_parameter_is_read_low_without_a_copy_and_float32_otherwise
     assert torch.equal(gathered * 2, data.float() * 2)  # any other op: float32 of the gathered values
     view = gathered.view(2, 3)
     assert type(view) is LowGathered and view.to(torch.bfloat16).data_ptr() == data.data_ptr()
+    param = nn.Parameter(LowGathered(data, torch.float32))  # as FSDP2 holds it: a leaf autograd steps through
+    read = ampfx.runtime.cast(param, torch.bfloat16)
+    assert read.data_ptr() == data.data_ptr() and read.grad_fn is not None
+    (read.float() * 2).sum().backward()
+    assert type(param.grad) is torch.Tensor and param.grad.dtype == torch.float32  # reduce-scattered so
 
 
 def test_the_shard_casts_itself_for_the_all_gather():
