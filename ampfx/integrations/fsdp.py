@@ -58,6 +58,13 @@ class GatherDecision:
         return f"{self.name}: {str(self.dtype).replace('torch.', '')} ({self.reason})"
 
 
+def _wrapper(cls: type, inner: torch.Tensor, dtype: torch.dtype) -> Any:
+    """A tensor of class ``cls`` with ``inner``'s size, strides and device, of ``dtype``, holding no data itself."""
+    return torch.Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
+                                               storage_offset=inner.storage_offset(), dtype=dtype, layout=inner.layout,
+                                               device=inner.device, requires_grad=inner.requires_grad)
+
+
 class LowShard(torch.Tensor):
     """A float32 master (its local shard once ``fully_shard`` splits it) that FSDP2 all-gathers in ``low``.
 
@@ -67,10 +74,7 @@ class LowShard(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, low: torch.dtype) -> "LowShard":
-        return torch.Tensor._make_wrapper_subclass(cls, tensor.size(), strides=tensor.stride(),
-                                                   storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-                                                   layout=tensor.layout, device=tensor.device,
-                                                   requires_grad=tensor.requires_grad)
+        return _wrapper(cls, tensor, tensor.dtype)
 
     def __init__(self, tensor: torch.Tensor, low: torch.dtype) -> None:
         self._tensor, self._low = tensor, low
@@ -116,10 +120,7 @@ class LowGathered(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, dtype: torch.dtype) -> "LowGathered":
-        return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
-                                                   storage_offset=data.storage_offset(), dtype=dtype,
-                                                   layout=data.layout, device=data.device,
-                                                   requires_grad=data.requires_grad)
+        return _wrapper(cls, data, dtype)
 
     def __init__(self, data: torch.Tensor, dtype: torch.dtype) -> None:
         self._data = data

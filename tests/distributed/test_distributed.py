@@ -24,6 +24,18 @@ def reference():
     return workers.reference()
 
 
+@pytest.fixture(scope="module")
+def stepped():
+    """``stepped(how)``: each rank's result of one step wrapped as ``how`` (run once per module)."""
+    runs = {}
+
+    def get(how: str) -> list:
+        if how not in runs:
+            runs[how] = harness.run(workers.step, how)
+        return runs[how]
+    return get
+
+
 def _close(got: dict, want: dict, rtol: float) -> None:
     assert got.keys() == want.keys()
     for name, g in want.items():
@@ -32,9 +44,9 @@ def _close(got: dict, want: dict, rtol: float) -> None:
 
 
 @pytest.mark.parametrize("how", ["ddp", "fsdp", "ac_ddp"])
-def test_gradients_equal_the_single_process_run(how, reference):
+def test_gradients_equal_the_single_process_run(how, reference, stepped):
     loss, grads = reference
-    ranks = harness.run(workers.step, how)
+    ranks = stepped(how)
     for r in ranks:
         assert abs(r["loss"] - loss) < 1e-3 * max(1.0, abs(loss))
         _close(r["grads"], grads, 2e-2)  # bf16: the ranks' sums round differently than one batch's
@@ -49,10 +61,9 @@ def test_gradients_equal_the_single_process_run(how, reference):
         assert how != "fsdp" or all("off: FSDP2" in line for line in r["cache"])
 
 
-def test_fsdp_mixed_precision_gathers_half_the_bytes(reference):
+def test_fsdp_mixed_precision_gathers_half_the_bytes(reference, stepped):
     loss, grads = reference
-    full = harness.run(workers.step, "fsdp")
-    mixed = harness.run(workers.step, "fsdp_mp")
+    full, mixed = stepped("fsdp"), stepped("fsdp_mp")
     for r in mixed:
         assert abs(r["loss"] - loss) < 2e-2 * max(1.0, abs(loss))
         _close(r["grads"], grads, 5e-2)
@@ -67,14 +78,12 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-def test_fsdp_gathers_each_weight_in_the_dtype_the_plan_reads_it_in(reference):
+def test_fsdp_gathers_each_weight_in_the_dtype_the_plan_reads_it_in(reference, stepped):
     """gather_low: weights only low ops read cross the wire in bf16, norms and embeddings in float32; the gradients
     are float32 and reduced so, and the step is the converted model's own in one process, within the rounding of
     the ranks' sums: so output and gradient errors against float32 are no worse than autocast's."""
     loss, grads = reference
-    full = harness.run(workers.step, "fsdp")
-    mixed = harness.run(workers.step, "fsdp_mp")
-    low = harness.run(workers.step, "fsdp_low")
+    full, mixed, low = stepped("fsdp"), stepped("fsdp_mp"), stepped("fsdp_low")
     for r in low:
         assert abs(r["loss"] - loss) < 1e-3 * max(1.0, abs(loss))
         _close(r["grads"], grads, 2e-2)
