@@ -123,3 +123,25 @@ def test_bad_inputs_are_refused_with_the_fix():
     amp = _converted()
     assert gather_low(amp) == gather_low(amp)  # twice: the same decisions, nothing wrapped twice
     assert type(amp.fc.weight._tensor) is torch.Tensor
+
+
+class ByMode(nn.Module):
+    """A weight that a GEMM reads in training and an elementwise op in evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w) if self.training else x * self.w[0]
+
+
+def test_the_other_training_modes_reads_count_too():
+    """The training graph reads the weight only through a cast to bf16; the evaluation graph (made when decide asks
+    for it) reads it as it is: it is gathered float32."""
+    from ampfx.integrations.fsdp import _reads
+
+    amp = ampfx.convert(ByMode().train(), "bf16", example_inputs=(torch.randn(2, 4),))
+    assert [(is_low, why) for _, is_low, why in _reads(amp, torch.bfloat16)] == [(True, "cast to bfloat16 for linear")]
+    (decision,) = decide(amp)
+    assert decision.dtype == torch.float32 and decision.reason == "read as it is by getitem", decision

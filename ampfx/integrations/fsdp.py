@@ -155,19 +155,18 @@ _LAYOUT = frozenset({aten.as_strided.default, aten.view.default, aten.detach.def
 """Ops FSDP2 runs on the gathered parameter that keep it gathered low (a view of the same values)."""
 
 
-def _graphs(amp: nn.Module) -> Iterator[tuple[str, AmpGraphModule]]:
-    """Every converted graph in ``amp``'s tree, with its path, and each one's other training mode's (made now,
-    where it was waiting for its first use)."""
-    for path, m in amp.named_modules(remove_duplicate=False):
-        if not isinstance(m, AmpGraphModule):
-            continue
-        yield path, m
-        other = m.mode_module(not m.training)
-        if other is not m and isinstance(other, AmpGraphModule):
-            yield path, other
-        for variant in m.variants():
-            if isinstance(variant, AmpGraphModule):
-                yield path, variant
+def _graphs(amp: nn.Module) -> Iterator[AmpGraphModule]:
+    """Every converted graph in ``amp``'s tree, and in each one's other training mode's conversion (made now, where
+    it was waiting for its first use) and conversions made again (a graph, or Python around converted children)."""
+    seen: set[int] = set()
+    todo = [amp]
+    while todo:
+        for m in todo.pop().modules():
+            if not isinstance(m, AmpGraphModule) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            yield m
+            todo += [other for other in (m.mode_module(not m.training), *m.variants()) if other is not m]
 
 
 def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[tuple[nn.Parameter, bool, str]]:
@@ -227,7 +226,7 @@ def decide(amp: nn.Module) -> list[GatherDecision]:
         raise ArgumentError(f"gather_low takes a module ampfx.convert returned; got {type(amp).__name__}")
     low = report.dtype
     seen: dict[int, list[tuple[bool, str]]] = {}
-    for _, gm in _graphs(amp):
+    for gm in _graphs(amp):
         for p, is_low, why in _reads(gm, low):
             seen.setdefault(id(p), []).append((is_low, why))
     out = []
