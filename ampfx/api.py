@@ -180,7 +180,7 @@ class Arm:
         if made is not self.first and self.follower is not None:
             self.follower.watch(made)
         for gm, _ in made.graphs:
-            gm.set_reconvert(view.Reconvert(self.again, gm.__dict__.get("_ampfx_arrive"), self.limit, self))
+            gm.set_reconvert(view.Reconvert(self.again, gm._rt.arrive, self.limit, self))
 
     def __getstate__(self) -> dict:
         return {"again": self.again, "limit": self.limit, "follower": None, "first": None}

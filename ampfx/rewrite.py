@@ -138,12 +138,12 @@ def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Poli
     whether it keeps its own copies of ``work``'s hooks (torch.export traced a pruning pre-hook in)."""
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))
-    d = gm.__dict__
+    rt = gm._rt
     named = resolved.below(prefix) if prefix else resolved.leaf_names
-    d["_ampfx_recorded"] = fixed.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
-                                        torch.finfo(policy.dtype).max, capture.read, capture.folded)
-    d["_ampfx_where"], d["_ampfx_arrive"], d["_ampfx_low_dtype"] = prefix.rstrip("."), arrive, policy.dtype
-    d["_ampfx_own_hooks"] = capture.method == "export" and any(
+    rt.recorded = fixed.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
+                               torch.finfo(policy.dtype).max, capture.read, capture.folded)
+    rt.where, rt.arrive, rt.low_dtype = prefix.rstrip("."), arrive, policy.dtype
+    rt.own_hooks = capture.method == "export" and any(
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())
 
 

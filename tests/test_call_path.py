@@ -185,3 +185,70 @@ def test_a_low_leaf_swaps_in_low_copies_and_puts_the_masters_back():
     with pytest.raises(RuntimeError):
         runtime.call_module_low(m, torch.bfloat16, torch.randn(2, 5, dtype=torch.bfloat16))
     assert {n: p for n, p in m.named_parameters(remove_duplicate=False)} == masters
+
+
+def test_a_converted_graph_module_holds_one_runtime_attribute():
+    """Besides the view of its model module (the module it stands for, the hook dicts it shares), a converted graph
+    module holds one runtime state, and so do its deep copy and a pickled copy."""
+    import copy
+    import io
+
+    from ampfx.runtime.entries import Runtime
+
+    view = {"_ampfx_model", "_ampfx_shared_hooks"}
+    amp = ampfx.convert(MLP(), "bf16", example_inputs=(torch.randn(2, 16),))
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    for m in (amp, copy.deepcopy(amp), torch.load(buf, weights_only=False)):
+        own = {k for k in m.__dict__ if k.startswith("_ampfx") and not k.startswith(runtime_made())}
+        assert own - view == {"_ampfx_runtime"}, own
+        assert isinstance(m.__dict__["_ampfx_runtime"], Runtime)
+
+
+def runtime_made() -> tuple[str, ...]:
+    """Attribute names a capture gives the constants it made (a graph's own tensors, not runtime state)."""
+    from ampfx.runtime.graph_module import MADE
+    return tuple(p for p in MADE if p != "_ampfx") + ("_ampfx_const", "_ampfx_low", "_ampfx_lifted")
+
+
+def test_a_call_runs_the_declared_steps_in_their_order():
+    """The steps a call runs are those of entries.CALL_STEPS, in that order: each one's object, stubbed here to
+    note its turn, is asked once per call."""
+    import contextlib
+
+    from ampfx.runtime.entries import CALL_STEPS
+
+    amp = ampfx.convert(MLP(), "bf16", example_inputs=(torch.randn(2, 16),))
+    turns = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, *args) -> None:  # check(gm), guard(args, kwargs)
+            turns.append(self.name)
+
+        def run(self, fn, args, kwargs):  # linked
+            turns.append(self.name)
+            return fn(args, kwargs)
+
+        def holds(self) -> bool:  # fixed
+            turns.append(self.name)
+            return True
+
+        def refresh(self, gm) -> None:  # low
+            turns.append(self.name)
+
+        @contextlib.contextmanager
+        def used(self, gm):  # weights
+            turns.append(self.name)
+            yield
+
+    for step in CALL_STEPS:
+        amp.set_step(step.field, Stub(step.field))
+    amp(torch.randn(2, 16))
+    assert turns == [step.field for step in CALL_STEPS]
+    for step in CALL_STEPS:
+        amp.set_step(step.field, None)
+    assert not amp._rt.dispatched()

@@ -26,7 +26,7 @@ def test_norm_and_embedding_parameters_stay_fp32():
     """Only weights every use of which is a low op get low copies: norms and embeddings are read float32."""
     m, ex, _ = build("transformer")
     infer = ampfx.convert(m, "bf16", example_inputs=ex, mode="inference")
-    copied = infer.__dict__["_ampfx_low"].paths
+    copied = infer._rt.low.paths
     assert "head.weight" in copied and not any(p.startswith(("norm.", "emb.")) for p in copied)
 
 

@@ -196,13 +196,12 @@ class Follower:
         if path is None:
             return False
         graphs = [gm for gm in (ref() for ref in self.graphs) if gm is not None
-                  and gm.__dict__.get("_ampfx_reconvert") is not None and gm.__dict__["_ampfx_reconvert"].limit
-                  and _within(path, gm.__dict__.get("_ampfx_where", ""))]
+                  and gm._rt.reconvert is not None and gm._rt.reconvert.limit and _within(path, gm._rt.where)]
         if not graphs:
             return False
-        deepest = max(len(gm.__dict__.get("_ampfx_where", "")) for gm in graphs)
+        deepest = max(len(gm._rt.where) for gm in graphs)
         for gm in graphs:
-            if len(gm.__dict__.get("_ampfx_where", "")) == deepest:
+            if len(gm._rt.where) == deepest:
                 gm.restructured(change)
         return True
 

@@ -56,8 +56,11 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
 from .. import runtime
-from ..errors import BakedValueError, GuardError, StaleModelError, TrainingModeError
+from ..errors import BakedValueError
 from ..state import TORCH_KEYS
+from .entries import ModeUnavailable, PendingMode, Runtime, copy_flags, run, stands_for
+
+__all__ = ["AmpGraphModule", "ModeUnavailable", "OutputCodeGen", "PendingMode", "graph_module", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +73,6 @@ _LOCAL = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_trace
                     "_replace_hooks", "_deepcopy_hooks", "forward", "graph", "code", *TREE, *HOOKS})
 """``GraphModule``'s own attributes: kept on this module, never written to the model module."""
 _MISSING = object()
-DISPATCHED = frozenset({"_ampfx_alt", "_ampfx_check", "_ampfx_guard", "_ampfx_fixed", "_ampfx_low", "_ampfx_weights",
-                        "_ampfx_linked"})
-"""What a graph module's call does besides running its graph: any of these installs the dispatch."""
 MADE = ("_ampfx", "_tensor_constant", "_torchbind_obj")
 """Attributes a capture made (constants torch.fx and ampfx set on the traced copy): the graph module's own."""
 
@@ -176,11 +176,11 @@ class AmpGraphModule(fx.GraphModule):
         if isinstance(value, nn.Module) or (value is None and name in self.__dict__["_modules"]):
             # the converted tree's structure is its own (a checkpoint wrapper around a kept block); where the
             # graph traced the old module's forward, the new one would not run
-            recorded = self.__dict__.get("_ampfx_recorded")
+            recorded = self._rt.recorded
             if self.__dict__["_modules"].get(name) is value:
                 return  # set back as it was (a wrapping pass visits every child)
             if recorded is not None and any(p == name or p.startswith(name + ".") for p in recorded.inlined):
-                self.__dict__["_ampfx_stale"] = (
+                self._rt.stale = (
                     f"{name} was replaced on the converted module, but its graph traced the old module's forward, "
                     f"so the new one would not run. Replace it on the model and convert again, or keep it as a "
                     f"module boundary (keep_modules=[{name!r}])")
@@ -208,198 +208,94 @@ class AmpGraphModule(fx.GraphModule):
             return super().train(mode)
         model.train(mode)
         for name, child in self._modules.items():  # a module set on this one (not the model's): its own flag
-            if child is not None and child is not model._modules.get(name) and not _stands_for(child):
+            if child is not None and child is not model._modules.get(name) and not stands_for(child):
                 child.train(mode)
         return self
 
-    # --- conversions for other training modes and other values -------------------------------------------
+    # --- the runtime: call steps and entries (ampfx.runtime.entries) ---------------------------------------
+
+    @property
+    def _rt(self) -> Runtime:
+        """This module's one runtime state (:class:`~ampfx.runtime.entries.Runtime`)."""
+        rt = self.__dict__.get("_ampfx_runtime")
+        if rt is None:
+            rt = self.__dict__["_ampfx_runtime"] = Runtime()
+        return rt
 
     def set_mode_graph(self, training: bool, other: nn.Module) -> None:
         """Run ``other`` whenever this module is in mode ``training``: the module's own conversion in
         that mode (a graph module, or the model's Python with its children converted), over the same
         parameters and buffers."""
-        self.__dict__["_ampfx_alt"] = (training, other)
+        self._rt.alt = (training, other)
+        self._install_dispatch()
+
+    def set_step(self, field: str, value: Any) -> None:
+        """Turn on the call step held in ``field`` (:data:`~ampfx.runtime.entries.CALL_STEPS`: ``check`` the
+        model's structure, ``linked`` handing, ``fixed`` what the graph fixed, ``guard`` the arguments, ``low`` and
+        ``weights`` the weight copies) with its object ``value``; ``None`` turns it off."""
+        setattr(self._rt, field, value)
         self._install_dispatch()
 
     def set_fixed(self, fixed: Any) -> None:
         """Check ``fixed`` (:class:`ampfx.runtime.fixed.Fixed`) before the graph runs: what it fixed of the model's
         Python still holds, or another conversion runs."""
-        self.__dict__["_ampfx_fixed"] = fixed
-        self._install_dispatch()
+        self.set_step("fixed", fixed)
 
     def set_reconvert(self, reconvert: Callable[..., nn.Module] | None) -> None:
         """``reconvert(self, args, kwargs, changes)`` converts the model module again when neither this
         graph nor another conversion holds (:class:`ampfx.runtime.view.Reconvert`); ``None``: raise instead."""
-        self.__dict__["_ampfx_reconvert"] = reconvert
+        self._rt.reconvert = reconvert
 
     def set_linked(self, linked: Any) -> None:
         """Run inside ``linked.run`` (:class:`ampfx.runtime.handing.Linked`): a child of a module that keeps its
         Python, handed low values by its siblings or handing them its own."""
-        self.__dict__["_ampfx_linked"] = linked
-        self._install_dispatch()
+        self.set_step("linked", linked)
 
     def set_guard(self, guard: Any) -> None:
         """Call ``guard(args, kwargs)`` (:mod:`ampfx.runtime.guards`) before this module's own graph runs: after
         the choice of conversion, so a call in the other training mode is checked by that mode's
         conversion alone (it may accept what this graph would not)."""
-        self.__dict__["_ampfx_guard"] = guard
-        self._install_dispatch()
+        self.set_step("guard", guard)
 
     def set_check(self, check: Any) -> None:
         """Call ``check(self)`` before every call (:mod:`ampfx.runtime.follow`: the model's structure); a copy or
         an unpickled module has none."""
-        self.__dict__["_ampfx_check"] = check
-        self._install_dispatch()
+        self.set_step("check", check)
 
     def mode_module(self, training: bool) -> nn.Module:
         """The module that runs when this one is in mode ``training`` (itself, or the other mode's
         conversion, whose ``ampfx_report`` says what it runs; made now if it was not yet: :class:`PendingMode`)."""
-        alt = self.__dict__.get("_ampfx_alt")
-        if alt is None or alt[0] != training:
+        rt = self._rt
+        if rt.alt is None or rt.alt[0] != training:
             return self
-        return self._other_mode(alt, None) if isinstance(alt[1], PendingMode) else alt[1]
-
-    @runtime.compile_disabled
-    def _other_mode(self, alt: tuple[bool, PendingMode], call: tuple[tuple, dict] | None) -> nn.Module:
-        """Make the other training mode's conversion that ``alt`` waits for (:class:`PendingMode`), keep it in
-        its place and return it (a :class:`ModeUnavailable` where converting in that mode failed). ``call``:
-        the arguments of the call that needs it (their device picks the inputs it is converted on)."""
-        training, pending = alt
-        make = self.__dict__.get("_ampfx_reconvert")
-        if make is None:  # not armed yet (a run during conversion): the model module's own Python, as it is
-            return self.__dict__["_ampfx_model"]
-        args, kwargs = pending.arguments(self.__dict__["_ampfx_model"], call)
-        name = "train" if training else "eval"
-        log.info("ampfx: converting %s in %s mode, at its first use in that mode", _name(self), name)
-        try:
-            with torch.inference_mode(False), torch.enable_grad():
-                made = make(self, args, kwargs, [f"the {name}-mode conversion, made at its first use in {name} mode "
-                                                  f"as ampfx.convert(model.{name}()) makes it"],
-                            training=training, memo=pending.memo)
-        except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why
-            made = ModeUnavailable(training, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                                   if str(e).strip() else type(e).__name__)
-        self.__dict__["_ampfx_alt"] = (training, made)
-        return made
+        return rt.other_mode(self, None) if isinstance(rt.alt[1], PendingMode) else rt.alt[1]
 
     def variants(self) -> list[nn.Module]:
         """The conversions made again at call time because what this graph fixed changed (each has an
         ``ampfx_report`` whose notes say why), oldest first."""
-        return list(self.__dict__.get("_ampfx_variants", ()))
-
-    def _runner(self, args: tuple, kwargs: dict) -> nn.Module | None:
-        """The conversion to run for this call: ``None`` for this graph."""
-        d = self.__dict__
-        fixed, alt = d.get("_ampfx_fixed"), d.get("_ampfx_alt")
-        if "_ampfx_stale" in d:
-            raise StaleModelError(d["_ampfx_stale"])
-        if "_ampfx_restructured" in d or "_ampfx_retired" in d:
-            return self._since_restructured(args, kwargs)
-        if fixed is None:  # a loaded copy, or during conversion: the training flag chooses
-            if alt is None or self.training != alt[0]:
-                return None
-            if isinstance(alt[1], PendingMode):
-                return self._other_mode(alt, (args, kwargs))
-            if not _stands_for(alt[1]):  # a loaded copy's other mode (a plain module): it follows its flags
-                _copy_flags(self, alt[1])
-            return alt[1]
-        if fixed.holds():
-            return None
-        if alt is not None and isinstance(alt[1], PendingMode) and self.training == alt[0]:
-            alt = (alt[0], self._other_mode(alt, (args, kwargs)))
-        if alt is not None and not _stands_for(alt[1]):  # a loaded copy's other mode follows its flags
-            _copy_flags(self, alt[1])
-        if alt is not None and _holds(alt[1], alt[0], self):
-            return alt[1]
-        for variant in d.get("_ampfx_variants", ()):
-            if _holds(variant, None, self):
-                return variant
-        return self._reconvert(fixed, args, kwargs)
+        return list(self._rt.variants)
 
     def restructured(self, change: str) -> None:
         """The model module's structure changed where this graph traced it (``change``, in words: a submodule
         replaced or added, a tied tensor untied): at the next call its graph, the other mode's and the
         conversions made again so far are retired, and the model module is converted again (within
         ``reconvert_limit``, as for a changed value)."""
-        self.__dict__.setdefault("_ampfx_restructured", []).append(change)
-
-    def _since_restructured(self, args: tuple, kwargs: dict) -> nn.Module:
-        """The conversion to run once the structure changed (:meth:`restructured`): one made since, whose fixed
-        values hold, or a new one."""
-        d = self.__dict__
-        variants = d.setdefault("_ampfx_variants", [])
-        changes = d.pop("_ampfx_restructured", None)
-        if changes:  # what was made before the change traced the old structure
-            d["_ampfx_retired"] = len(variants)
-            return self._reconvert(None, args, kwargs, changes)
-        for variant in variants[d["_ampfx_retired"]:]:
-            if _holds(variant, None, self):
-                return variant
-        return self._reconvert(d.get("_ampfx_fixed"), args, kwargs)
-
-    @runtime.compile_disabled
-    def _reconvert(self, fixed: Any, args: tuple, kwargs: dict, changes: list[str] | None = None) -> nn.Module:
-        changes = changes or (fixed.changes() if fixed is not None else []) or ["a value the graph fixed changed"]
-        make = self.__dict__.get("_ampfx_reconvert")
-        variants = self.__dict__.setdefault("_ampfx_variants", [])
-        where = self.__dict__.get("_ampfx_where", "")
-        name = f"model.{where}" if where else "the model"
-        if make is None or len(variants) >= make.limit:
-            why = ("it has no conversion to make again (a copy loaded from a pickle, or reconvert_limit=0)"
-                   if make is None or not make.limit else
-                   f"it was converted again {len(variants)} times already (reconvert_limit={make.limit})")
-            raise StaleModelError(
-                f"{name} changed after conversion: {'; '.join(changes[:3])}. Its graph fixed these values while "
-                f"tracing, and {why}. Fix: make a value that changes a tensor buffer (read at every call) or "
-                f"an argument of forward, keep the module's Python (leaf_modules=[{where or '<module path>'!r}]), "
-                "raise reconvert_limit / AMPFX_RECONVERT_LIMIT, or convert the model again")
-        lowered = fixed.lowered() if fixed is not None else []
-        if lowered:
-            low = str(fixed.low).replace("torch.", "")
-            raise StaleModelError(
-                f"weights changed dtype after conversion (.half(), .bfloat16() or .to(dtype) on the model or the "
-                f"converted module): {', '.join(lowered[:3])}{' and more' if len(lowered) > 3 else ''}, but the "
-                f"model was converted to {low}: ops ampfx keeps float32 (norms, softmax) take {low} values with "
-                f"float32 weights. Fix: keep the weights float32 (.float() puts them back) and let ampfx cast them "
-                f"per op, or convert the model with the dtype its weights have")
-        log.info("ampfx: %s changed since conversion (%s); converting it again (%d of at most %d)", name,
-                 "; ".join(changes[:3]), len(variants) + 1, make.limit)
-        try:
-            variant = make(self, args, kwargs, changes)
-        except StaleModelError:
-            raise
-        except Exception as e:
-            raise StaleModelError(f"{name} changed after conversion ({'; '.join(changes[:3])}) and converting it "
-                                  f"again failed: {type(e).__name__}: {e}. Convert the model again, or undo the "
-                                  "change") from e
-        variants.append(variant)
-        return variant
-
-    def _for_values(self, args: tuple, kwargs: dict, error: BakedValueError) -> nn.Module:
-        """The conversion for a call whose argument differs from the value this graph holds (``error`` says
-        which): one made again earlier whose own checks accept the call, or a new one (within
-        ``reconvert_limit``, as for a changed attribute: :meth:`_reconvert`); ``error`` where this module cannot
-        convert again."""
-        d = self.__dict__
-        make = d.get("_ampfx_reconvert")
-        if make is None or not make.limit:
-            raise error
-        for variant in d.get("_ampfx_variants", ())[d.get("_ampfx_retired", 0):]:
-            if _holds(variant, None, self) and _accepts(variant, args, kwargs):
-                return variant
-        what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
-        return self._reconvert(None, args, kwargs, [what])
+        rt = self._rt
+        rt.restructured = [*(rt.restructured or ()), change]
 
     def _run_graph(self, args: tuple, kwargs: dict) -> Any:
-        guard, low = self.__dict__.get("_ampfx_guard"), self.__dict__.get("_ampfx_low")
-        if guard is not None:
+        """The steps after the choice of entry (``guard``, ``low``, ``weights``), then this module's graph."""
+        rt = self.__dict__.get("_ampfx_runtime")
+        if rt is None:
+            return type(self)._ampfx_graph_forward(self, *args, **kwargs)
+        if rt.guard is not None:
             try:
-                guard(args, kwargs)
+                rt.guard(args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
-                return run(self._for_values(args, kwargs, e), args, kwargs)
-        if low is not None:  # mode="inference": weights changed since their copies were made are copied again
-            low.refresh(self)
-        cache = self.__dict__.get("_ampfx_weights")
+                return run(rt.for_values(self, args, kwargs, e), args, kwargs)
+        if rt.low is not None:  # mode="inference": weights changed since their copies were made are copied again
+            rt.low.refresh(self)
+        cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
         with cache.used(self):  # training mode's weight cache (ampfx.runtime.weight_cache): copies made again where stale
@@ -414,7 +310,7 @@ class AmpGraphModule(fx.GraphModule):
         code = super().recompile()
         if "__call__" in type(self).__dict__:  # fx's wrapper: nn.Module.__call__ (looked up, so tracers patch it)
             delattr(type(self), "__call__")
-        if DISPATCHED & self.__dict__.keys():
+        if self.__dict__.get("_ampfx_runtime") is not None and self._rt.dispatched():
             self._install_dispatch()
         return code
 
@@ -424,18 +320,17 @@ class AmpGraphModule(fx.GraphModule):
         if getattr(graph_forward, "_ampfx_dispatch", False):
             return
 
-        def forward(self: AmpGraphModule, *args: Any, **kwargs: Any) -> Any:
-            check = self.__dict__.get("_ampfx_check")
-            if check is not None:
-                check(self)
-            linked = self.__dict__.get("_ampfx_linked")
-            if linked is not None:
-                return linked.run(functools.partial(type(self)._ampfx_dispatched, self), args, kwargs)
-            target = self._runner(args, kwargs)
+        def forward(self: AmpGraphModule, *args: Any, **kwargs: Any) -> Any:  # the steps of entries.CALL_STEPS
+            rt = self.__dict__["_ampfx_runtime"]
+            if rt.check is not None:
+                rt.check(self)
+            if rt.linked is not None:
+                return rt.linked.run(functools.partial(type(self)._ampfx_dispatched, self), args, kwargs)
+            target = rt.runner(self, args, kwargs)
             return self._run_graph(args, kwargs) if target is None else run(target, args, kwargs)
 
         def dispatched(self: AmpGraphModule, args: tuple, kwargs: dict) -> Any:
-            target = self._runner(args, kwargs)
+            target = self.__dict__["_ampfx_runtime"].runner(self, args, kwargs)
             return self._run_graph(args, kwargs) if target is None else run(target, args, kwargs)
 
         # a code object of its own for each graph module's class: torch.compile caches compiled frames by code
@@ -472,7 +367,7 @@ class AmpGraphModule(fx.GraphModule):
             res.view_of(model)
         if "ampfx_report" in self.__dict__:
             res.__dict__["ampfx_report"] = self.ampfx_report  # frozen: safe to share
-        if DISPATCHED & res.__dict__.keys():
+        if res.__dict__.get("_ampfx_runtime") is not None and res._rt.dispatched():
             res._install_dispatch()
         return res
 
@@ -483,21 +378,17 @@ class AmpGraphModule(fx.GraphModule):
         and it cannot convert again. The attributes its graph reads at every call (``runtime.LIVE_READS``) stay
         reads when loading re-traces its code."""
         self.__dict__["_tracer_cls"] = runtime.Retracer  # loading re-traces the code: torch.func's calls as they are
-        alt = self.__dict__.get("_ampfx_alt")
-        if alt is not None and isinstance(alt[1], PendingMode):  # a loaded copy cannot convert: made now
-            self._other_mode(alt, None)
+        rt = self._rt
+        if rt.alt is not None and isinstance(rt.alt[1], PendingMode):  # a loaded copy cannot convert: made now
+            rt.other_mode(self, None)
         fn, (body, *rest) = super().__reduce__()
         body[runtime.LIVE_READS] = _live_reads(self)
         model = body.pop("_ampfx_model", None)
-        fixed = body.pop("_ampfx_fixed", None)
-        reconvert = body.pop("_ampfx_reconvert", None)
-        for key in ("_ampfx_check", "_ampfx_variants"):
-            body.pop(key, None)
-        if fixed is not None:  # the loaded copy checks what its graph fixed against its own tree
-            body["_ampfx_rebind"] = fixed.source[2:]
-        if model is not None and reconvert is not None and _picklable((model, reconvert)):
+        goes_along = model is not None and rt.reconvert is not None and _picklable((model, rt.reconvert))
+        body["_ampfx_runtime"] = rt.for_pickle(goes_along)  # the loaded copy binds what its graph fixed to its tree
+        if goes_along:
             # a view of the model module's copy, which it converts again (the copy of the model in the pickle)
-            body["_ampfx_model"], body["_ampfx_reconvert"] = model, reconvert
+            body["_ampfx_model"] = model
             for target in body[runtime.LIVE_READS]:  # loading builds the graph module from them (then reads its model's)
                 if "." not in target and target in model.__dict__ and target not in body:
                     body[target] = model.__dict__[target]
@@ -559,106 +450,6 @@ class _Copied(_CodeOnlyModule):
             return model.__dict__[name]
 
 
-def _stands_for(module: nn.Module) -> bool:
-    """Does ``module`` stand for a model module (a graph module or mirror, whose flag is that module's)?"""
-    return "_ampfx_model" in module.__dict__ or hasattr(type(module), "_ampfx_base")
-
-
-def _copy_flags(source: nn.Module, target: nn.Module) -> None:
-    """Each module of ``target``'s tree gets the flag of the module at its path in ``source``'s (a loaded copy's
-    other training mode, which is not inside its tree)."""
-    flags = {path: m.training for path, m in source.named_modules(remove_duplicate=False)}
-    for path, m in target.named_modules(remove_duplicate=False):
-        flag = flags.get(path)
-        if flag is not None and m.training != flag:
-            m.training = flag
-
-
-def _holds(module: nn.Module, mode: bool | None, owner: AmpGraphModule) -> bool:
-    """May ``module`` (another conversion of ``owner``'s model module) run now? A graph module when its
-    fixed values hold; Python (which reads its values at run time) when ``owner`` is in ``mode``."""
-    if isinstance(module, AmpGraphModule):
-        fixed = module.__dict__.get("_ampfx_fixed")
-        return fixed.holds() if fixed is not None else mode is None or owner.training == mode
-    return mode is None or owner.training == mode
-
-
-def _accepts(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Does ``module`` (a conversion made again) take these arguments: its guard passes (Python takes any)?"""
-    guard = module.__dict__.get("_ampfx_guard") if isinstance(module, AmpGraphModule) else None
-    if guard is None:
-        return True
-    try:
-        guard(args, kwargs)
-    except GuardError:
-        return False
-    return True
-
-
-def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Run ``module`` (another conversion of a converted module's model module) inside that module's call,
-    without firing the model module's hooks again: a graph module's graph (through its own call where hooks
-    were registered on it; it was chosen because its fixed values hold), Python through its ``forward``."""
-    if isinstance(module, AmpGraphModule):
-        own = any(module.__dict__.get(name) for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
-                                                         "_backward_pre_hooks"))
-        return module(*args, **kwargs) if own else module._run_graph(args, kwargs)
-    runner = getattr(type(module), "_ampfx_run", None)
-    return runner(module, args, kwargs) if runner is not None else module.forward(*args, **kwargs)
-
-
-def _name(gm: AmpGraphModule) -> str:
-    where = gm.__dict__.get("_ampfx_where", "")
-    return f"model.{where}" if where else "the model"
-
-
-class PendingMode(nn.Module):
-    """Stands in for the other training mode's conversion until it is first needed: the first call in that
-    mode, :meth:`AmpGraphModule.mode_module`, or a pickle (a loaded copy cannot convert). It is then made as
-    ``ampfx.convert(model.train(mode))`` makes it, with the model module as it is then, on ``inputs`` (the
-    example inputs the converted module was given; the call's own where it runs on another device), and
-    ``memo`` (what the first mode's capture learnt: the export size try it ended on).
-
-    >>> PendingMode(False, None, None)
-    PendingMode(eval mode: converted when first needed)
-    """
-
-    def __init__(self, training: bool, inputs: Any, memo: Any) -> None:
-        super().__init__()
-        self.mode, self.inputs, self.memo = training, inputs, memo
-
-    def extra_repr(self) -> str:
-        return f"{'train' if self.mode else 'eval'} mode: converted when first needed"
-
-    def arguments(self, model: nn.Module, call: tuple[tuple, dict] | None) -> tuple[tuple, dict]:
-        """The ``(args, kwargs)`` to convert ``model`` on: the example inputs, or ``call`` (the arguments of
-        the call that needs the conversion) where there are none or they are on another device."""
-        if self.inputs is None or (call is not None and _device(call) != self.inputs.device()):
-            return call if call is not None else ((), {})
-        return self.inputs.ordered(model.forward)
-
-
-def _device(call: tuple[tuple, dict]) -> str | None:
-    tensors = [t for t in torch.utils._pytree.tree_leaves(call) if isinstance(t, torch.Tensor)]
-    return tensors[0].device.type if tensors else None
-
-
-class ModeUnavailable(nn.Module):
-    """Stands in for the other training mode's conversion when it failed: calling the converted
-    module in that mode raises :class:`~ampfx.errors.TrainingModeError`, saying why and what to do."""
-
-    def __init__(self, training: bool, why: str) -> None:
-        super().__init__()
-        self.mode, self.why = ("train" if training else "eval"), why
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        other = "train" if self.mode == "eval" else "eval"
-        raise TrainingModeError(
-            f"this converted module has no {self.mode}-mode conversion: converting the model in {self.mode} "
-            f"mode failed ({self.why}). Convert the model in {self.mode} mode for that "
-            f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only.")
-
-
 def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa: ANN001
     plain = fn(*args)
     if pytree_info is not None:
@@ -668,16 +459,16 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
     gm.__dict__.update(tree)
     for key, value in body.items():
         # GraphModule.__init__ set its own defaults (the training flag as True): what was saved wins over them
-        if (key not in gm.__dict__ or key.startswith("_ampfx")) and key not in ("_graph", "_code"):
+        if (key not in gm.__dict__ or key.startswith("_ampfx")) and key not in ("_graph", "_code", runtime.LIVE_READS):
             gm.__dict__[key] = value
     model = gm.__dict__.get("_ampfx_model")
     if model is not None:  # a view of the loaded copy of its model module, as a deep copy is
         gm.view_of(model)
-    rebind, recorded = gm.__dict__.pop("_ampfx_rebind", None), gm.__dict__.get("_ampfx_recorded")
-    if rebind is not None and recorded is not None:
-        gm.__dict__["_ampfx_fixed"] = recorded.bind(model if model is not None else gm, *rebind,
-                                                    low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16))
-    if DISPATCHED & gm.__dict__.keys():
+    rt = gm._rt
+    rebind, rt.rebind = rt.rebind, None
+    if rebind is not None and rt.recorded is not None:
+        rt.fixed = rt.recorded.bind(model if model is not None else gm, *rebind, low=rt.low_dtype)
+    if rt.dispatched():
         gm._install_dispatch()
     return gm
 

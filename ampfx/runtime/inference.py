@@ -130,5 +130,5 @@ def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
         node.target = attrs[key]
     gm.recompile()
     copies.refresh(gm)
-    gm.__dict__["_ampfx_low"] = copies
+    gm.set_step("low", copies)
     return copies

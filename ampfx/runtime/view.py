@@ -262,14 +262,14 @@ def _view_graph(gm: AmpGraphModule, m: nn.Module | None, views: Views, where: st
         for name in HOOKS:
             if isinstance(gm.__dict__.get(name), dict):
                 gm.__dict__[name] = type(gm.__dict__[name])()
-    elif not gm.__dict__.get("_ampfx_own_hooks"):
+    elif not gm._rt.own_hooks:
         gm.share_hooks(m)
     views.graphs.append((gm, m))
     views.hold(m, gm)
-    recorded = gm.__dict__.get("_ampfx_recorded")
+    recorded = gm._rt.recorded
     if recorded is not None:
-        gm.set_fixed(recorded.bind(m, where, root_hooks=bool(gm.__dict__.get("_ampfx_own_hooks")) and not alternative,
-                                   low=gm.__dict__.get("_ampfx_low_dtype", torch.bfloat16)))
+        gm.set_fixed(recorded.bind(m, where, root_hooks=gm._rt.own_hooks and not alternative,
+                                   low=gm._rt.low_dtype))
         for path in recorded.inlined:
             sub = _at(m, path)
             if sub is not None:
@@ -278,9 +278,9 @@ def _view_graph(gm: AmpGraphModule, m: nn.Module | None, views: Views, where: st
             sub = _at(m, owner)
             if sub is not None:
                 views.read_tensors.add((id(sub), attr))
-    alt = gm.__dict__.get("_ampfx_alt")
+    alt = gm._rt.alt
     if alt is not None:
-        gm.__dict__["_ampfx_alt"] = (alt[0], _view(alt[1], m, views, where, root=True, alternative=True))
+        gm._rt.alt = (alt[0], _view(alt[1], m, views, where, root=True, alternative=True))
     return gm
 
 
@@ -349,7 +349,7 @@ class Reconvert:
     def __call__(self, gm: AmpGraphModule, args: tuple, kwargs: dict, changes: list[str],
                  training: bool | None = None, memo: Any = None) -> nn.Module:
         model = gm.__dict__["_ampfx_model"]
-        where = gm.__dict__.get("_ampfx_where", "")
+        where = gm._rt.where
         if self.arrive not in (None, torch.float32):  # the caller's graph hands it low values: the model's are float32
             args, kwargs = runtime._arguments_in(torch.float32, self.arrive, model, args, kwargs)
         result, report = self.convert(model, (args, kwargs), where, self.arrive, training, memo)

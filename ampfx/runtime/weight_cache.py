@@ -78,6 +78,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import runtime
+from .entries import runtime_of
 from . import written
 from ..errors import StaleModelError
 
@@ -314,14 +315,14 @@ def install(gm: fx.GraphModule, low: torch.dtype) -> WeightCache:
         if isinstance(param, nn.Parameter) and param.dtype in runtime.CASTABLE and id(param) not in seen:
             seen.add(id(param))
             cache.entries.append(_Entry(owner._parameters, leaf, str(node.target)))
-    gm.__dict__["_ampfx_weights"] = cache
+    gm.set_step("weights", cache)
     return cache
 
 
 def caches(module: nn.Module) -> list[tuple[str, WeightCache]]:
     """Every weight cache in ``module``'s tree (a converted module), by the path of its graph module."""
-    return [(path, m.__dict__["_ampfx_weights"]) for path, m in module.named_modules()
-            if "_ampfx_weights" in m.__dict__]
+    return [(path, rt.weights) for path, rt in ((p, runtime_of(m)) for p, m in module.named_modules())
+            if rt is not None and rt.weights is not None]
 
 
 def status(module: nn.Module) -> str:

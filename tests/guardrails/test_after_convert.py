@@ -627,7 +627,7 @@ def test_fixed_values_are_checked_the_same_way_without_the_generated_expression(
     monkeypatch.setattr(fixed, "COMPILED_SLOTS", 0)
     model = Valued()
     amp = ampfx.convert(model, example_inputs=(X,), tracer="export")
-    assert amp.__dict__["_ampfx_fixed"]._values_hold == amp.__dict__["_ampfx_fixed"]._loop
+    assert amp._rt.fixed._values_hold == amp._rt.fixed._loop
     for name, value in [("flag", False), ("steps", 0), ("temperature", 2.0)]:
         setattr(model, name, value)
         assert rel(amp(X), model(X)) < 0.03, name

@@ -533,7 +533,8 @@ def graph_modules(amp: nn.Module) -> list[torch.fx.GraphModule]:
     for m in amp.modules():
         if isinstance(m, torch.fx.GraphModule):
             out.append(m)
-            alt = m.__dict__.get("_ampfx_alt")
+            rt = m.__dict__.get("_ampfx_runtime")
+            alt = rt.alt if rt is not None else None
             other = m.mode_module(alt[0]) if alt is not None else None  # made now if not yet
             if isinstance(other, torch.fx.GraphModule):
                 out.append(other)

@@ -1,0 +1,316 @@
+"""The one runtime state of a converted graph module: its call steps, declared in one place, and its entries.
+
+A converted graph module (:class:`~ampfx.runtime.graph_module.AmpGraphModule`) holds one :class:`Runtime`. At
+each call it runs the steps of :data:`CALL_STEPS`, in that order, that are on (a field that is not ``None``);
+a step that is off costs one attribute test. Choosing the *entry* to run is one of the steps: the module's own
+graph while what it fixed holds, else the other training mode's conversion, one made again earlier whose own
+checks hold, or a new one made by the one convert-again callable (``reconvert``, within its one limit) --
+as ``torch.compile`` keeps guarded cache entries with one recompile limit. Each step's object brings its own
+copy and pickle behaviour (its ``__deepcopy__`` / ``__reduce__``); the table says what a copy and a pickle keep.
+
+>>> [step.field for step in CALL_STEPS]
+['check', 'linked', 'fixed', 'guard', 'low', 'weights']
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .. import runtime
+from ..errors import BakedValueError, GuardError, StaleModelError, TrainingModeError
+
+log = logging.getLogger("ampfx.runtime.graph_module")  # the converted module's logger, named so in docs/guarantees.md
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One call step: the :class:`Runtime` field holding its object (the step is off while it is ``None``), what
+    it does at a call, and what a deep copy and a pickle keep of it."""
+
+    field: str
+    what: str
+    copied: str
+    pickled: str
+
+
+CALL_STEPS: tuple[Step, ...] = (
+    Step("check", "checks the model's structure (ampfx.runtime.follow): a module replaced or added, a tied tensor "
+                  "untied since conversion converts again", "an inert follower: a copy follows nothing",
+         "dropped: a loaded copy follows nothing"),
+    Step("linked", "runs the rest inside the eager parent's handing (ampfx.runtime.handing)", "copied", "kept"),
+    Step("fixed", "chooses the entry: this graph while what it fixed holds (ampfx.runtime.fixed), else the other "
+                  "training mode's conversion, one made again that holds, or a new one (reconvert, within its "
+                  "limit)", "bound to the copy of the model module", "bound again when loaded"),
+    Step("guard", "checks the call's arguments against what the graph was made for (ampfx.runtime.guards); a value "
+                  "the graph holds as traced chooses or makes another entry", "copied", "kept"),
+    Step("low", "makes mode='inference''s low weight copies again where a weight changed (ampfx.runtime.inference)",
+         "copied", "kept"),
+    Step("weights", "runs the graph inside the training weight cache (ampfx.runtime.weight_cache)", "copied, empty",
+         "kept, empty"),
+)
+"""The call steps, in the order a call runs them (:meth:`AmpGraphModule.forward`)."""
+
+
+@dataclasses.dataclass(repr=False)
+class Runtime:
+    """A converted graph module's runtime state: where its graph sits (set at conversion), its call steps'
+    objects (:data:`CALL_STEPS`) and its entries (the other training mode's conversion, those made again)."""
+
+    # where the graph sits: set when it is converted
+    where: str = ""
+    arrive: torch.dtype | None = None
+    low_dtype: torch.dtype = torch.bfloat16
+    recorded: Any = None  # ampfx.runtime.fixed's record of what the graph fixed, bound to a model module as `fixed`
+    own_hooks: bool = False  # the graph runs copies of its module's hooks (torch.export traced a pre-hook in)
+    # the call steps
+    check: Any = None
+    linked: Any = None
+    fixed: Any = None
+    guard: Any = None
+    low: Any = None
+    weights: Any = None
+    # the entries
+    alt: tuple[bool, nn.Module] | None = None  # (training mode, the conversion that runs in it)
+    reconvert: Callable[..., nn.Module] | None = None  # the one convert-again callable, with its limit
+    variants: list = dataclasses.field(default_factory=list)  # made again at calls, oldest first
+    retired: int | None = None  # once the structure changed: the variants before this index traced the old one
+    restructured: list[str] | None = None  # structure changes heard, settled at the next call
+    stale: str | None = None  # why the next call raises StaleModelError
+    rebind: tuple | None = None  # a pickle's: what `fixed` is bound to again when loaded
+
+    def __repr__(self) -> str:
+        on = [s.field for s in CALL_STEPS if getattr(self, s.field) is not None]
+        return (f"Runtime({self.name()}, steps on: {', '.join(on) or 'none'}, "
+                f"{'another mode, ' if self.alt is not None else ''}{len(self.variants)} made again)")
+
+    def dispatched(self) -> bool:
+        """Does a call do more than run the graph (a step is on, or there is another entry)?"""
+        return self.alt is not None or any(getattr(self, s.field) is not None for s in CALL_STEPS)
+
+    def for_pickle(self, picklable: bool) -> "Runtime":
+        """What a pickle holds (:data:`CALL_STEPS`' "pickled"): no follower and no entries made again, ``fixed``
+        as what to bind it to again, the convert-again callable only where the model goes along (``picklable``)."""
+        return dataclasses.replace(self, check=None, variants=[], fixed=None,
+                                   rebind=self.fixed.source[2:] if self.fixed is not None else None,
+                                   reconvert=self.reconvert if picklable else None)
+
+    # --- choosing the entry ------------------------------------------------------------------------------
+
+    def runner(self, gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module | None:
+        """The entry to run for this call of ``gm``: ``None`` for its own graph."""
+        fixed, alt = self.fixed, self.alt
+        if self.stale is not None:
+            raise StaleModelError(self.stale)
+        if self.restructured or self.retired is not None:
+            return self._since_restructured(gm, args, kwargs)
+        if fixed is None:  # a loaded copy, or during conversion: the training flag chooses
+            if alt is None or gm.training != alt[0]:
+                return None
+            if isinstance(alt[1], PendingMode):
+                return self.other_mode(gm, (args, kwargs))
+            if not stands_for(alt[1]):  # a loaded copy's other mode (a plain module): it follows its flags
+                copy_flags(gm, alt[1])
+            return alt[1]
+        if fixed.holds():
+            return None
+        if alt is not None and isinstance(alt[1], PendingMode) and gm.training == alt[0]:
+            alt = (alt[0], self.other_mode(gm, (args, kwargs)))
+        if alt is not None and not stands_for(alt[1]):  # a loaded copy's other mode follows its flags
+            copy_flags(gm, alt[1])
+        if alt is not None and _holds(alt[1], alt[0], gm):
+            return alt[1]
+        for variant in self.variants:
+            if _holds(variant, None, gm):
+                return variant
+        return self.convert_again(gm, fixed, args, kwargs)
+
+    def _since_restructured(self, gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+        """The entry once the structure changed: one made since whose fixed values hold, or a new one."""
+        changes, self.restructured = self.restructured, None
+        if changes:  # what was made before the change traced the old structure
+            self.retired = len(self.variants)
+            return self.convert_again(gm, None, args, kwargs, changes)
+        for variant in self.variants[self.retired or 0:]:
+            if _holds(variant, None, gm):
+                return variant
+        return self.convert_again(gm, self.fixed, args, kwargs)
+
+    @runtime.compile_disabled
+    def other_mode(self, gm: nn.Module, call: tuple[tuple, dict] | None) -> nn.Module:
+        """Make the other training mode's conversion that ``alt`` waits for (:class:`PendingMode`), keep it in its
+        place and return it (a :class:`ModeUnavailable` where converting in that mode failed). ``call``: the
+        arguments of the call that needs it (their device picks the inputs it is converted on)."""
+        training, pending = self.alt
+        make = self.reconvert
+        if make is None:  # not armed yet (a run during conversion): the model module's own Python, as it is
+            return gm.__dict__["_ampfx_model"]
+        args, kwargs = pending.arguments(gm.__dict__["_ampfx_model"], call)
+        name = "train" if training else "eval"
+        log.info("ampfx: converting %s in %s mode, at its first use in that mode", self.name(), name)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                made = make(gm, args, kwargs, [f"the {name}-mode conversion, made at its first use in {name} mode "
+                                                f"as ampfx.convert(model.{name}()) makes it"],
+                            training=training, memo=pending.memo)
+        except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why
+            made = ModeUnavailable(training, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                                   if str(e).strip() else type(e).__name__)
+        self.alt = (training, made)
+        return made
+
+    @runtime.compile_disabled
+    def convert_again(self, gm: nn.Module, fixed: Any, args: tuple, kwargs: dict,
+                      changes: list[str] | None = None) -> nn.Module:
+        """A new entry, made by ``reconvert`` for this call (within its limit), or :class:`StaleModelError`
+        naming the change and the fixes."""
+        changes = changes or (fixed.changes() if fixed is not None else []) or ["a value the graph fixed changed"]
+        make, variants, where = self.reconvert, self.variants, self.where
+        name = self.name()
+        if make is None or len(variants) >= make.limit:
+            why = ("it has no conversion to make again (a copy loaded from a pickle, or reconvert_limit=0)"
+                   if make is None or not make.limit else
+                   f"it was converted again {len(variants)} times already (reconvert_limit={make.limit})")
+            raise StaleModelError(
+                f"{name} changed after conversion: {'; '.join(changes[:3])}. Its graph fixed these values while "
+                f"tracing, and {why}. Fix: make a value that changes a tensor buffer (read at every call) or "
+                f"an argument of forward, keep the module's Python (leaf_modules=[{where or '<module path>'!r}]), "
+                "raise reconvert_limit / AMPFX_RECONVERT_LIMIT, or convert the model again")
+        lowered = fixed.lowered() if fixed is not None else []
+        if lowered:
+            low = str(fixed.low).replace("torch.", "")
+            raise StaleModelError(
+                f"weights changed dtype after conversion (.half(), .bfloat16() or .to(dtype) on the model or the "
+                f"converted module): {', '.join(lowered[:3])}{' and more' if len(lowered) > 3 else ''}, but the "
+                f"model was converted to {low}: ops ampfx keeps float32 (norms, softmax) take {low} values with "
+                f"float32 weights. Fix: keep the weights float32 (.float() puts them back) and let ampfx cast them "
+                f"per op, or convert the model with the dtype its weights have")
+        log.info("ampfx: %s changed since conversion (%s); converting it again (%d of at most %d)", name,
+                 "; ".join(changes[:3]), len(variants) + 1, make.limit)
+        try:
+            variant = make(gm, args, kwargs, changes)
+        except StaleModelError:
+            raise
+        except Exception as e:
+            raise StaleModelError(f"{name} changed after conversion ({'; '.join(changes[:3])}) and converting it "
+                                  f"again failed: {type(e).__name__}: {e}. Convert the model again, or undo the "
+                                  "change") from e
+        variants.append(variant)
+        return variant
+
+    def for_values(self, gm: nn.Module, args: tuple, kwargs: dict, error: BakedValueError) -> nn.Module:
+        """The entry for a call whose argument differs from the value the graph holds (``error`` says which): one
+        made again earlier whose own checks accept the call, or a new one; ``error`` where none can be made."""
+        if self.reconvert is None or not self.reconvert.limit:
+            raise error
+        for variant in self.variants[self.retired or 0:]:
+            if _holds(variant, None, gm) and _accepts(variant, args, kwargs):
+                return variant
+        what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
+        return self.convert_again(gm, None, args, kwargs, [what])
+
+    def name(self) -> str:
+        return f"model.{self.where}" if self.where else "the model"
+
+
+def runtime_of(module: nn.Module) -> Runtime | None:
+    """The :class:`Runtime` of a converted graph module (``None`` for any other module)."""
+    return module.__dict__.get("_ampfx_runtime")
+
+
+def stands_for(module: nn.Module) -> bool:
+    """Does ``module`` stand for a model module (a graph module or mirror, whose flag is that module's)?"""
+    return "_ampfx_model" in module.__dict__ or hasattr(type(module), "_ampfx_base")
+
+
+def copy_flags(source: nn.Module, target: nn.Module) -> None:
+    """Each module of ``target``'s tree gets the flag of the module at its path in ``source``'s (a loaded copy's
+    other training mode, which is not inside its tree)."""
+    flags = {path: m.training for path, m in source.named_modules(remove_duplicate=False)}
+    for path, m in target.named_modules(remove_duplicate=False):
+        flag = flags.get(path)
+        if flag is not None and m.training != flag:
+            m.training = flag
+
+
+def _holds(module: nn.Module, mode: bool | None, owner: nn.Module) -> bool:
+    """May ``module`` (another entry of ``owner``) run now? A graph module when its fixed values hold; Python
+    (which reads its values at run time) when ``owner`` is in ``mode``."""
+    rt = runtime_of(module)
+    if rt is not None:
+        return rt.fixed.holds() if rt.fixed is not None else mode is None or owner.training == mode
+    return mode is None or owner.training == mode
+
+
+def _accepts(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Does ``module`` (an entry made again) take these arguments: its guard passes (Python takes any)?"""
+    rt = runtime_of(module)
+    if rt is None or rt.guard is None:
+        return True
+    try:
+        rt.guard(args, kwargs)
+    except GuardError:
+        return False
+    return True
+
+
+def run(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``module`` (another entry of a converted module) inside that module's call, without firing the model
+    module's hooks again: a graph module's graph (through its own call where hooks were registered on it; it was
+    chosen because its fixed values hold), Python through its ``forward``."""
+    if runtime_of(module) is not None:
+        own = any(module.__dict__.get(name) for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                                                         "_backward_pre_hooks"))
+        return module(*args, **kwargs) if own else module._run_graph(args, kwargs)
+    runner = getattr(type(module), "_ampfx_run", None)
+    return runner(module, args, kwargs) if runner is not None else module.forward(*args, **kwargs)
+
+
+class PendingMode(nn.Module):
+    """Stands in for the other training mode's conversion until it is first needed: the first call in that
+    mode, :meth:`AmpGraphModule.mode_module`, or a pickle (a loaded copy cannot convert). It is then made as
+    ``ampfx.convert(model.train(mode))`` makes it, with the model module as it is then, on ``inputs`` (the
+    example inputs the converted module was given; the call's own where it runs on another device), and
+    ``memo`` (what the first mode's capture learnt: the export size try it ended on).
+
+    >>> PendingMode(False, None, None)
+    PendingMode(eval mode: converted when first needed)
+    """
+
+    def __init__(self, training: bool, inputs: Any, memo: Any) -> None:
+        super().__init__()
+        self.mode, self.inputs, self.memo = training, inputs, memo
+
+    def extra_repr(self) -> str:
+        return f"{'train' if self.mode else 'eval'} mode: converted when first needed"
+
+    def arguments(self, model: nn.Module, call: tuple[tuple, dict] | None) -> tuple[tuple, dict]:
+        """The ``(args, kwargs)`` to convert ``model`` on: the example inputs, or ``call`` (the arguments of
+        the call that needs the conversion) where there are none or they are on another device."""
+        if self.inputs is None or (call is not None and _device(call) != self.inputs.device()):
+            return call if call is not None else ((), {})
+        return self.inputs.ordered(model.forward)
+
+
+def _device(call: tuple[tuple, dict]) -> str | None:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(call) if isinstance(t, torch.Tensor)]
+    return tensors[0].device.type if tensors else None
+
+
+class ModeUnavailable(nn.Module):
+    """Stands in for the other training mode's conversion when it failed: calling the converted
+    module in that mode raises :class:`~ampfx.errors.TrainingModeError`, saying why and what to do."""
+
+    def __init__(self, training: bool, why: str) -> None:
+        super().__init__()
+        self.mode, self.why = ("train" if training else "eval"), why
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        other = "train" if self.mode == "eval" else "eval"
+        raise TrainingModeError(
+            f"this converted module has no {self.mode}-mode conversion: converting the model in {self.mode} "
+            f"mode failed ({self.why}). Convert the model in {self.mode} mode for that "
+            f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only.")
