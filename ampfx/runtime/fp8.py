@@ -1,0 +1,110 @@
+"""FP8 GEMMs at run time: scaled quantisation, the three GEMMs of a linear layer, and the recipes.
+
+A float tensor ``x`` is held in FP8 as ``q`` (``float8_e4m3fn`` for weights and activations, whose range is
++-448, or ``float8_e5m2`` for gradients, +-57344) with a float32 ``scale`` such that ``x ~ q * scale``:
+one scale for the whole tensor (*tensorwise*) or one per row along the GEMM's reduction dimension (*rowwise*),
+each ``amax / max of the FP8 dtype`` at the time of the call (current scaling). :func:`linear` runs a linear
+layer's three GEMMs in FP8: the output ``x @ w.T``, the input gradient ``g @ w`` and the weight gradient
+``g.T @ x``, each operand quantised along the dimension that GEMM reduces over; with a recipe's
+``weight_grad_high_precision`` the last one runs in the operands' own dtype. Gradients reach ``x`` and ``w``
+as if the quantisation were the identity (a straight-through estimate), and are returned in their dtypes.
+
+:func:`scaled_mm` multiplies two quantised operands with ``torch._scaled_mm`` on a GPU; on a CPU, where that
+kernel is a slow reference, it computes what the kernel computes, the float32 product of the dequantised
+operands (``tests/test_fp8_runtime.py`` checks that the two agree), rounded to the output dtype.
+
+>>> x, w = torch.randn(4, 32), torch.randn(16, 32)
+>>> y = linear(x, w, None, RECIPES["tensorwise"])
+>>> y.shape, bool((y - x @ w.T).norm() / (x @ w.T).norm() < 0.1)
+(torch.Size([4, 16]), True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How FP8 GEMMs scale their operands: ``rowwise`` (one scale per row along the reduced dimension) or one per
+    tensor; ``weight_grad_high_precision``: the weight gradient GEMM runs in the operands' own dtype."""
+
+    name: str
+    rowwise: bool
+    weight_grad_high_precision: bool = False
+    forward: torch.dtype = E4M3
+    backward: torch.dtype = E5M2
+
+
+RECIPES = {r.name: r for r in (Recipe("tensorwise", rowwise=False), Recipe("rowwise", rowwise=True),
+                               Recipe("rowwise_with_gw_hp", rowwise=True, weight_grad_high_precision=True))}
+"""The recipes ``fp8=`` names, as torchao names its float8 training recipes."""
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` with ``x ~ q.float() * scale``: ``scale`` float32, one for the whole tensor (``dim=None``)
+    or one per slice along ``dim`` (kept as a size-1 dimension); values past the FP8 range saturate.
+
+    >>> q, s = quantize(torch.tensor([[1.0, -448.0], [2.0, 0.5]]), E4M3, dim=1)
+    >>> q.dtype, s.flatten().tolist()
+    (torch.float8_e4m3fn, [1.0, 0.004464285913854837])
+    """
+    top = torch.finfo(dtype).max
+    amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
+    scale = (amax.float() / top).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (x.float() / scale).clamp(-top, top).to(dtype)
+    return q, scale
+
+
+def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` of FP8 operands, in ``out_dtype``: ``a`` [M, K] with a scalar or [M, 1]
+    scale, ``b`` [K, N] with a scalar or [1, N] scale. ``torch._scaled_mm`` on a GPU; on a CPU the float32 product
+    of the dequantised operands, which is what that kernel computes."""
+    if a.is_cuda:  # the kernel wants a row-major, b column-major
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=out_dtype)
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w.T (+ b)`` with its three GEMMs in FP8 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
+        qx, sx = quantize(x, recipe.forward, rows)
+        qw, sw = quantize(w, recipe.forward, rows)
+        ctx.save_for_backward(x, w)
+        ctx.recipe = recipe
+        return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: scaled along N
+            qg, sg = quantize(g, recipe.backward, 1 if recipe.rowwise else None)
+            qw, sw = quantize(w, recipe.forward, 0 if recipe.rowwise else None)
+            gx = scaled_mm(qg, sg, qw, sw, x.dtype)
+        if ctx.needs_input_grad[1]:  # g.T [N, M] @ x [M, K]: scaled along M
+            if recipe.weight_grad_high_precision:
+                gw = (g.t().to(x.dtype) @ x).to(w.dtype)
+            else:
+                qg, sg = quantize(g.t(), recipe.backward, 1 if recipe.rowwise else None)
+                qx, sx = quantize(x, recipe.forward, 0 if recipe.rowwise else None)
+                gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
+        return gx, gw, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` with its three GEMMs in FP8 under ``recipe``; the output
+    has ``x``'s dtype, the bias is added in it."""
+    lead = x.shape[:-1]
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe).reshape(*lead, weight.shape[0])
+    return out if bias is None else out + bias.to(out.dtype)
