@@ -5,9 +5,10 @@ names, so a converted module pickles and reloads as long as ``ampfx`` is
 importable.
 
 The package holds the converted module at run time: :mod:`~ampfx.runtime.graph_module`,
-:mod:`~ampfx.runtime.view` (a view of the model), :mod:`~ampfx.runtime.fixed` (what a graph fixed, checked per
-call), :mod:`~ampfx.runtime.follow`, :mod:`~ampfx.runtime.guards`, :mod:`~ampfx.runtime.inference` and
-:mod:`~ampfx.runtime.weight_cache`; this module imports none of them.
+:mod:`~ampfx.runtime.entries` (its one runtime state: the call steps and entries), :mod:`~ampfx.runtime.view` (a
+view of the model), :mod:`~ampfx.runtime.fixed` (what a graph fixed, checked per call),
+:mod:`~ampfx.runtime.follow`, :mod:`~ampfx.runtime.guards`, :mod:`~ampfx.runtime.inference`,
+:mod:`~ampfx.runtime.weight_cache` and :mod:`~ampfx.runtime.fp8` (FP8 GEMMs); this module imports none of them.
 """
 from __future__ import annotations
 
