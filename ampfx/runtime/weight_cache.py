@@ -233,7 +233,7 @@ class WeightCache:
         if e is None or e.master is not value or dtype != self.dtype:
             return None
         if e.pending:  # the first micro-batch: cast as without the cache (autograd's own cast node), keep the copy
-            out = value.to(dtype)
+            out = value.to(dtype=dtype)
             e.low, e.key, e.pending = out.detach(), written.stamp(value), False
             self.casts += 1
             return out
