@@ -252,3 +252,17 @@ def test_a_call_runs_the_declared_steps_in_their_order():
     for step in CALL_STEPS:
         amp.set_step(step.field, None)
     assert not amp._rt.dispatched()
+
+
+def test_a_module_pickled_with_runtime_keys_of_its_own_loads_them_as_its_runtime():
+    """Converted modules pickled before the runtime state was one attribute held it as ``_ampfx_<field>`` keys:
+    loading gathers them into the one runtime (where they would be ignored, a loaded copy ran its training graph in
+    evaluation mode)."""
+    from ampfx.runtime.entries import Runtime
+
+    body = {"_ampfx_alt": (False, "other"), "_ampfx_where": "blocks.0", "_ampfx_rebind": ("b", None),
+            "_ampfx_stale": None, "training": True}
+    rt = Runtime.from_keys(body)
+    assert (rt.alt, rt.where, rt.rebind) == ((False, "other"), "blocks.0", ("b", None))
+    assert body == {"training": True} and Runtime.from_keys({"training": True}) is None
+    assert rt.dispatched()

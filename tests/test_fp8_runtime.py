@@ -65,3 +65,13 @@ def test_values_past_the_range_saturate_and_zeros_stay_finite():
     assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) == 448.0
     q, s = quantize(torch.zeros(4, 4), E4M3, 1)
     assert torch.isfinite(s).all() and torch.equal(_dq(q, s), torch.zeros(4, 4))
+
+
+def test_shapes_the_gpu_kernel_refuses_are_computed_from_the_dequantised_operands():
+    from ampfx.runtime.fp8 import _kernel_takes
+
+    one, rows = torch.ones(()), torch.ones(16, 1)
+    assert _kernel_takes(torch.empty(16, 32), one, torch.empty(32, 16), torch.float32)
+    assert not _kernel_takes(torch.empty(15, 32), one, torch.empty(32, 16), torch.bfloat16)  # tokens not x16
+    assert not _kernel_takes(torch.empty(16, 32), rows, torch.empty(32, 16), torch.float32)  # rowwise, fp32 out
+    assert _kernel_takes(torch.empty(16, 32), rows, torch.empty(32, 16), torch.bfloat16)

@@ -145,3 +145,43 @@ def test_the_other_training_modes_reads_count_too():
     assert [(is_low, why) for _, is_low, why in _reads(amp, torch.bfloat16)] == [(True, "cast to bfloat16 for linear")]
     (decision,) = decide(amp)
     assert decision.dtype == torch.float32 and decision.reason == "read as it is by getitem", decision
+
+
+class Normed(nn.Module):
+    """A weight-normed Linear (a leaf run low, whose parametrization computes its weight in float32) and a plain
+    one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.fc(x))
+
+
+class Branchy(nn.Module):
+    """A tied LM whose root keeps its Python (a branch on a value): its embedding runs as it is, read float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.body, self.head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        if h.sum().item() > -1e9:
+            h = self.body(h)
+        return self.head(h)
+
+
+def test_parameters_a_parametrization_or_the_models_own_python_reads_stay_float32():
+    normed = {d.name: d for d in decide(ampfx.convert(Normed(), "bf16", example_inputs=(torch.randn(4, 16),)))}
+    assert normed["lin.weight"].dtype == torch.bfloat16
+    for name in ("fc.parametrizations.weight.original0", "fc.parametrizations.weight.original1"):
+        assert normed[name].dtype == torch.float32 and "parametrization" in normed[name].reason, normed[name]
+    amp = ampfx.convert(Branchy(), "bf16", example_inputs=(torch.randint(0, 32, (2, 5)),), tracer="fx")
+    branchy = {d.name: d for d in decide(amp)}
+    assert branchy["emb.weight"].dtype == torch.float32, branchy["emb.weight"]  # the head reads it low
+    assert branchy["emb.weight"].reason.startswith("read by emb's own Python")
+    assert branchy["body.weight"].dtype == torch.bfloat16

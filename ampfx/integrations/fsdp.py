@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.nn.utils import parametrize
 
 from .. import runtime
 from ..errors import ArgumentError
@@ -192,12 +193,24 @@ def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[tuple[nn.Parameter,
                     yield value, False, f"read as it is by {_users_of(user)}"
         elif isinstance(value, nn.Module):
             for user in node.users:
-                is_low = user.target is runtime.call_module_low and user.args[1] == low
+                is_low = (user.target is runtime.call_module_low and user.args[1] == low
+                          and not any(parametrize.is_parametrized(m) for m in value.modules()))
                 why = (f"read by {node.target} run in {name}" if is_low else
                        f"read in float32 by {node.target} (kept float32)"
-                       if user.target is runtime.call_module_float32 else f"read by {node.target}'s own forward")
+                       if user.target is runtime.call_module_float32 else
+                       f"read in float32 by {node.target}'s parametrization" if user.target is runtime.call_module_low
+                       else f"read by {node.target}'s own forward")
                 for p in _own(value):
                     yield p, is_low, why
+
+
+def _eager(amp: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules of ``amp``'s tree that no converted graph covers (a module that keeps its Python around
+    converted children, a module it calls as it is): their own Python reads their parameters."""
+    covered = {id(m) for gm in amp.modules() if isinstance(gm, AmpGraphModule) for m in gm.modules()}
+    for path, m in amp.named_modules():
+        if id(m) not in covered:
+            yield path, m
 
 
 def _own(module: nn.Module) -> Iterator[nn.Parameter]:
@@ -229,6 +242,9 @@ def decide(amp: nn.Module) -> list[GatherDecision]:
     for gm in _graphs(amp):
         for p, is_low, why in _reads(gm, low):
             seen.setdefault(id(p), []).append((is_low, why))
+    for path, m in _eager(amp):
+        for p in m.parameters(recurse=False):
+            seen.setdefault(id(p), []).append((False, f"read by {path or 'the root'}'s own Python (it runs as it is)"))
     out = []
     for name, p in amp.named_parameters():
         reads = seen.get(id(p), [])

@@ -87,6 +87,15 @@ class Runtime:
         return (f"Runtime({self.name()}, steps on: {', '.join(on) or 'none'}, "
                 f"{'another mode, ' if self.alt is not None else ''}{len(self.variants)} made again)")
 
+    @classmethod
+    def from_keys(cls, d: dict) -> "Runtime | None":
+        """The runtime state a module pickled before it held one kept as ``_ampfx_*`` keys of its own (popped from
+        ``d``); ``None`` where ``d`` holds none of them."""
+        found = {f.name: d.pop(f"_ampfx_{f.name}") for f in dataclasses.fields(cls) if f"_ampfx_{f.name}" in d}
+        if not found:
+            return None
+        return cls(**found)
+
     def dispatched(self) -> bool:
         """Does a call do more than run the graph (a step is on, or there is another entry)?"""
         return self.alt is not None or any(getattr(self, s.field) is not None for s in CALL_STEPS)
@@ -94,7 +103,8 @@ class Runtime:
     def for_pickle(self, picklable: bool) -> "Runtime":
         """What a pickle holds (:data:`CALL_STEPS`' "pickled"): no follower and no entries made again, ``fixed``
         as what to bind it to again, the convert-again callable only where the model goes along (``picklable``)."""
-        return dataclasses.replace(self, check=None, variants=[], fixed=None,
+        return dataclasses.replace(self, check=None, variants=[], retired=None if self.retired is None else 0,
+                                   fixed=None,
                                    rebind=self.fixed.source[2:] if self.fixed is not None else None,
                                    reconvert=self.reconvert if picklable else None)
 

@@ -11,7 +11,8 @@ as if the quantisation were the identity (a straight-through estimate), and are 
 
 :func:`scaled_mm` multiplies two quantised operands with ``torch._scaled_mm`` on a GPU; on a CPU, where that
 kernel is a slow reference, it computes what the kernel computes, the float32 product of the dequantised
-operands (``tests/test_fp8_runtime.py`` checks that the two agree), rounded to the output dtype.
+operands (``tests/test_fp8_runtime.py`` checks that the two agree), rounded to the output dtype; so it does on a
+GPU for shapes the kernel refuses (a dimension that is not a multiple of 16).
 
 >>> x, w = torch.randn(4, 32), torch.randn(16, 32)
 >>> y = linear(x, w, None, RECIPES["tensorwise"])
@@ -65,10 +66,18 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     """``(a * scale_a) @ (b * scale_b)`` of FP8 operands, in ``out_dtype``: ``a`` [M, K] with a scalar or [M, 1]
     scale, ``b`` [K, N] with a scalar or [1, N] scale. ``torch._scaled_mm`` on a GPU; on a CPU the float32 product
     of the dequantised operands, which is what that kernel computes."""
-    if a.is_cuda:  # the kernel wants a row-major, b column-major
+    if a.is_cuda and _kernel_takes(a, scale_a, b, out_dtype):  # the kernel wants a row-major, b column-major
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a, scale_b=scale_b,
                                 out_dtype=out_dtype)
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+def _kernel_takes(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Can ``torch._scaled_mm`` multiply these on a GPU: every dimension a multiple of 16, and a 16-bit output
+    where the scales are per row (the GPUs before Hopper's newest cuBLAS take no other)? Elsewhere the product is
+    computed as the kernel would, from the dequantised operands."""
+    return (a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+            and (scale_a.numel() == 1 or out_dtype in (torch.bfloat16, torch.float16)))
 
 
 class _Linear(torch.autograd.Function):

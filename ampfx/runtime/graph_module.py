@@ -461,6 +461,10 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
         # GraphModule.__init__ set its own defaults (the training flag as True): what was saved wins over them
         if (key not in gm.__dict__ or key.startswith("_ampfx")) and key not in ("_graph", "_code", runtime.LIVE_READS):
             gm.__dict__[key] = value
+    if "_ampfx_runtime" not in gm.__dict__:  # pickled before the runtime state was one attribute
+        old = Runtime.from_keys(gm.__dict__)
+        if old is not None:
+            gm.__dict__["_ampfx_runtime"] = old
     model = gm.__dict__.get("_ampfx_model")
     if model is not None:  # a view of the loaded copy of its model module, as a deep copy is
         gm.view_of(model)

@@ -50,8 +50,6 @@ from ..errors import BakedValueError, GuardError, PolicyError
 from ..inputs import ExampleInputs
 from ..state import kept_buffers
 
-"""The converted graph module's attribute holding its :class:`Guard` (read on every call)."""
-
 _NO_DEFAULT = inspect.Parameter.empty
 _MISSING = object()
 
