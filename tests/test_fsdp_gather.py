@@ -185,3 +185,12 @@ def test_parameters_a_parametrization_or_the_models_own_python_reads_stay_float3
     assert branchy["emb.weight"].dtype == torch.float32, branchy["emb.weight"]  # the head reads it low
     assert branchy["emb.weight"].reason.startswith("read by emb's own Python")
     assert branchy["body.weight"].dtype == torch.bfloat16
+
+
+def test_a_parameter_held_in_a_low_dtype_is_gathered_as_it_is():
+    net = nn.Sequential(nn.Linear(4, 4))
+    net.register_parameter("table", nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)))
+    amp = ampfx.convert(net, "bf16", example_inputs=(torch.randn(2, 4),))
+    table = {d.name: d for d in gather_low(amp)}["table"]
+    assert table.dtype == torch.bfloat16 and table.reason.startswith("held in")
+    assert type(amp.table) is nn.Parameter and isinstance(net[0].weight, LowShard)

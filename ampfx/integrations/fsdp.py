@@ -277,16 +277,17 @@ def gather_low(amp: nn.Module) -> list[GatherDecision]:
     """
     from torch.distributed.tensor import DTensor
     decisions = decide(amp)
-    low = {d.name for d in decisions if d.dtype != torch.float32 and d.dtype in runtime.CASTABLE}
     for name, p in amp.named_parameters():
         if isinstance(p, DTensor):
             raise ArgumentError(f"gather_low: {name} is sharded already; call gather_low(amp) before fully_shard")
     made: dict[int, nn.Parameter] = {}  # a tied parameter stays one parameter
     hooked: set[int] = set()
-    dtypes = {id(p): d.dtype for (name, p), d in zip(amp.named_parameters(), decisions) if d.name in low}
+    # the float32 masters decided low (a parameter held in a low dtype is gathered as it is, as FSDP2 does)
+    dtypes = {id(p): d.dtype for (_, p), d in zip(amp.named_parameters(), decisions)
+              if p.dtype == torch.float32 and d.dtype != torch.float32}
     for module in amp.modules():
         for key, p in list(module._parameters.items()):
-            if p is None or isinstance(p, LowShard) or id(p) not in dtypes and id(p) not in made:
+            if p is None or isinstance(p, LowShard) or id(p) not in dtypes:
                 continue
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(LowShard(p.detach(), dtypes[id(p)]), requires_grad=p.requires_grad)

@@ -44,7 +44,6 @@ import copy
 import functools
 import inspect
 import io
-import logging
 import pickle
 import types
 from typing import Any, Callable
@@ -58,11 +57,9 @@ from torch.fx.graph_module import _CodeOnlyModule
 from .. import runtime
 from ..errors import BakedValueError
 from ..state import TORCH_KEYS
-from .entries import ModeUnavailable, PendingMode, Runtime, copy_flags, run, stands_for
+from .entries import ModeUnavailable, PendingMode, Runtime, run, stands_for
 
 __all__ = ["AmpGraphModule", "ModeUnavailable", "OutputCodeGen", "PendingMode", "graph_module", "run"]
-
-log = logging.getLogger(__name__)
 
 TREE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 """What ``nn.Module`` keeps of its tree (shared with the model module, ``_modules`` excepted)."""
