@@ -103,11 +103,15 @@ def cast_part_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not ctx.prefix:  # the model's own inputs: the graph's input guards check them
         return
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    body = position[inputs[-1]] if inputs else -1
     for node in inputs:
         d = record(node)
         want = d.out if isinstance(d, Decision) else None
-        # the checks of arguments fixed while tracing (interleaved with the placeholders) read them as handed
-        users = [u for u in node.users if u.target not in (runtime.cast, runtime.assert_is_none)]
+        # the checks of arguments fixed while tracing (interleaved with the placeholders, whatever op they
+        # compare with) read them as handed: only the body after the last placeholder reads the cast
+        users = [u for u in node.users
+                 if position[u] > body and u.target not in (runtime.cast, runtime.assert_is_none)]
         if want not in runtime.CASTABLE or not users:
             continue
         with gm.graph.inserting_after(inputs[-1]):

@@ -52,6 +52,52 @@ def test_fixed_container_and_bool_defaults_convert_and_are_guarded(tracer):
             amp(*args, **kwargs)
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, output_attentions=False):
+        return (self.l(x),) + ((x,) if output_attentions else ())
+
+
+class _Encoder(nn.Module):
+    """A Hugging Face encoder's shape: optional arguments, one read by ``if``, another after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x, mask=None, output_attentions=False, output_hidden_states=False):
+        if output_attentions:
+            x = x * 2
+        for block in self.layer:
+            x = block(x, None, output_attentions=output_attentions)[0]
+        return x
+
+
+class _EagerRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = _Encoder()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: the root keeps its Python, its encoder is a part
+            return x
+        return self.enc(x, None, output_attentions=False, output_hidden_states=False)
+
+
+def test_a_part_with_a_fixed_flag_before_another_argument_converts_without_example_inputs():
+    """Without example inputs every input of a part is presumed float32, a fixed ``output_attentions`` too:
+    its input cast was placed after the last placeholder while the check of its fixed value, which comes
+    before that placeholder, was made to read it (the graph failed its lint: a Hugging Face BERT converted
+    without example inputs crashed so). The checks read the argument as handed; the model's result."""
+    model, x = _EagerRoot(), torch.randn(2, 4)
+    amp = ampfx.convert(model, "bf16")
+    assert ("enc", "fx, optional arguments fixed") in [(p.path, p.method) for p in amp.ampfx_report.parts]
+    assert rel(amp(x), model(x)) < 0.03
+
+
 # -- Fourier transforms after a low-precision op -------------------------------------------------------------------
 
 class Spectral(nn.Module):
