@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import logging
+import warnings
+from collections import Counter
 from typing import Any, Mapping
 
 import torch
@@ -124,11 +126,30 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
                             _cache_weights(result, request.policy))
     if given_a_view:
         notes += ("the module given is a converted module, a view of its model: that model was converted",)
+    notes += _fp8_unused(request.policy, report)
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
     _save(report, request.policy)
     return result
+
+
+def _fp8_unused(policy: Policy, report: Report) -> tuple[str, ...]:
+    """With ``fp8=`` and no GEMM put in FP8, a note saying why (by rule) and the same as a warning: asking for FP8
+    and getting none is never silent."""
+    if policy.fp8 is None:
+        return ()
+    rows = [r for r in report.records if r.fp8 is not None]
+    if any(r.fp8.output for r in rows):
+        return ()
+    name = policy.fp8 if isinstance(policy.fp8, str) else policy.fp8.name
+    why = Counter(r.fp8.rule.value for r in rows)
+    said = (", ".join(f"{rule} {n}" for rule, n in why.most_common()) + " (the report's decisions say why, node by "
+            "node: fp8_roofline='none' drops the cost rule, fp8_modules forces modules)") if rows else \
+        "the converted graphs have no GEMM node (a module keeping its Python runs its own)"
+    note = f"fp8={name!r} put no GEMM in FP8: {len(rows)} GEMM nodes stay in the low dtype: {said}"
+    warnings.warn(note, stacklevel=4)
+    return (note,)
 
 
 def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -> None:

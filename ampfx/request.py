@@ -156,8 +156,15 @@ def resolve(model: nn.Module, policy: Policy) -> Resolved:
         if isinstance(leaf, str):
             module = model.get_submodule(leaf)
             leaves += [n for n, m in named if n and m is module]
+    fp8_ends = None
+    if policy.fp8 is not None:
+        linears = [n for n, m in named if n and isinstance(m, nn.Linear)]
+        fp8_ends = tuple(dict.fromkeys((linears[0], linears[-1]))) if linears else ()
     return Resolved(fp32_matched=matched, keep_matched=kept, filter_rejected=rejected,
-                    leaf_names=frozenset(leaves))
+                    leaf_names=frozenset(leaves),
+                    fp8_forced=module_match.resolve(model, policy.fp8_modules, "fp8_modules"),
+                    fp8_skipped=module_match.resolve(model, policy.fp8_skip_modules, "fp8_skip_modules"),
+                    linear_ends=fp8_ends)
 
 
 def _check_initialised(model: nn.Module) -> None:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, gemms, pad, paint, reductions, sensitivity,
-               shapes, transforms, tuned, unpack, writes)
+from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, fp8, gemms, pad, paint, reductions,
+               sensitivity, shapes, transforms, tuned, unpack, writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -40,6 +40,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     writes.decide_writes,  # what a node writes where not its dtype: bias after the cast, low writes, copies left out
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted
+    fp8.decide_fp8,  # with fp8=: each GEMM node's FP8 decision, FP8 linears where they pay (no-op without it)
     autocast.stamp_autocast,  # autocast's dtype copied into each node's Decision
     boundary.cast_part_inputs,  # a part's float inputs cast to the dtypes its graph was converted for
 ]

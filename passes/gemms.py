@@ -131,5 +131,7 @@ def count_gemms(gm: fx.GraphModule, example_inputs: Any, dtype: torch.dtype) -> 
     for node in gm.graph.nodes:
         d = record(node)
         if isinstance(d, Decision):
-            node.meta[RECORD] = dataclasses.replace(d, gemms=count.all[node], gemms_low=count.low_ones[node])
+            # an FP8 linear runs its GEMM in FP8, below the low dtype, though its emulation off a GPU reads float32
+            low = count.all[node] if d.fp8 is not None and d.fp8.output else count.low_ones[node]
+            node.meta[RECORD] = dataclasses.replace(d, gemms=count.all[node], gemms_low=low)
     return how

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["getting-started.md", "concepts.md", "policy.md", "report.md", "numerics.md", "plots.md", "tuning.md", "scale.md"]
+PAGES = ["getting-started.md", "concepts.md", "policy.md", "report.md", "numerics.md", "plots.md", "tuning.md", "scale.md",
+         "fp8.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -36,14 +36,16 @@ def test_forward_and_gradients_equal_float32_of_the_same_quantised_operands(reci
     y = linear(x, w, None, r)
     y.backward(g)
     along = (lambda d: d) if r.rowwise else (lambda d: None)
-    want_y = _dq(*quantize(x.detach(), E4M3, along(1))) @ _dq(*quantize(w.detach(), E4M3, along(1))).t()
+    p2, grads = r.power_of_2_scales, getattr(torch, r.backward)
+    assert grads == (E4M3 if r.rowwise else E5M2) and p2 == r.rowwise  # torchao's recipes
+    want_y = _dq(*quantize(x.detach(), E4M3, along(1), p2)) @ _dq(*quantize(w.detach(), E4M3, along(1), p2)).t()
     torch.testing.assert_close(y, want_y, rtol=0, atol=0)
-    want_gx = _dq(*quantize(g, E5M2, along(1))) @ _dq(*quantize(w.detach(), E4M3, along(0)))
+    want_gx = _dq(*quantize(g, grads, along(1), p2)) @ _dq(*quantize(w.detach(), E4M3, along(0), p2))
     torch.testing.assert_close(x.grad, want_gx, rtol=0, atol=0)
     if r.weight_grad_high_precision:
         want_gw = g.t() @ x.detach()
     else:
-        want_gw = _dq(*quantize(g.t(), E5M2, along(1))) @ _dq(*quantize(x.detach(), E4M3, along(0)))
+        want_gw = _dq(*quantize(g.t(), grads, along(1), p2)) @ _dq(*quantize(x.detach(), E4M3, along(0), p2))
     torch.testing.assert_close(w.grad, want_gw, rtol=1e-6, atol=1e-6)
 
 

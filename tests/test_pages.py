@@ -39,7 +39,7 @@ def test_every_readme_output_block_follows_the_code_that_prints_it():
 
 def test_docs_index_lists_every_page_and_readme_links_it():
     index = (DOCS / "README.md").read_text()
-    linked = set(re.findall(r"\]\(([a-z-]+\.md)[)#]", index))
+    linked = set(re.findall(r"\]\(([a-z0-9-]+\.md)[)#]", index))
     assert linked == {p.name for p in PAGES if p.name != "README.md"}
     assert "](docs/README.md)" in README.read_text()
 

@@ -218,10 +218,13 @@ def test_each_fields_variable_is_defined_once_on_the_field():
     base = Policy()
     for var, f in ENV_FIELDS.items():
         assert ENV_VARS[var] == f.metadata["help"] and var.startswith("AMPFX_")
-        value = ("0" if f.default else "1") if f.metadata["kind"] == "bool" else samples[f.metadata["kind"]]
-        got = from_env(base, {var: value})
+        kind = f.metadata["kind"]
+        value = ("0" if f.default else "1") if kind == "bool" else \
+            f.metadata.get("example", samples[kind]) if kind == "word" else samples[kind]
+        with_needs = dataclasses.replace(base, **f.metadata.get("needs", {}))
+        got = from_env(with_needs, {var: value})
         changed = [g.name for g in dataclasses.fields(Policy)
-                   if g.name not in ("env",) and getattr(got, g.name) != getattr(base, g.name)]
+                   if g.name not in ("env",) and getattr(got, g.name) != getattr(with_needs, g.name)]
         assert changed == [f.name], (var, changed)
 
 

@@ -118,6 +118,10 @@ class OpEntry:
     bits survive only if the op computes in float32. ``exact``: the result
     depends on exact input values (an integer conversion, a comparison, an
     argmax): the float32 values it reads must not be rounded first.
+
+    What FP8 needs (``ampfx.passes.fp8``): ``fp8``: a weight GEMM ``fp8=`` can run in FP8 (a linear layer:
+    x[..., K] by weight[N, K]). ``chooses``: the result picks among its input's entries (``topk``, ``sort``,
+    ``argmax``): a GEMM whose output reaches one is a router.
     """
 
     name: str
@@ -144,6 +148,8 @@ class OpEntry:
     dtype_like: tuple[Any, ...] = ()
     additive: bool = False
     exact: bool = False
+    fp8: bool = False
+    chooses: bool = False
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[Category, str]:
         """The ``(category, reason)`` that applies when converting to ``dtype``."""
@@ -211,7 +217,7 @@ A, I, C, D, P = Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY, C
 # --------------------------------------------------------------------------- ALLOW
 _GEMM = "GEMM: tensor-core friendly, low-precision inputs with float32 accumulation halve the bytes moved"
 _op("linear", A, _GEMM, fns=[F.linear], modules=_mods("Linear", "LazyLinear"), aten=["linear"], gemm="linear",
-    probe="linear", split_bias=True)
+    probe="linear", split_bias=True, fp8=True)
 _op("bilinear", A, _GEMM, fns=_torch_fns("bilinear"), modules=_mods("Bilinear"), aten=["bilinear"], probe="bilinear")
 _op("matmul", A, _GEMM, fns=[torch.matmul, operator.matmul], methods=["matmul", "__matmul__"], aten=["matmul"],
     gemm="matmul", probe="matmul")
@@ -262,7 +268,8 @@ for _name in _views:
     _op(_name, C, _NEUTRAL, fns=[f for f in _torch_fns(_name) if _name != "unfold"],  # F.unfold: im2col, below
         methods=[_name], aten=[_name, *(["native_channel_shuffle"] if _name == "channel_shuffle" else [])],
         modules=_mods(*_view_modules.get(_name, ())),
-        index_args=(("index", 2) if _name in ("index_select", "gather") else ()), view=_name in _aliasing)
+        index_args=(("index", 2) if _name in ("index_select", "gather") else ()), view=_name in _aliasing,
+        chooses=_name in ("topk", "sort"))
 _op("getitem", C, _NEUTRAL + "; a slice is cast after it is taken (fewer bytes)", fns=[operator.getitem],
     view=True, select=True)
 _op("cat", C, _NEUTRAL, fns=_torch_fns("cat", "concat", "concatenate"), aten=["cat"])
@@ -452,7 +459,7 @@ for _name, _fns, _methods in [
                   if hasattr(torch.fx._symbolic_trace, "_assert_is_none") else [])], []),
 ]:
     _op(_name, P, _NONFLOAT, fns=_fns, methods=_methods, result=Result.NONFLOAT,
-        exact=_name in ("compare", "argmax"))
+        exact=_name in ("compare", "argmax"), chooses=_name == "argmax")
 _op("getattr", P, _NONFLOAT + "; an attribute that holds a float tensor (topk(...).values) is a selection: it "
     "keeps the dtype the container's tensor has", fns=[builtins.getattr], result=Result.NONFLOAT, view=True,
     select=True, float_attrs=("values", "T", "mT", "H", "mH", "real", "imag", "data"))

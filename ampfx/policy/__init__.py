@@ -45,7 +45,7 @@ import torch
 
 from .. import ops
 from ..ops import custom_ops
-from . import policy_file
+from . import fp8, policy_file
 from ..errors import PolicyError
 from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, glob_regex, import_object, is_glob, parse_dtype, resolve_op
 from ..ops import LISTS, Category
@@ -167,9 +167,32 @@ def _check_fields(p: "Policy") -> None:
             raise PolicyError(f"leaf_modules: {leaf!r} is neither a module name nor a module type")
 
 
+def _set_fp8(p: "Policy") -> None:
+    """``fp8`` and ``fp8_roofline`` as a preset's name (lower case) or the user's record, the FP8 module lists as
+    entries; FP8 options without ``fp8`` are an error (they would change nothing)."""
+    recipe, roofline = fp8.recipe(p.fp8), fp8.roofline(p.fp8_roofline)
+    object.__setattr__(p, "fp8", recipe.name if recipe is not None and recipe in fp8.RECIPES.values() else recipe)
+    object.__setattr__(p, "fp8_roofline", "none" if roofline is None else
+                       roofline.name if roofline in fp8.ROOFLINES.values() else roofline)
+    for name in ("fp8_modules", "fp8_skip_modules"):
+        object.__setattr__(p, name, _module_entries(getattr(p, name), name))
+        if getattr(p, name) and recipe is None:
+            raise PolicyError(f"{name}={getattr(p, name)!r} without fp8=: name an FP8 recipe (fp8='tensorwise', "
+                              "AMPFX_FP8=tensorwise), or leave the FP8 module lists out")
+    if recipe is None and p.fp8_roofline != "h100":
+        raise PolicyError(f"fp8_roofline={p.fp8_roofline!r} without fp8=: name an FP8 recipe (fp8='tensorwise', "
+                          "AMPFX_FP8=tensorwise), or leave fp8_roofline out")
+    if p.fp8_modules and p.fp8_skip_modules:
+        both = [e for e in p.fp8_modules if e in p.fp8_skip_modules]
+        if both:
+            raise PolicyError(f"{both[0]!r} is in both fp8_modules and fp8_skip_modules: name it in one")
+
+
 def _env(var: str, kind: str, help: str, **more: Any) -> dict[str, Any]:
     """A Policy field's environment variable: its name, how its value is read (:data:`ENV_KINDS`) and its help
-    text (``ampfx lists`` and docs/policy.md show it). The one place an option's variable is defined."""
+    text (``ampfx lists`` and docs/policy.md show it). The one place an option's variable is defined. ``more``:
+    ``example``, a value the variable takes; ``needs``, the other fields (with a value) without which setting this
+    one is an error."""
     return {"env": var, "kind": kind, "help": help, **more}
 
 
@@ -248,6 +271,24 @@ class Policy:
     hand_low: bool = field(default=False, metadata=_env(
         "AMPFX_HAND_LOW", "bool", "1 to let converted children of a module that keeps its Python hand each other "
         "low values through it (fewer casts, but every op of that Python is intercepted; default 0)"))
+    #: FP8 GEMMs on top of the low-precision plan (ampfx.passes.fp8): a recipe's name ("tensorwise", "rowwise",
+    #: "rowwise_with_gw_hp"), an ampfx.policy.fp8.Recipe, or None (no FP8)
+    fp8: Any = field(default=None, metadata=_env(
+        "AMPFX_FP8", "word", "an FP8 recipe for the linear layers' GEMMs where they pay: tensorwise, rowwise, "
+        "rowwise_with_gw_hp; off (default): none", example="tensorwise"))
+    #: the target device whose peak rates and bandwidth decide where an FP8 GEMM pays (rule fp8:cost): "h100",
+    #: "h200", "b200", an ampfx.policy.fp8.Roofline, or "none" (every size)
+    fp8_roofline: Any = field(default="h100", metadata=_env(
+        "AMPFX_FP8_ROOFLINE", "word", "the device whose rates decide where an FP8 GEMM pays: h100 (default), h200, "
+        "b200; none: every size", example="none", needs={"fp8": "tensorwise"}))
+    #: modules whose linear layers run in FP8 whatever their size or position (rule fp8:forced)
+    fp8_modules: tuple = field(default=(), metadata=_env(
+        "AMPFX_FP8_MODULES", "append", "comma-separated modules whose linear layers run in FP8 whatever their size or "
+        "position: names, globs, classes", needs={"fp8": "tensorwise"}))
+    #: modules whose linear layers stay in the low dtype under fp8= (rule fp8:module)
+    fp8_skip_modules: tuple = field(default=(), metadata=_env(
+        "AMPFX_FP8_SKIP_MODULES", "append", "comma-separated modules whose linear layers stay in the low dtype under "
+        "fp8: names, globs, classes", needs={"fp8": "tensorwise"}))
     #: fidelity rules (ampfx.passes.fidelity; docs/numerics.md): each keeps float32 values that autocast's type
     #: promotion keeps; switch one off to trade its fidelity for fewer bytes
     float32_stream: bool = field(default=True, metadata=_env(
@@ -294,6 +335,7 @@ class Policy:
         set_(self, "fp32_modules", _module_entries(self.fp32_modules))
         set_(self, "keep_modules", _module_entries(self.keep_modules, "keep_modules"))
         set_(self, "tuned", _tuned_pairs(self.tuned))
+        _set_fp8(self)
         if isinstance(self.leaf_modules, (str, type)):
             set_(self, "leaf_modules", (self.leaf_modules,))
         set_(self, "leaf_modules", tuple(self.leaf_modules))
@@ -435,7 +477,10 @@ class Resolved:
     ``filter_rejected``: every name of the modules ``module_filter_fn`` rejects (``None``: not resolved,
     the filter is asked during classification); ``leaf_names``: every name of the modules ``leaf_modules``
     names (a module registered twice, ``self.alias = self.fc``, is a leaf under both: the converted tree
-    copies each name's module apart, and a graph records the name ``forward`` used).
+    copies each name's module apart, and a graph records the name ``forward`` used). With ``fp8``:
+    ``fp8_forced`` / ``fp8_skipped``, the paths ``fp8_modules`` / ``fp8_skip_modules`` match, each with the words
+    the report uses; ``linear_ends``, the names of the model's first and last ``nn.Linear`` (registration order; ``()``: it has none;
+    ``None``: not resolved, and the fp8 pass on its own decides no position).
 
     >>> Resolved().fp32_matched, Resolved().keep_matched
     ((), None)
@@ -445,6 +490,9 @@ class Resolved:
     keep_matched: tuple[tuple[str, str], ...] | None = None
     filter_rejected: frozenset[str] | None = None
     leaf_names: frozenset[str] = frozenset()
+    fp8_forced: tuple[tuple[str, str], ...] = ()
+    fp8_skipped: tuple[tuple[str, str], ...] = ()
+    linear_ends: tuple[str, ...] | None = None
 
     def below(self, prefix: str) -> frozenset[str]:
         """The names in ``leaf_names`` under the module at ``prefix`` (``"enc."``), as paths in that module."""

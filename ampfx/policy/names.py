@@ -37,6 +37,8 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
         return _DTYPES[value.strip().lower()]
     hint = (" (the model already runs in it; to keep it, do not convert, or set AMPFX_DISABLE=1)"
             if isinstance(value, torch.dtype) and value.is_floating_point else "")
+    if "8" in str(value):
+        hint = " (FP8 GEMMs ride on a 16-bit plan: convert(model, 'bf16', fp8='tensorwise'))"
     raise PolicyError(f"{where}={value!r} is not a low-precision dtype{hint}; use one of "
                       "torch.bfloat16, torch.float16, 'bf16', 'fp16', 'bfloat16', 'float16'")
 

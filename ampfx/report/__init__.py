@@ -183,7 +183,8 @@ class Report:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
         lines += self._inside_lines()
         lines += self._gemm_lines()
-        lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling"))]
+        lines += self.fp8_lines()
+        lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling", "fp8="))]
         for reg in self.parts:
             if reg.method not in ("fx",) or reg.leaves or reg.functions:
                 where = reg.path or "<root>"
@@ -195,6 +196,32 @@ class Report:
                     extra += f"; first error: {first[:160]}{'...' if len(first) > 160 else ''}"
                 lines.append(f"  capture {where}: {reg.method}{extra}")
         return "\n".join(lines)
+
+    def fp8_lines(self) -> list[str]:
+        """With ``fp8=``, the summary's line for it: how many GEMM nodes run in FP8, their share of the forward's GEMM
+        FLOPs (those known from the example inputs), and why the others do not, counted by rule. Nothing without
+        ``fp8=``.
+
+        >>> import torch, ampfx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+        ...                         torch.nn.Linear(32, 16))
+        >>> amp = ampfx.convert(m, "bf16", example_inputs=torch.randn(16, 16), fp8="tensorwise", fp8_roofline="none")
+        >>> print(amp.ampfx_report.fp8_lines()[0])
+          FP8 (tensorwise): 1/3 GEMM nodes, 32,768 of 65,536 GEMM FLOPs (50%); not FP8: fp8:position 2
+        """
+        rows = [r for r in self.records if r.fp8 is not None]
+        if not rows:
+            return []
+        on = [r for r in rows if r.fp8.output]
+        flops = [r.fp8.flops for r in rows]
+        share = "GEMM FLOPs unknown (no example_inputs)"
+        if None not in flops:
+            total, fp8 = sum(flops), sum(r.fp8.flops for r in on)
+            share = f"{fp8:,} of {total:,} GEMM FLOPs ({fp8 / total:.0%})" if total else "no GEMM FLOPs"
+        off = Counter(r.fp8.rule.value for r in rows if not r.fp8.output)
+        why = ", ".join(f"{rule} {n}" for rule, n in sorted(off.items(), key=lambda kv: (-kv[1], kv[0])))
+        return [f"  FP8 ({rows[0].fp8.recipe}): {len(on)}/{len(rows)} GEMM nodes, {share}"
+                + (f"; not FP8: {why}" if why else "")]
 
     def _gemm_lines(self) -> list[str]:
         """The summary's line for GEMMs that do not run in the low dtype inside nodes whose op is not a GEMM

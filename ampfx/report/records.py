@@ -216,6 +216,58 @@ class Rule(str, enum.Enum):
         return self._value_[len("env:"):] if self._name_ == "ENV" and self is not Rule.ENV else None
 
 
+class Fp8Rule(str, enum.Enum):
+    """What decided a GEMM node's FP8 decision (:class:`Fp8Decision`, ``fp8=``): ``doc`` says it in a line.
+
+    >>> Fp8Rule("fp8:cost") is Fp8Rule.COST, f"{Fp8Rule.FP8}"
+    (True, 'fp8')
+    """
+
+    def __new__(cls, value: str, doc: str) -> "Fp8Rule":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.doc = doc
+        return member
+
+    FP8 = "fp8", "a linear layer's GEMMs whose sizes pay in FP8 on the target device: they run in FP8 under the recipe"
+    FORCED = "fp8:forced", "inside a module named in fp8_modules / AMPFX_FP8_MODULES: FP8 whatever its size or position"
+    OP = "fp8:op", ("FP8 runs linear layers (a weight GEMM: F.linear, nn.Linear); other GEMMs (products of "
+                    "activations, convolutions, fused attention, leaf modules) stay in the low dtype")
+    NOT_LOW = "fp8:not-low", "the node computes in float32 (its dtype decision): FP8 only replaces low-precision GEMMs"
+    SHAPE = "fp8:shape", "K or N is not a multiple of 16, or not known: the FP8 kernel (torch._scaled_mm) needs both"
+    COST = "fp8:cost", ("on the target device (fp8_roofline) quantising the operands costs more time than the FP8 "
+                        "GEMM saves")
+    POSITION = "fp8:position", ("the model's first or last linear layer (its input features, its output logits): "
+                                "kept in the low dtype, as Megatron and torchao's float8 recipes keep them")
+    ROUTER = "fp8:router", "its output chooses among experts (reaches a top-k): routing scores stay in the low dtype"
+    SKIPPED = "fp8:module", "inside a module named in fp8_skip_modules / AMPFX_FP8_SKIP_MODULES"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self._value_)
+
+
+@dataclass(frozen=True)
+class Fp8Decision:
+    """A GEMM node's FP8 decision under ``fp8=``: the ``recipe``, which of its three GEMMs run in FP8 (``output``
+    ``x @ w.T``, ``input_grad`` ``g @ w``, ``weight_grad`` ``g.T @ x``), the :class:`Fp8Rule` and the reason, and
+    ``flops``, its forward GEMM's floating-point operations on the example inputs (``None``: unknown)."""
+
+    recipe: str
+    rule: Fp8Rule
+    reason: str
+    output: bool = False
+    input_grad: bool = False
+    weight_grad: bool = False
+    flops: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.rule) is not Fp8Rule:
+            object.__setattr__(self, "rule", Fp8Rule(self.rule))
+
+
 @dataclass(frozen=True)
 class Decision:
     """Why one node got its dtype.
@@ -241,7 +293,7 @@ class Decision:
     :mod:`ampfx.passes.writes`). ``gemms`` is how many ATen GEMMs (:data:`ampfx.ops.ATEN_GEMMS`) one call of the
     converted node runs on the example inputs, those inside a leaf or an opaque function included, and
     ``gemms_low`` how many of them read the low dtype (:mod:`ampfx.passes.gemms`); ``None`` where not
-    counted (no example inputs).
+    counted (no example inputs). ``fp8``: with ``fp8=``, a GEMM node's :class:`Fp8Decision` (``None`` otherwise).
     """
 
     node: str
@@ -264,6 +316,7 @@ class Decision:
     bias_after: bool = False
     gemms: int | None = None
     gemms_low: int | None = None
+    fp8: Fp8Decision | None = None
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup

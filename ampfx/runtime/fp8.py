@@ -21,42 +21,33 @@ GPU for shapes the kernel refuses (a dimension that is not a multiple of 16).
 """
 from __future__ import annotations
 
-import dataclasses
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+from ..policy.fp8 import HAS_FP8, RECIPES, Recipe, from_spec
+
+E4M3, E5M2 = (torch.float8_e4m3fn, torch.float8_e5m2) if HAS_FP8 else (None, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """How FP8 GEMMs scale their operands: ``rowwise`` (one scale per row along the reduced dimension) or one per
-    tensor; ``weight_grad_high_precision``: the weight gradient GEMM runs in the operands' own dtype."""
-
-    name: str
-    rowwise: bool
-    weight_grad_high_precision: bool = False
-    forward: torch.dtype = E4M3
-    backward: torch.dtype = E5M2
-
-
-RECIPES = {r.name: r for r in (Recipe("tensorwise", rowwise=False), Recipe("rowwise", rowwise=True),
-                               Recipe("rowwise_with_gw_hp", rowwise=True, weight_grad_high_precision=True))}
-"""The recipes ``fp8=`` names, as torchao names its float8 training recipes."""
-
-
-def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None,
+             power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``x ~ q.float() * scale``: ``scale`` float32, one for the whole tensor (``dim=None``)
-    or one per slice along ``dim`` (kept as a size-1 dimension); values past the FP8 range saturate.
+    or one per slice along ``dim`` (kept as a size-1 dimension), rounded up to a power of two with ``power_of_2``;
+    values past the FP8 range saturate.
 
     >>> q, s = quantize(torch.tensor([[1.0, -448.0], [2.0, 0.5]]), E4M3, dim=1)
     >>> q.dtype, s.flatten().tolist()
     (torch.float8_e4m3fn, [1.0, 0.004464285913854837])
+    >>> quantize(torch.tensor([[1.0, -448.0], [2.0, 0.5]]), E4M3, dim=1, power_of_2=True)[1].flatten().tolist()
+    [1.0, 0.0078125]
     """
     top = torch.finfo(dtype).max
     amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
     scale = (amax.float() / top).clamp(min=torch.finfo(torch.float32).tiny)
+    if power_of_2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (x.float() / scale).clamp(-top, top).to(dtype)
     return q, scale
 
@@ -86,8 +77,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
-        qx, sx = quantize(x, recipe.forward, rows)
-        qw, sw = quantize(w, recipe.forward, rows)
+        forward, p2 = getattr(torch, recipe.forward), recipe.power_of_2_scales
+        qx, sx = quantize(x, forward, rows, p2)
+        qw, sw = quantize(w, forward, rows, p2)
         ctx.save_for_backward(x, w)
         ctx.recipe = recipe
         return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
@@ -96,17 +88,19 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, w = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
+        forward, backward = getattr(torch, recipe.forward), getattr(torch, recipe.backward)
+        p2 = recipe.power_of_2_scales
         gx = gw = None
         if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: scaled along N
-            qg, sg = quantize(g, recipe.backward, 1 if recipe.rowwise else None)
-            qw, sw = quantize(w, recipe.forward, 0 if recipe.rowwise else None)
+            qg, sg = quantize(g, backward, 1 if recipe.rowwise else None, p2)
+            qw, sw = quantize(w, forward, 0 if recipe.rowwise else None, p2)
             gx = scaled_mm(qg, sg, qw, sw, x.dtype)
         if ctx.needs_input_grad[1]:  # g.T [N, M] @ x [M, K]: scaled along M
             if recipe.weight_grad_high_precision:
                 gw = (g.t().to(x.dtype) @ x).to(w.dtype)
             else:
-                qg, sg = quantize(g.t(), recipe.backward, 1 if recipe.rowwise else None)
-                qx, sx = quantize(x, recipe.forward, 0 if recipe.rowwise else None)
+                qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2)
+                qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2)
                 gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
         return gx, gw, None
 
@@ -117,3 +111,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rec
     lead = x.shape[:-1]
     out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe).reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
+
+
+@lru_cache(maxsize=None)
+def _recipe(spec: Any) -> Recipe:
+    return from_spec(spec)
+
+
+def linear_fp8(x: Any, weight: Any, bias: Any, spec: Any) -> Any:
+    """What a converted graph calls for a linear node the ``fp8`` pass put in FP8 (:mod:`ampfx.passes.fp8`):
+    :func:`linear` under the recipe ``spec`` names (a preset's name, or :attr:`Recipe.spec`). Re-tracing a
+    converted module records the call again.
+
+    >>> linear_fp8(torch.ones(2, 16), torch.ones(16, 16), None, "tensorwise")[0, :3].tolist()
+    [16.0, 16.0, 16.0]
+    """
+    if isinstance(x, torch.fx.Proxy):
+        return x.tracer.create_proxy("call_function", linear_fp8, (x, weight, bias, spec), {})
+    return linear(x, weight, bias, _recipe(spec))

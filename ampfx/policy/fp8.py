@@ -1,0 +1,156 @@
+"""What ``fp8=`` asks for: the FP8 recipes, and the roofline that says where an FP8 GEMM pays.
+
+A :class:`Recipe` says how the FP8 GEMMs of a linear layer scale their operands (the recipes are named as
+torchao names its float8 training recipes); a :class:`Roofline` is the target device's peak GEMM rates and
+memory bandwidth, from which the ``fp8:cost`` rule decides whether quantising a GEMM's operands costs more
+than running it in FP8 saves (:func:`Roofline.pays`). Both are frozen; the Policy holds a preset's name or a
+record of the user's, and :func:`recipe` / :func:`roofline` read either.
+
+>>> recipe("rowwise").rowwise, roofline("h100").name
+(True, 'h100')
+>>> recipe("rowwse")
+Traceback (most recent call last):
+...
+ampfx.errors.PolicyError: fp8='rowwse' is not an FP8 recipe: use 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp' (or an ampfx.policy.fp8.Recipe), or None for no FP8. Did you mean 'rowwise'?
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..errors import PolicyError, did_you_mean
+
+HAS_FP8 = hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2")
+"""Does the installed torch have the FP8 dtypes (torch >= 2.1)?"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How FP8 GEMMs scale their operands: ``rowwise`` (one scale per row along the reduced dimension) or one per
+    tensor; ``weight_grad_high_precision``: the weight gradient GEMM runs in the operands' own dtype; the FP8
+    dtypes of the forward operands and of the gradients (by name: ``"float8_e4m3fn"``, ``"float8_e5m2"``);
+    ``power_of_2_scales``: each scale rounded up to a power of two (exact to multiply by)."""
+
+    name: str
+    rowwise: bool
+    weight_grad_high_precision: bool = False
+    forward: str = "float8_e4m3fn"
+    backward: str = "float8_e5m2"
+    power_of_2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        for which in ("forward", "backward"):
+            value = getattr(self, which)
+            if isinstance(value, torch.dtype):
+                object.__setattr__(self, which, str(value).replace("torch.", ""))
+            if getattr(self, which) not in ("float8_e4m3fn", "float8_e5m2"):
+                raise PolicyError(f"Recipe {self.name!r}: {which}={value!r}: use 'float8_e4m3fn' or 'float8_e5m2'")
+
+    @property
+    def spec(self) -> tuple[Any, ...]:
+        """The recipe as a converted graph's code holds it (names, booleans): :func:`from_spec` reads it back."""
+        return dataclasses.astuple(self)
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("tensorwise", rowwise=False),
+    Recipe("rowwise", rowwise=True, backward="float8_e4m3fn", power_of_2_scales=True),
+    Recipe("rowwise_with_gw_hp", rowwise=True, weight_grad_high_precision=True, backward="float8_e4m3fn",
+           power_of_2_scales=True))}
+"""The recipes ``fp8=`` names, as torchao 0.18 defines its float8 training recipes: tensorwise e4m3 forward and e5m2
+gradients; rowwise e4m3 throughout (a scale per row keeps the gradients' range) with power-of-two scales."""
+
+
+def from_spec(spec: Any) -> Recipe:
+    """The recipe a graph names: a preset's name, or a :attr:`Recipe.spec`."""
+    return RECIPES[spec] if isinstance(spec, str) else Recipe(*spec)
+
+
+def recipe(value: Any) -> Recipe | None:
+    """The :class:`Recipe` ``fp8=`` asks for: a preset by name (any case), a Recipe, ``None`` / ``"off"`` / ``"none"``
+    / ``""`` for none; a :class:`PolicyError` with a suggestion otherwise, or where torch has no FP8 dtypes."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
+        return None
+    if isinstance(value, Recipe):
+        found = value
+    elif isinstance(value, str) and value.strip().lower() in RECIPES:
+        found = RECIPES[value.strip().lower()]
+    else:
+        names = " or ".join(f"{n!r}" for n in RECIPES).replace(" or ", ", ", len(RECIPES) - 2)
+        raise PolicyError(f"fp8={value!r} is not an FP8 recipe: use {names} (or an ampfx.policy.fp8.Recipe), or None "
+                          f"for no FP8.{did_you_mean(str(value).strip().lower(), RECIPES)}")
+    if not HAS_FP8:
+        raise PolicyError(f"fp8={found.name!r}: this torch ({torch.__version__}) has no float8 dtypes "
+                          "(torch.float8_e4m3fn, torch.float8_e5m2); FP8 needs torch >= 2.1. Convert without fp8=, or "
+                          "upgrade torch.")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A target device's dense GEMM rates (TFLOP/s, bfloat16 and FP8) and memory bandwidth (TB/s), and how many
+    bytes current scaling moves per operand element to quantise it from 16 bits (read for the amax, read again
+    and write one byte: 5). The ``fp8:cost`` rule reads it (:meth:`pays`)."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    bandwidth_tbs: float
+    quantize_bytes: float = 5.0
+
+    def __post_init__(self) -> None:
+        for which in ("bf16_tflops", "fp8_tflops", "bandwidth_tbs", "quantize_bytes"):
+            value = getattr(self, which)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise PolicyError(f"Roofline {self.name!r}: {which}={value!r}: use a positive number")
+
+    @property
+    def threshold(self) -> float:
+        """``M*N/(M+N)`` above which an FP8 GEMM pays: its time saved, ``2MNK (1/bf16 - 1/fp8)``, is more than the
+        time its operands take to quantise, ``quantize_bytes (M + N) K / bandwidth``. K cancels out.
+
+        >>> round(ROOFLINES["h100"].threshold)
+        1475
+        """
+        saved = 2 * (1 / self.bf16_tflops - 1 / self.fp8_tflops) / 1e12
+        if saved <= 0:
+            return float("inf")
+        return self.quantize_bytes / (self.bandwidth_tbs * 1e12) / saved
+
+    def pays(self, m: int | None, n: int) -> tuple[bool, str]:
+        """Does an FP8 GEMM with ``m`` rows (``None``: unknown, taken as large) and ``n`` outputs pay here, and the
+        reason in words.
+
+        >>> ROOFLINES["h100"].pays(8192, 4096)[0], ROOFLINES["h100"].pays(8192, 1024)[0]
+        (True, False)
+        """
+        top = self.threshold
+        if m is None:
+            size, said = float(n), f"N={n} (M unknown, taken as large)"
+        else:
+            size, said = m * n / (m + n), f"M={m}, N={n}: M*N/(M+N)={m * n / (m + n):.0f}"
+        if size > top:
+            return True, f"{said} > {top:.0f}, where FP8 pays on {self.name}"
+        rates = f"{self.bf16_tflops:g}/{self.fp8_tflops:g} TFLOP/s bf16/fp8, {self.bandwidth_tbs:g} TB/s"
+        return False, (f"{said} <= {top:.0f}: on {self.name} ({rates}) quantising the operands costs more than the "
+                       "FP8 GEMM saves (fp8_roofline='none' ignores cost)")
+
+
+ROOFLINES: dict[str, Roofline] = {r.name: r for r in (
+    Roofline("h100", 989.0, 1979.0, 3.35), Roofline("h200", 989.0, 1979.0, 4.8), Roofline("b200", 2250.0, 4500.0, 8.0))}
+"""Dense peak rates of the presets (vendor datasheets, SXM parts, without sparsity)."""
+
+
+def roofline(value: Any) -> Roofline | None:
+    """The :class:`Roofline` ``fp8_roofline=`` names: a preset, a Roofline, ``None`` / ``"none"`` for no cost rule."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "off")):
+        return None
+    if isinstance(value, Roofline):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ROOFLINES:
+        return ROOFLINES[value.strip().lower()]
+    raise PolicyError(f"fp8_roofline={value!r}: use {', '.join(repr(n) for n in ROOFLINES)}, an "
+                      "ampfx.policy.fp8.Roofline(name, bf16_tflops, fp8_tflops, bandwidth_tbs), or 'none' for no cost "
+                      f"rule.{did_you_mean(str(value).strip().lower(), ROOFLINES)}")

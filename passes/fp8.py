@@ -1,0 +1,221 @@
+"""Pass: FP8 GEMMs where they pay, each GEMM node with its FP8 decision (``fp8=``; no-op without it).
+
+On top of the low-precision plan, every GEMM node (an op of the allow list) gets an
+:class:`~ampfx.report.records.Fp8Decision`: which of its three GEMMs run in FP8 (output, input gradient,
+weight gradient), by which :class:`~ampfx.report.records.Fp8Rule`, and why. The rules, first match wins:
+
+1. ``fp8:op``: only linear layers (``F.linear``, an inlined ``nn.Linear``, ``aten.linear``) run in FP8;
+   products of activations, convolutions, fused attention and leaf modules stay in the low dtype;
+2. ``fp8:not-low``: a linear the plan keeps float32 stays float32;
+3. ``fp8:module``: inside a module of ``fp8_skip_modules``;
+4. ``fp8:shape``: K and N must be multiples of 16 (``torch._scaled_mm``), and known;
+5. ``fp8:forced``: inside a module of ``fp8_modules``: FP8 (over the rules below);
+6. ``fp8:position``: the model's first or last ``nn.Linear`` (:attr:`~ampfx.policy.Resolved.linear_ends`), or,
+   where the model has none (a graph the compile backend converts holds parameters, not modules), the graph's
+   own first and last linear;
+7. ``fp8:router``: its output reaches a top-k or an arg-max within a few ops (an MoE's router);
+8. ``fp8:cost``: on the target device (``fp8_roofline``) quantising costs more than FP8 saves
+   (:meth:`ampfx.policy.fp8.Roofline.pays`; M from the example inputs, else taken as large);
+9. ``fp8``: FP8.
+
+An FP8 linear calls :func:`ampfx.runtime.fp8.linear_fp8` with the recipe, on the input and bias the plan casts
+for it and the weight's float32 master (quantised once, instead of cast to the low dtype first).
+
+Before (``fp8="tensorwise"``, K=N=4096 on the example inputs)::
+
+    w_bf16 = ampfx_runtime_cast(w, torch.bfloat16)
+    linear = torch._C._nn.linear(x_bf16, w_bf16, b_bf16)
+
+After::
+
+    linear = ampfx_runtime_fp8_linear_fp8(x_bf16, w, b_bf16, 'tensorwise')
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .. import ops, runtime
+from ..meta import RECORD, out_infos, record
+from ..ops import Category
+from ..policy import fp8 as vocabulary
+from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule
+from ..runtime.fp8 import linear_fp8
+from .classify import attr_of
+from .context import PassContext
+
+MULTIPLE = 16
+"""K and N of an FP8 GEMM are multiples of this (``torch._scaled_mm``'s requirement)."""
+
+_HOPS = 4
+"""A linear whose output reaches an op that chooses among its entries (``OpEntry.chooses``) within this many ops
+is a router."""
+
+
+def decide_fp8(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Give every GEMM node its FP8 decision and run the FP8 ones through :func:`linear_fp8` (see the module
+    docstring); nothing without ``fp8=``."""
+    recipe = vocabulary.recipe(ctx.policy.fp8)
+    if recipe is None:
+        return
+    gemms = [n for n in gm.graph.nodes if isinstance(record(n), Decision) and n.op in COMPUTE
+             and record(n).op in ops.ENTRIES and ops.ENTRIES[record(n).op].category is Category.ALLOW]
+    # the model's first and last nn.Linear; a graph of a model with none (the compile backend's graphs hold
+    # parameters, not modules): its own first and last linear
+    linears = [n for n in gemms if _is_linear(n, record(n))]
+    ends = {linears[0]: "first", linears[-1]: "last"} if ctx.resolved.linear_ends == () and linears else {}
+    for node in gemms:
+        d = record(node)
+        rule, reason, sizes = _rule(node, d, gm, ctx, ends)
+        on = rule in (Fp8Rule.FP8, Fp8Rule.FORCED)
+        node.meta[RECORD] = dataclasses.replace(d, fp8=Fp8Decision(
+            recipe=recipe.name, rule=rule, reason=reason, output=on, input_grad=on,
+            weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes)))
+        if on:
+            x, w, b = (list(node.args) + [node.kwargs.get("bias")])[:3]
+            node.target, node.args, node.kwargs = linear_fp8, (x, _master(gm, w), b, recipe.name if recipe.name in
+                                                               vocabulary.RECIPES else recipe.spec), {}
+
+
+def _master(gm: fx.GraphModule, weight: Any) -> Any:
+    """The weight an FP8 linear quantises: its float32 master where the plan cast it for this node alone (one
+    rounding, to FP8, instead of two; the cast goes), else what the plan reads."""
+    info = record(weight) if isinstance(weight, fx.Node) else None
+    if isinstance(info, CastInfo) and info.weight and len(weight.users) == 1 and weight.target is runtime.cast:
+        master = weight.args[0]
+        weight.replace_all_uses_with(master)
+        gm.graph.erase_node(weight)
+        return master
+    return weight
+
+
+def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext,
+          ends: dict[fx.Node, str]) -> tuple[Fp8Rule, str, dict]:
+    """The rule, its reason and the GEMM's sizes (``{"M": .., "N": .., "K": ..}``, ``None`` where unknown);
+    ``ends``: the graph's own first and last linear, where the model has no ``nn.Linear`` to say."""
+    sizes = _sizes(node, gm)
+    if not _is_linear(node, d):
+        return Fp8Rule.OP, f"{d.op}: FP8 runs linear layers only", sizes
+    if d.dtype != ctx.policy.dtype:
+        return Fp8Rule.NOT_LOW, f"computes in {str(d.dtype).replace('torch.', '')} ({d.rule})", sizes
+    skipped = _within(d.module, ctx.resolved.fp8_skipped)
+    if skipped:
+        return Fp8Rule.SKIPPED, f"{d.module}: {skipped}", sizes
+    k, n = sizes["K"], sizes["N"]
+    if k is None or n is None:
+        return Fp8Rule.SHAPE, "K or N unknown: the FP8 kernel needs multiples of 16", sizes
+    if k % MULTIPLE or n % MULTIPLE:
+        return Fp8Rule.SHAPE, f"K={k}, N={n}: the FP8 kernel needs multiples of {MULTIPLE}", sizes
+    forced = _within(d.module, ctx.resolved.fp8_forced)
+    if forced:
+        return Fp8Rule.FORCED, f"{d.module}: {forced}", sizes
+    if d.module in (ctx.resolved.linear_ends or ()):
+        which = "first" if d.module == ctx.resolved.linear_ends[0] else "last"
+        return Fp8Rule.POSITION, f"{d.module} is the model's {which} linear layer", sizes
+    if node in ends:
+        return Fp8Rule.POSITION, f"the {ends[node]} linear layer of this graph (it names no nn.Linear)", sizes
+    route = _routes(node)
+    if route is not None:
+        return Fp8Rule.ROUTER, f"its output reaches {route}: it chooses experts", sizes
+    roofline = vocabulary.roofline(ctx.policy.fp8_roofline)
+    if roofline is not None:
+        pays, why = roofline.pays(sizes["M"], n)
+        if not pays:
+            return Fp8Rule.COST, why, sizes
+        return Fp8Rule.FP8, why, sizes
+    return Fp8Rule.FP8, f"K={k}, N={n}: fp8_roofline='none' (every size)", sizes
+
+
+def _is_linear(node: fx.Node, d: Decision) -> bool:
+    """A weight GEMM FP8 runs (``OpEntry.fp8``) as a function of the graph: ``linear(x, w[, b])``."""
+    return (ops.ENTRIES[d.op].fp8 and node.op == "call_function" and 2 <= len(node.args) <= 3
+            and set(node.kwargs) <= {"bias"})
+
+
+def _within(module: str, matched: tuple[tuple[str, str], ...]) -> str | None:
+    """The words of the entry that matched ``module`` or a module above it, else ``None``."""
+    for path, why in matched:
+        if module == path or module.startswith(path + "."):
+            return why
+    return None
+
+
+def _routes(node: fx.Node) -> str | None:
+    """The op a few hops after ``node`` that chooses among its outputs (``topk``), else ``None``."""
+    frontier, seen = [node], {node}
+    for _ in range(_HOPS):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                d = record(user)
+                entry = ops.ENTRIES.get(d.op) if isinstance(d, Decision) else None
+                if entry is not None and entry.chooses:
+                    return d.op
+                if user not in seen:
+                    seen.add(user)
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
+    """An operand's sizes before conversion: a parameter's own, or from shape propagation (through a cast)."""
+    src = arg
+    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
+        src = src.args[0]  # a cast ampfx inserted (a padded one too): the value it casts
+    if not isinstance(src, fx.Node):
+        return None
+    if src.op == "get_attr":
+        obj = attr_of(gm, str(src.target))
+        return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
+    infos = out_infos(src)
+    return tuple(infos[0].shape) if infos else None
+
+
+def _int(size: Any) -> int | None:
+    """A size as an int, ``None`` where symbolic."""
+    if isinstance(size, int):
+        return size
+    value = sympy.sympify(size)
+    return int(value) if value.is_number else None
+
+
+def _sizes(node: fx.Node, gm: fx.GraphModule) -> dict[str, int | None]:
+    """M, N, K of a GEMM node: for a linear from its input and weight, for other GEMMs from the first operand
+    (K, its last size) and the output (N, M its other sizes multiplied); ``None`` where unknown."""
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    first = _shape(node.args[0], gm) if node.args and isinstance(node.args[0], fx.Node) else None
+    out = out_infos(node)
+    out_shape = tuple(out[0].shape) if out else None
+    layout = ops.ENTRIES[record(node).op].gemm
+    if _is_linear(node, record(node)) and len(args) >= 2:
+        weight = _shape(node.args[1], gm)
+        if weight is None or len(weight) != 2:
+            return {"M": None, "N": None, "K": None}
+        lead = [_int(s) for s in first[:-1]] if first else [None]
+        m = math.prod(lead) if None not in lead else None
+        return {"M": m, "N": _int(weight[0]), "K": _int(weight[1])}
+    operand = _FIRST_OPERAND.get(layout, 0)  # addmm's first operand is the bias
+    if operand and len(node.args) > operand and isinstance(node.args[operand], fx.Node):
+        first = _shape(node.args[operand], gm)
+    if not first or not out_shape:
+        return {"M": None, "N": None, "K": None}
+    dims = [_int(s) for s in out_shape]
+    k, n = _int(first[-1]), dims[-1]
+    m = math.prod(dims[:-1]) if None not in dims[:-1] else None
+    return {"M": m, "N": n, "K": k}
+
+
+_FIRST_OPERAND = {"addmm": 1}
+"""Where a GEMM layout (``OpEntry.gemm``) has its first multiplied operand, where it is not the first argument."""
+
+
+def _flops(node: fx.Node, sizes: dict[str, int | None]) -> int | None:
+    """The forward GEMM's floating-point operations, ``2 M N K``; ``None`` where a size is unknown."""
+    m, n, k = sizes["M"], sizes["N"], sizes["K"]
+    return None if None in (m, n, k) else 2 * m * n * k

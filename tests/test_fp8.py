@@ -1,0 +1,290 @@
+"""``convert(model, "bf16", fp8=...)``: every GEMM node gets an FP8 decision with a rule and a reason (in the report,
+``decisions.jsonl`` and the summary), the rules decide as written, FP8 linears train as the bf16 plan does, and
+asking for FP8 is never a silent no-op."""
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+from ampfx.errors import PolicyError
+from ampfx.policy import fp8 as vocabulary
+from ampfx.report.records import Fp8Rule
+from ampfx.runtime.fp8 import linear_fp8
+from support.fidelity_models import gpt
+
+EVERY_SIZE = {"fp8": "tensorwise", "fp8_roofline": "none"}
+
+
+def _gemm_rows(amp):
+    return [r for r in amp.ampfx_report.compute if r.op in ampfx.ops.ENTRIES
+            and ampfx.ops.ENTRIES[r.op].category is ampfx.ops.Category.ALLOW]
+
+
+def _fp8_calls(amp):
+    return [n for m in amp.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)
+            for n in m.graph.nodes if n.target is linear_fp8]
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.hidden, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(F.relu(self.hidden(F.relu(self.inp(x)))))
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.mid, self.mid2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.head(F.relu(self.mid2(F.relu(self.mid(y)))))
+
+
+FAMILIES = {
+    "mlp": (Mlp, lambda: (torch.randn(16, 32),), "fx"),
+    "gpt": (lambda: gpt()[0], lambda: gpt()[1], "auto"),
+    "cnn": (Cnn, lambda: (torch.randn(2, 3, 8, 8),), "fx"),
+    "mlp_export": (Mlp, lambda: (torch.randn(16, 32),), "export"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_gemm_node_has_an_fp8_decision_with_a_rule_and_reason_in_the_log(family, tmp_path):
+    """On an MLP, a GPT (linears and products of activations, blocks converted on their own), a CNN (a convolution)
+    and an exported MLP: each GEMM node's record holds an FP8 decision whose rule is an Fp8Rule and whose reason is
+    a sentence; ``decisions.jsonl`` holds it under ``fp8``; the FP8 nodes are those that call the FP8 linear."""
+    build, inputs, tracer = FAMILIES[family]
+    amp = ampfx.convert(build(), "bf16", example_inputs=inputs(), tracer=tracer, log_path=tmp_path, **EVERY_SIZE)
+    rows = _gemm_rows(amp)
+    assert rows and all(r.fp8 is not None and isinstance(r.fp8.rule, Fp8Rule) and len(r.fp8.reason) > 10 for r in rows)
+    assert all(r.fp8 is None for r in amp.ampfx_report.compute if r not in rows)
+    on = [r for r in rows if r.fp8.output]
+    assert len(on) == len(_fp8_calls(amp)) >= 1
+    assert all(r.op == "linear" and r.fp8.rule in (Fp8Rule.FP8, Fp8Rule.FORCED) for r in on)
+    assert all(r.fp8.rule is Fp8Rule.OP for r in rows if r.op != "linear")
+    lines = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    logged = {(d["module"], d["node"]): d["fp8"] for d in lines if d.get("fp8")}
+    assert {(r.module, r.node) for r in rows} == set(logged)
+    assert all(set(v) >= {"recipe", "rule", "reason", "output", "input_grad", "weight_grad", "flops"}
+               for v in logged.values())
+    assert "FP8 (tensorwise)" in (tmp_path / "summary.txt").read_text()
+
+
+def test_the_rules_decide_in_their_order():
+    """First and last nn.Linear: position; the middle one: FP8 with fp8_roofline='none', cost under the default
+    H100 roofline at these sizes, FP8 again when forced by module; a linear whose sizes are not multiples of 16:
+    shape; a module skipped: fp8:module; a linear kept float32 by fp32_modules: not-low."""
+    x = (torch.randn(16, 32),)
+    rules = lambda amp: {r.module: r.fp8.rule for r in _gemm_rows(amp)}  # noqa: E731
+    assert rules(ampfx.convert(Mlp(), example_inputs=x, **EVERY_SIZE)) == {
+        "inp": Fp8Rule.POSITION, "hidden": Fp8Rule.FP8, "head": Fp8Rule.POSITION}
+    with pytest.warns(UserWarning, match="put no GEMM in FP8"):
+        costly = ampfx.convert(Mlp(), example_inputs=x, fp8="tensorwise")
+    assert rules(costly)["hidden"] is Fp8Rule.COST and "quantising the operands costs more" in \
+        _gemm_rows(costly)[1].fp8.reason
+    assert rules(ampfx.convert(Mlp(), example_inputs=x, fp8="tensorwise", fp8_modules=("hidden",)))["hidden"] \
+        is Fp8Rule.FORCED
+    assert rules(ampfx.convert(Mlp(), example_inputs=x, fp8="tensorwise", fp8_modules=("hidden", "head")))["head"] \
+        is Fp8Rule.FORCED
+    with pytest.warns(UserWarning):
+        assert rules(ampfx.convert(Mlp(), example_inputs=x, fp8_skip_modules="hidden", **EVERY_SIZE))["hidden"] \
+            is Fp8Rule.SKIPPED
+    with pytest.warns(UserWarning):
+        assert rules(ampfx.convert(Mlp(), example_inputs=x, fp32_modules="hidden", **EVERY_SIZE))["hidden"] \
+            is Fp8Rule.NOT_LOW
+    odd = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 24), nn.Linear(24, 16))
+    with pytest.warns(UserWarning):
+        assert rules(ampfx.convert(odd, example_inputs=x, **EVERY_SIZE))["1"] is Fp8Rule.SHAPE
+
+
+def test_the_roofline_decides_by_the_gemms_sizes():
+    """With a device whose threshold M*N/(M+N) sits between two layers' sizes, the larger runs in FP8, the smaller
+    stays low; the reasons name the sizes and the device."""
+    tiny = vocabulary.Roofline("mine", bf16_tflops=1.0, fp8_tflops=2.0, bandwidth_tbs=1.0, quantize_bytes=24.0)
+    assert 20 < tiny.threshold < 30
+    m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(64, 16), nn.Linear(16, 32), nn.Linear(32, 16))
+    amp = ampfx.convert(m, example_inputs=(torch.randn(64, 32),), fp8="tensorwise", fp8_roofline=tiny)
+    by = {r.module: r.fp8 for r in _gemm_rows(amp)}
+    assert by["1"].rule is Fp8Rule.FP8 and "M=64, N=64" in by["1"].reason and "mine" in by["1"].reason
+    assert by["2"].rule is Fp8Rule.COST and "M=64, N=16" in by["2"].reason
+
+
+class Router(nn.Module):
+    """A mixture of experts' gate: a linear whose scores pick the top two experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.gate, self.up, self.post = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 32), \
+            nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.pre(x)
+        weights, chosen = torch.topk(self.gate(h).softmax(-1), 2, dim=-1)
+        return self.post(self.up(h) * weights.sum(-1, keepdim=True)), chosen
+
+
+def test_a_router_stays_low():
+    amp = ampfx.convert(Router(), example_inputs=(torch.randn(16, 32),), **EVERY_SIZE)
+    by = {r.module: r.fp8 for r in _gemm_rows(amp)}
+    assert by["gate"].rule is Fp8Rule.ROUTER and "topk" in by["gate"].reason
+    assert by["up"].rule is Fp8Rule.FP8
+
+
+def test_fp8_from_the_environment(monkeypatch):
+    """AMPFX_FP8, AMPFX_FP8_ROOFLINE and AMPFX_FP8_SKIP_MODULES set what the arguments set; the report's policy
+    record says so."""
+    monkeypatch.setenv("AMPFX_FP8", "rowwise")
+    monkeypatch.setenv("AMPFX_FP8_ROOFLINE", "none")
+    amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),))
+    assert {r.module: r.fp8.rule for r in _gemm_rows(amp)}["hidden"] is Fp8Rule.FP8
+    assert amp.ampfx_report.policy["fp8"] == "rowwise" and amp.ampfx_report.policy["fp8_roofline"] == "none"
+    monkeypatch.setenv("AMPFX_FP8_SKIP_MODULES", "hidden")
+    with pytest.warns(UserWarning):
+        amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),))
+    assert {r.module: r.fp8.rule for r in _gemm_rows(amp)}["hidden"] is Fp8Rule.SKIPPED
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"fp8": "tensorwse"}, r"fp8='tensorwse' is not an FP8 recipe.*Did you mean 'tensorwise'"),
+    ({"fp8": "tensorwise", "fp8_roofline": "h300"}, r"fp8_roofline='h300'.*Did you mean"),
+    ({"fp8_modules": ("hidden",)}, r"fp8_modules=.*without fp8="),
+    ({"fp8_roofline": "none"}, r"fp8_roofline='none' without fp8="),
+    ({"fp8": "tensorwise", "fp8_modules": ("nothere",)}, r"fp8_modules / AMPFX_FP8_MODULES names 'nothere'"),
+    ({"fp8": "tensorwise", "fp8_modules": "hidden", "fp8_skip_modules": "hidden"}, r"both fp8_modules and"),
+])
+def test_bad_fp8_options_are_errors_naming_them(options, message):
+    with pytest.raises(PolicyError, match=message):
+        ampfx.convert(Mlp(), **options)
+
+
+def test_a_misspelt_recipe_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("AMPFX_FP8", "rowwize")
+    with pytest.raises(PolicyError, match=r"Did you mean 'rowwise'.*AMPFX_FP8=rowwize"):
+        ampfx.convert(Mlp())
+
+
+def test_a_torch_without_float8_dtypes_is_an_error(monkeypatch):
+    monkeypatch.setattr(vocabulary, "HAS_FP8", False)
+    with pytest.raises(PolicyError, match=r"has no float8 dtypes.*torch >= 2.1"):
+        ampfx.convert(Mlp(), fp8="tensorwise")
+
+
+def test_no_gemm_in_fp8_is_said_in_a_warning_and_the_summary():
+    with pytest.warns(UserWarning, match=r"fp8='tensorwise' put no GEMM in FP8: 3 GEMM nodes .*fp8:cost 1"):
+        amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),), fp8="tensorwise")
+    summary = amp.ampfx_report.summary()
+    assert "FP8 (tensorwise): 0/3 GEMM nodes" in summary and "put no GEMM in FP8" in summary
+
+
+def test_without_fp8_nothing_changes():
+    amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),))
+    assert all(r.fp8 is None for r in amp.ampfx_report.records) and not _fp8_calls(amp)
+    assert "FP8" not in amp.ampfx_report.summary()
+
+
+def test_the_summary_gives_the_share_of_gemm_flops_in_fp8():
+    """The GPT (d=32, 16 tokens, batch 4): qkv, proj, fc and out of both blocks in FP8 (its first linear, the
+    first block's qkv, and the head stay low by position), the attention products low by op."""
+    model, inputs, _ = gpt()
+    amp = ampfx.convert(model, example_inputs=inputs, **EVERY_SIZE)
+    rows = _gemm_rows(amp)
+    on = sum(r.fp8.flops for r in rows if r.fp8.output)
+    total = sum(r.fp8.flops for r in rows)
+    assert f"{on:,} of {total:,} GEMM FLOPs ({on / total:.0%})" in amp.ampfx_report.summary()
+    assert {r.module for r in rows if r.fp8.rule is Fp8Rule.POSITION} == {"blocks.0.attn.qkv", "head"}
+    assert len([r for r in rows if r.fp8.output]) == 7
+
+
+def _train(model, inputs_of, steps, **options):
+    amp = ampfx.convert(model, "bf16", example_inputs=(inputs_of(0)[:, :-1],), **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        tokens = inputs_of(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            logits = amp(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return amp, losses
+
+
+def _tokens(step):
+    """A learnable next-token pattern: each row counts up from a random start, modulo 8, in one of 8 bands."""
+    g = torch.Generator().manual_seed(step)
+    start, band = torch.randint(0, 8, (8, 1), generator=g), torch.randint(0, 8, (8, 1), generator=g)
+    return band * 8 + (start + torch.arange(17)) % 8
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_small_gpt_trained_in_fp8_ends_within_one_percent_of_its_bf16_loss(recipe):
+    """300 AdamW steps of the GPT: the FP8 plan (7 of 13 GEMM nodes, three GEMMs each) and the bf16 plan end
+    within 1% (mean of the last 20 losses), having learnt (well below the first loss); the FP8 run differs from
+    the bf16 one (it is not a no-op)."""
+    model = gpt()[0]
+    _, bf16 = _train(copy.deepcopy(model), _tokens, 300)
+    amp, fp8 = _train(copy.deepcopy(model), _tokens, 300, fp8=recipe, fp8_roofline="none")
+    assert len(_fp8_calls(amp)) == 7
+    end_bf16, end_fp8 = sum(bf16[-20:]) / 20, sum(fp8[-20:]) / 20
+    assert end_bf16 < 0.7 * bf16[0]
+    assert abs(end_fp8 / end_bf16 - 1) < 0.01, (end_bf16, end_fp8)
+    assert fp8 != bf16
+
+
+def test_an_fp8_module_copies_pickles_and_converts_again_for_eval():
+    """deepcopy and pickle keep the FP8 calls and their results; eval mode converts the other mode with the same
+    FP8 decisions; the state dict is the model's float32 parameters."""
+    model, x = Mlp(), torch.randn(16, 32)
+    amp = ampfx.convert(model, example_inputs=(x,), **EVERY_SIZE)
+    want = amp(x)
+    for other in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
+        torch.testing.assert_close(other(x), want)
+        assert len(_fp8_calls(other)) == 1
+    amp.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no GEMM in FP8" here: the eval graph has its FP8 linear
+        out = amp(x)
+    assert len(_fp8_calls(amp)) >= 1 and (out - model(x)).abs().max() < 0.1
+    assert all(t.dtype == torch.float32 for t in amp.state_dict().values())
+
+
+def test_an_fp8_module_compiles_and_trains():
+    """torch.compile of a converted module with an FP8 linear (aot_eager: the graph dynamo makes of it) gives the
+    eager result and gradients."""
+    model, x = Mlp(), torch.randn(16, 32)
+    amp = ampfx.convert(model, example_inputs=(x,), **EVERY_SIZE)
+    want = amp(x)
+    want.sum().backward()
+    grad = model.hidden.weight.grad.clone()
+    model.zero_grad()
+    got = torch.compile(amp, backend="aot_eager")(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model.hidden.weight.grad, grad)
+
+
+def test_the_compile_backend_decides_fp8_in_each_graph_it_converts():
+    """``torch.compile(model, backend=ampfx.backend(..., fp8=...))``: the graph dynamo captures holds parameters,
+    not modules, so position is its own first and last linear; the middle one runs in FP8; the result is close to
+    the float32 model's."""
+    model, x = Mlp(), torch.randn(16, 32)
+    backend = ampfx.backend("bf16", inner="aot_eager", **EVERY_SIZE)
+    out = torch.compile(model, backend=backend)(x)
+    rules = [d.fp8.rule for g in backend.graphs for d in g.report.records if d.fp8 is not None]
+    assert rules == [Fp8Rule.POSITION, Fp8Rule.FP8, Fp8Rule.POSITION]
+    assert ((out - model(x)).norm() / model(x).norm()).item() < 0.05
