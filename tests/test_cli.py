@@ -51,11 +51,25 @@ def test_explain_prints_the_table_and_json(capsys, tmp_path):
     assert any(r["op"] == "linear" and r["dtype"] == "bfloat16" for r in rows)
 
 
+def test_explain_with_fp8_gives_each_gemm_its_fp8_rule(capsys, monkeypatch):
+    """``--fp8`` (or ``AMPFX_FP8``): the summary's FP8 line, an ``fp8`` column in the table, ``fp8`` in the JSON."""
+    monkeypatch.setenv("AMPFX_FP8_ROOFLINE", "none")
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "16,12", "--fp8", "tensorwise"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 (tensorwise): 1/3 GEMM nodes" in out and "not FP8: fp8:shape 2" in out and "│ fp8 " in out
+    monkeypatch.setenv("AMPFX_FP8", "rowwise")
+    assert main(["explain", "tests/support/models.py:MLP", "--input", "16,12", "--format", "json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["module"]: r["fp8"]["rule"] for r in rows if r["fp8"]} == {
+        "fc1": "fp8:shape", "fc2": "fp8", "fc3": "fp8:shape"}  # K=12 and N=5: no multiples of 16
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["explain", "nope.nothing:build"], "cannot import nope.nothing"),
     (["explain", "tests/support/models.py:Missing"], "has no attribute 'Missing'"),
     (["explain", "tests/support/models.py:MLP", "--input", "4,x"], "--input '4,x'"),
     (["explain", "tests/support/models.py:MLP", "--input", "4,12:complex"], "unknown dtype 'complex'"),
+    (["explain", "tests/support/models.py:MLP", "--fp8", "rowwse"], "Did you mean 'rowwise'"),
 ])
 def test_errors_name_the_bad_argument(capsys, argv, needle):
     assert main(argv) == 2

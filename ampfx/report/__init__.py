@@ -274,12 +274,15 @@ class Report:
         float32 rows first so their reasons lead; ``group=False`` keeps graph
         order. ``all_nodes`` adds inputs, parameters and outputs. ``autocast``
         adds a column with the dtype ``torch.autocast`` would use, marked ``≠`` where
-        it differs from ampfx's (:meth:`autocast_diff`)."""
+        it differs from ampfx's (:meth:`autocast_diff`). With ``fp8=``, an ``fp8`` column gives each GEMM node's
+        FP8 rule (the reason is in its record)."""
         from rich.console import Console
         from rich.table import Table
 
         t = Table(title=f"ampfx decisions ({dtype_name(self.dtype)})", show_lines=False)
-        cols = ("node", "op", "module", "category", "dtype", *(("autocast",) if autocast else ()), "rule", "reason")
+        fp8 = any(r.fp8 is not None for r in self.records)  # fp8=: each GEMM node's FP8 rule
+        cols = ("node", "op", "module", "category", "dtype", *(("autocast",) if autocast else ()),
+                *(("fp8",) if fp8 else ()), "rule", "reason")
         for col in cols:
             t.add_column(col, overflow="fold")
         differs = {d.node for d in self.autocast_diff()} if autocast else set()
@@ -298,8 +301,9 @@ class Report:
                 t.add_section()
             previous = top
             mark = (("≠ " if r.node in differs else "") + dtype_name(r.autocast),) if autocast else ()
-            t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), *mark, r.rule, r.reason,
-                      style=style.get(r.dtype, ""))
+            eight = ((r.fp8.rule if r.fp8 is not None else "",) if fp8 else ())
+            t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), *mark, *eight, r.rule,
+                      r.reason, style=style.get(r.dtype, ""))
         buf = io.StringIO()
         Console(file=buf, width=width, force_terminal=bool(color), no_color=not color,
                 color_system="standard" if color else None).print(t)

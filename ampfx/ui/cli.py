@@ -211,7 +211,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     model = load_target(args.target)
     if inputs is not None:
         _check_runs(model, inputs, args)
-    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
+    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer, **_fp8(args))
     rep = amp.ampfx_report
     root = next((reg.method for reg in rep.parts if reg.path == ""), "")
     if inputs is None and root.startswith("eager") and not any(r.dtype is not None for r in rep.records):
@@ -248,7 +248,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     model = load_target(args.target)
     inputs = _inputs(args)
     _check_runs(model, inputs, args)
-    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer)
+    amp = convert(model, args.dtype, example_inputs=inputs, tracer=args.tracer, **_fp8(args))
     result = compare(model, amp, inputs, top=args.top)
     print(result.table(color=sys.stdout.isatty()))
     if args.json:
@@ -312,6 +312,17 @@ def _tracer_option(p: argparse.ArgumentParser) -> None:
                    help="capture with torch.fx, torch.export, or fx then export where fx fails (default auto)")
 
 
+def _fp8_option(p: argparse.ArgumentParser) -> None:
+    """``--fp8``, as :func:`ampfx.convert`'s ``fp8=`` takes it (``AMPFX_FP8`` sets it too)."""
+    p.add_argument("--fp8", metavar="RECIPE", help="FP8 GEMMs where they pay, each GEMM node's FP8 decision in the "
+                                                   "log: tensorwise, rowwise or rowwise_with_gw_hp (docs/fp8.md)")
+
+
+def _fp8(args: argparse.Namespace) -> dict:
+    """``fp8=`` for convert when ``--fp8`` was given (else the environment's ``AMPFX_FP8`` holds)."""
+    return {"fp8": args.fp8} if args.fp8 is not None else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampfx", description="Automatic mixed precision as a torch.fx graph rewrite.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -330,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", type=_dtype_arg, default=torch.bfloat16, help=_DTYPE_HELP)
     _input_options(e, "an example input, run once in float32 to check it (without --input the model is not run)")
     _tracer_option(e)
+    _fp8_option(e)
     e.add_argument("--format", choices=["table", "json", "html"], default="table",
                    help="table (default), json (one record per line) or html (the graph page, to stdout)")
     e.add_argument("--out", help="directory to save the full report in (JSON lines, code, report.html)")
@@ -348,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0,
                    help="torch's seed for the model's weights and the inputs (default 0)")
     _tracer_option(c)
+    _fp8_option(c)
     c.set_defaults(func=cmd_compare)
     pl = sub.add_parser("plot", help="histogram activation and gradient magnitudes against the dtype's range "
                                      "(needs matplotlib)")
