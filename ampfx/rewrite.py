@@ -108,18 +108,19 @@ def _context(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, re
 
 
 def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-              prefix: str) -> Ends | None:
+              prefix: str, seen: Observer | None = None) -> Ends | None:
     """What the kept module ``work`` (at ``prefix``, captured as ``capture``) does at its boundary when its
     caller hands it float32 (:func:`ampfx.passes.boundary.ends`), from its passes up to painting run on a
     copy of its graph (``capture`` is left as it was, for its own conversion); ``None`` where that cannot
     be known before its conversion (constants its capture made, a graph that does not run on ``inputs``).
-    Its caller paints its call from it."""
+    Its caller paints its call from it. Each step runs under ``seen`` (a dry run: ``"dry run: paint"``)."""
     if capture.constants:
         return None
+    seen = seen if seen is not None else Observer(prefix.rstrip("."))
     dry = (graph_module(work, copy.deepcopy(capture.graph)) if capture.module is None
            else fx.GraphModule(capture.module, copy.deepcopy(capture.module.graph)))
     try:
-        analysis = analyse(dry, inputs, request, root=False, seen=Observer(prefix.rstrip(".")))
+        analysis = analyse(dry, inputs, request, root=False, seen=seen)
     except NotReproduced:
         return None
     inner = frozenset(p for p in capture.leaves if list(work.get_submodule(p).children()))
@@ -127,7 +128,7 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     under_autocast = tuple((d, autocast.returns_under_autocast(dry, dataclasses.replace(ctx, autocast_arrive=d)))
                            for d in (torch.float32, request.policy.dtype))
     for pass_ in DECIDING:
-        pass_(dry, ctx)
+        seen.run(f"dry run: {pass_.__name__}", pass_, dry, ctx)
     return dataclasses.replace(boundary.ends(dry, ctx), autocast=under_autocast)
 
 
@@ -184,7 +185,7 @@ def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request, seen:
     threshold = request.policy.sensitivity_threshold
     if request.calibrate is None or not threshold or not ctx.has_shapes:
         return []
-    low = planned_low(gm, ctx)
+    low = planned_low(gm, ctx, seen)
     candidates = [n for n in gm.graph.nodes if n.name in low]
     batches, loss_fn = request.calibrate
     found = seen.run("find_sensitive", dict(ANALYSES)["find_sensitive"], gm, batches, loss_fn, ctx.policy.dtype,
@@ -196,12 +197,14 @@ def find_sensitive(gm: AmpGraphModule, ctx: PassContext, request: Request, seen:
             f"evaluations{unfinished}: {len(found.found)} over sensitivity_threshold {threshold:g}{whole}"]
 
 
-def planned_low(gm: AmpGraphModule, ctx: PassContext) -> set[str]:
+def planned_low(gm: AmpGraphModule, ctx: PassContext, seen: Observer | None = None) -> set[str]:
     """Names of the nodes the pipeline would compute in the low dtype: the passes up to painting,
-    run on a copy of the graph (``gm`` and its ``node.meta`` are left as they are)."""
+    run on a copy of the graph (``gm`` and its ``node.meta`` are left as they are), each under ``seen``
+    (a dry run: ``"dry run: paint"``)."""
+    seen = seen if seen is not None else Observer(ctx.prefix.rstrip("."))
     dry = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node.meta dicts are copied: the passes write the copies
     for pass_ in DECIDING:
-        pass_(dry, ctx)
+        seen.run(f"dry run: {pass_.__name__}", pass_, dry, ctx)
     return {n.name for n in dry.graph.nodes if isinstance(record(n), Decision) and record(n).kind in COMPUTE
             and record(n).dtype == ctx.policy.dtype}
 

@@ -44,8 +44,9 @@ from .report import Report
 from .report.records import Decision, Part, dtype_name
 from .errors import NotReproduced
 from .request import Request
+from .observer import Observer
 from .rewrite import convert_graph, device_of, kept_ends
-from .passes import boundary, classify
+from .passes import boundary, nodes
 from .passes.context import Ends
 from .meta import AUTOCAST_HANDS, record
 from .capture import observe as observing
@@ -79,6 +80,9 @@ class Memo:
     captures: dict[str, tuple[nn.Module, bool, Capture]] = field(default_factory=dict)
     """By module path: a kept module's capture its caller made to read its boundary (:func:`_kept_ends`),
     with the module and its training mode then, for that module's own job."""
+    dry_runs: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    """By module path: the steps its caller ran on a copy of a kept module's graph to read its boundary (dry
+    runs, :func:`ampfx.rewrite.kept_ends`), for that module's own report."""
     computed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     """By module path: the dtypes a converted graph computes its float outputs in (for the children of a
     module that keeps its Python that its outputs are moved to: :func:`_entered`)."""
@@ -182,7 +186,9 @@ def _kept_ends(work: nn.Module, capture: Capture, job: _Job, calls: _Observed, r
         if isinstance(made, Uncaptured):
             continue
         memo.captures[prefix] = (module, module.training, made)
-        ends = kept_ends(module, made, inputs, request, prefix)
+        seen = Observer(prefix.rstrip("."))
+        ends = kept_ends(module, made, inputs, request, prefix, seen)
+        memo.dry_runs[prefix] = seen.steps
         if ends is not None:
             found[path] = ends
     return found
@@ -210,6 +216,11 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
             raise e.__cause__ or e
         why = (*capture.steps, f"traced graph does not run on the example inputs: {e}")
         return None, [dataclasses.replace(job, eager=why)]
+    dry = memo.dry_runs.pop(prefix, ())
+    if dry:  # the dry runs its caller made of this graph, first in its report's steps
+        report = job.part.report
+        job.part.report = dataclasses.replace(report, steps=(*((prefix.rstrip("."), s, t) for s, t in dry),
+                                                             *report.steps))
     ends = boundary.output_dtypes(gm)
     memo.computed[prefix] = tuple(original if k in job.keeps else computed for k, (original, computed) in enumerate(ends))
     if job.hands_on or enter is not None:  # handed low values by its siblings, or handing them its own
@@ -237,7 +248,7 @@ def _writes_inputs(gm: AmpGraphModule) -> bool:
                 node.target is runtime.cast or (isinstance(d := record(node), Decision) and ops.is_view(d.op))):
             node = node.args[0]
         return node
-    return any(classify.is_inplace(n, gm) and getattr(aliased(classify.written(n)), "op", None) == "placeholder"
+    return any(nodes.is_inplace(n, gm) and getattr(aliased(nodes.written(n)), "op", None) == "placeholder"
                for n in gm.graph.nodes if n.op != "placeholder")
 
 

@@ -40,7 +40,7 @@ from ..ops import autocast_lists
 from ..ops.autocast_lists import Cast
 from ..meta import AUTOCAST, AUTOCAST_HANDS, RECORD, out_infos, record, user_float32
 from ..report.records import Decision, Rule
-from .classify import DYNAMIC, attr_of, op_key, pass_result, selects_float
+from .nodes import DYNAMIC, attr_of, op_key, pass_result, selects_float
 from .context import PassContext
 
 UNKNOWN = "unknown"

@@ -14,10 +14,9 @@ from ..meta import RECORD, record
 from ..ops import Category, Result
 from ..report.records import COMPUTE, CastInfo, Decision, Rule
 from ..runtime import CASTABLE
-from .casts import needed_casts
-from .classify import original_dtype
+from .cast_model import needed_casts, out_of
+from .nodes import original_dtype
 from .context import Ends, PassContext
-from .writes import out_of
 
 
 def ends(gm: fx.GraphModule, ctx: PassContext) -> Ends:

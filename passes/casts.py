@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -56,8 +56,8 @@ from ..ops import Category
 from ..report.records import COMPUTE, CastInfo, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .classify import attr_of, original_dtype, view_group, written
-from .writes import accumulates, out_of, promoted_inputs, slot_dtype
+from .nodes import attr_of, original_dtype, view_group, written
+from .cast_model import accumulates, fp32_slot_inputs, out_of, promoted_inputs, slot_dtype
 
 
 class _Casts:
@@ -151,64 +151,6 @@ def _leave_out_copy(node: fx.Node) -> None:
     new.meta[RECORD] = dataclasses.replace(d, node=new.name)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-
-
-def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any],
-                 keep_output_dtype: bool) -> set[tuple[fx.Node, torch.dtype]]:
-    """The ``(value, dtype)`` casts :func:`insert_casts` would give ``node`` if it
-    computed in ``want`` and every value had the dtype ``out_of(value)``; for
-    weighing alternatives before anything is rewritten (``paint``, step 7).
-    Ignores the linear-bias split, which only removes casts."""
-    d = record(node)
-    pairs: set[tuple[fx.Node, torch.dtype]] = set()
-
-    def need(value: fx.Node, dtype: torch.dtype | None) -> None:
-        src = out_of(value)
-        if dtype is not None and src in CASTABLE and src != dtype:
-            pairs.add((value, dtype))
-
-    if not isinstance(d, Decision):
-        return pairs
-    if d.kind == "output":
-        if keep_output_dtype:
-            fx.map_arg(node.args, lambda n: need(n, original_dtype(n)))
-        return pairs
-    if (d.kind not in COMPUTE or d.inplace or d.category is Category.PASS or want not in CASTABLE
-            or d.rule is Rule.SELECT):
-        return pairs
-    entry = ops.ENTRIES.get(d.op)
-    start = 1 if accumulates(node, entry, want, out_of) else 0
-    promoted = promoted_inputs(node, entry, want, out_of)
-    for i, arg in enumerate(node.args[start:], start):
-        if arg not in promoted:
-            fx.map_arg(arg, lambda n, dt=slot_dtype(i, entry, want): need(n, dt))
-    for k, arg in node.kwargs.items():
-        if k != (entry.accum_dtype if entry else None):
-            fx.map_arg(arg, lambda n, dt=slot_dtype(k, entry, want): need(n, dt))
-    return pairs
-
-
-def upcast_reads(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any]) -> set[fx.Node]:
-    """The low inputs ``node``, computing in ``want``, reads as they are and upcasts itself (its own
-    ``dtype=`` argument, type promotion): no cast forward, but one backward (autograd casts the
-    gradient to the input's dtype)."""
-    d = record(node)
-    if not isinstance(d, Decision) or d.kind not in COMPUTE or d.category is Category.PASS or d.inplace:
-        return set()
-    entry = ops.ENTRIES.get(d.op)
-    reads = promoted_inputs(node, entry, want, out_of) if want == torch.float32 else set()
-    return reads | ({node.args[0]} if accumulates(node, entry, want, out_of) else set())
-
-
-def fp32_slot_inputs(node: fx.Node, entry: ops.OpEntry | None) -> list[fx.Node]:
-    """The input nodes in the slots ``entry`` pins to float32 (``OpEntry.fp32_args``: a norm's
-    running statistics, weight and bias), in slot order."""
-    found: dict[fx.Node, None] = {}
-    for slot in entry.fp32_args if entry is not None else ():
-        arg = node.args[slot] if isinstance(slot, int) and slot < len(node.args) else (
-            node.kwargs.get(slot) if isinstance(slot, str) else None)
-        fx.map_arg(arg, lambda n: found.setdefault(n))
-    return list(found)
 
 
 INSIDE_WORDS = {"buffer": "running statistics", "parameter": "affine parameters", "value": "float32 inputs"}

@@ -50,8 +50,8 @@ from ..meta import decision, numel, out_infos
 from ..ops import Category, Result
 from ..policy import Policy
 from ..report.records import Decision, Rule
-from .casts import fp32_slot_inputs
-from .classify import carries_float, original_dtype, pass_result
+from .cast_model import fp32_slot_inputs
+from .nodes import carries_float, original_dtype, pass_result
 
 PAINTED = (Category.INFER, Category.CLEAR)
 RULES = (Rule.FIDELITY_STREAM, Rule.FIDELITY_OPERAND, Rule.FIDELITY_EXACT)
@@ -220,7 +220,7 @@ def _produces_float32(n: fx.Node, decided: dict[fx.Node, Decision]) -> bool:
 
 def _pass_float32(n: fx.Node, d: Decision, decided: dict[fx.Node, Decision]) -> bool | None:
     """Does a left-as-written op make float32 whatever its inputs' dtype? An embedding's gather from a
-    float32 table, an explicit ``.float()`` / ``.to(torch.float32)`` (:func:`~.classify.pass_result`
+    float32 table, an explicit ``.float()`` / ``.to(torch.float32)`` (:func:`~.nodes.pass_result`
     says), a factory whose dtype its constant arguments fix (``arange(T, dtype=torch.float32)``,
     ``zeros``; not ``zeros_like(x)``). ``None``: a factory whose dtype only the run shows (no
     example inputs, no ``dtype=``: ``arange(T)`` is int64, ``zeros(T)`` float32)."""

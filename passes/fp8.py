@@ -46,7 +46,7 @@ from ..ops import Category
 from ..policy import fp8 as vocabulary
 from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule
 from ..runtime.fp8 import linear_fp8
-from .classify import attr_of
+from .nodes import attr_of
 from .context import PassContext
 
 MULTIPLE = 16

@@ -43,7 +43,7 @@ from .. import ops, runtime
 from ..meta import RECORD, TENSOR_META, decision, out_infos, record
 from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
-from .classify import attr_of
+from .nodes import attr_of
 
 MAX_EXTRA = 0.25  # "auto" pads only when the padded weight is at most this much larger
 

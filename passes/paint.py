@@ -48,8 +48,8 @@ from ..report.records import Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
-from .casts import fp32_slot_inputs, needed_casts, upcast_reads
-from .classify import DYNAMIC, carries_float, original_dtype, pass_result, selects_float, written
+from .cast_model import fp32_slot_inputs, needed_casts, upcast_reads
+from .nodes import DYNAMIC, carries_float, original_dtype, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
@@ -280,12 +280,12 @@ def _float32_clusters(gm: fx.GraphModule, ctx: PassContext) -> bool:
     cluster of clear ops only may move :data:`LAUNCH_BYTES` more per cast saved
     (its values do not depend on where the cast is). Returns whether any cluster moved.
 
-    Casts are counted as :func:`~ampfx.passes.casts.needed_casts` would insert
+    Casts are counted as :func:`~ampfx.passes.cast_model.needed_casts` would insert
     them (one per value and dtype, shared with consumers outside the cluster;
     type promotion reads low inputs of a float32 add/mul beside a float32
     tensor directly). A graph converted in training mode also weighs the
     gradients: each cast has one in backward, and so has each low value a
-    float32 op reads as it is (:func:`~ampfx.passes.casts.upcast_reads`).
+    float32 op reads as it is (:func:`~ampfx.passes.cast_model.upcast_reads`).
     Bytes are those the cluster's ops and its casts read and write, from the
     example shapes (each value counts as one element without).
 

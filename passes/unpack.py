@@ -28,7 +28,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .. import ops
 from ..meta import TENSOR_META, out_infos, tensor_meta
 from ..ops import Category
-from .classify import is_inplace, op_key, view_group
+from .nodes import is_inplace, op_key, view_group
 from .context import PassContext
 
 MAKES_NEW = (Category.ALLOW, Category.INFER, Category.DENY)

@@ -14,13 +14,13 @@ Three decisions, made in graph order (each may change what a later node's inputs
 Before (decisions)::   linear[bf16] -> softmax[float32] -> linear_1[bf16]
 After::                softmax writes bfloat16 (cost:write-low): no cast between it and linear_1
 
-The predicates the casts pass shares (what a float32 op reads as it is: :func:`promoted_inputs`,
-:func:`accumulates`) live here, with the decisions that depend on them.
+The predicates it shares with painting and the casts pass (what a float32 op reads as it is:
+:func:`~ampfx.passes.cast_model.promoted_inputs`, :func:`~ampfx.passes.cast_model.accumulates`) are the cast
+model's (:mod:`ampfx.passes.cast_model`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Collection
 
 import torch
 import torch.fx as fx
@@ -31,72 +31,8 @@ from ..meta import RECORD, decision, out_infos, record
 from ..report.records import COMPUTE, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from .classify import original_dtype
-
-Fixed = Collection[tuple[fx.Node, torch.dtype]]
-"""Values with a bespoke conversion, as ``(value, dtype)``: a GEMM whose bias is added after its float32
-cast has its own float32 form, which no other rule may bypass."""
-
-
-def out_of(n: fx.Node) -> Any:
-    """The dtype ``n``'s value has after conversion (its decision's ``out``), ``None`` if unknown."""
-    d = record(n)
-    return d.out if isinstance(d, Decision) else None
-
-
-def _ndim(n: fx.Node) -> int | None:
-    infos = out_infos(n)
-    if not infos or len(infos) != 1:
-        return None
-    return len(infos[0].shape)
-
-
-def slot_dtype(slot: int | str, entry: ops.OpEntry | None, want: torch.dtype) -> torch.dtype | None:
-    """The dtype an argument slot is cast to: ``want``, float32 for pinned slots, ``None`` for index slots."""
-    if entry is not None and slot in entry.index_args:
-        return None
-    return torch.float32 if entry is not None and slot in entry.fp32_args else want
-
-
-def _takes(target: Any, name: str) -> bool:
-    """Does ``target`` accept the keyword ``name``? ATen overloads say so in their schema
-    (``aten.softmax.int`` takes ``dtype=``, ``aten._softmax`` does not); others are assumed to."""
-    schema = getattr(target, "_schema", None)
-    return schema is None or any(a.name == name for a in schema.arguments)
-
-
-def promoted_inputs(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype,
-                    out: Callable[[fx.Node], Any] = out_of, fixed: Fixed = ()) -> set[fx.Node]:
-    """Low inputs of a float32 op that type promotion upcasts with no cast:
-    the op ``promotes`` and another positional input is a float32 tensor with
-    at least one dimension (a 0-dim tensor does not promote a dimensioned one).
-    Inputs with a bespoke float32 form (``(value, float32) in fixed``) are not.
-    ``out(value)`` is the dtype a value has (default: its decision's ``out``).
-
-    E.g. Swin under float16: ``attn + mask``, attention scores in float16 and a
-    float32 mask, adds in float32 without casting the scores first.
-    """
-    if entry is None or not entry.promotes or want != torch.float32:
-        return set()
-    tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(record(a), Decision)]
-    wide = [a for a in tensors if out(a) == torch.float32 and _ndim(a) not in (None, 0)]
-    if not wide:
-        return set()
-    # a value with a bespoke float32 form (a GEMM whose bias is added after its float32 cast) is not promoted
-    return {a for a in tensors if out(a) in (torch.float16, torch.bfloat16) and _ndim(a) is not None
-            and (a, torch.float32) not in fixed}
-
-
-def accumulates(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, out: Callable[[fx.Node], Any],
-                fixed: Fixed = ()) -> bool:
-    """Does a float32 op take its low first input as is, accumulating through its own ``dtype=`` argument
-    (``softmax(x, dim, dtype=torch.float32)``)?"""
-    args = node.args
-    return bool(entry is not None and entry.accum_dtype and want == torch.float32 and args
-                and _takes(node.target, entry.accum_dtype) and isinstance(args[0], fx.Node)
-                and node.kwargs.get(entry.accum_dtype) is None and len(args) < 4
-                and out(args[0]) in (torch.float16, torch.bfloat16)
-                and (args[0], torch.float32) not in fixed)  # a split bias must be added first
+from .cast_model import accumulates, out_of, promoted_inputs, slot_dtype
+from .nodes import original_dtype
 
 
 def _wants_fp32(node: fx.Node, ctx: PassContext) -> bool:

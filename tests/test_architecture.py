@@ -341,6 +341,49 @@ def test_the_op_name_check_sees_names_and_rules_written_as_strings():
         "d.op == 'linear'", "name in ('setitem', 'iadd')", "d.rule != 'select'"]
 
 
+def pass_order_violations() -> list[str]:
+    """Imports (also inside functions) of a pass module by a module that runs before it, or by a module that runs no
+    step at all (the shared helpers: ``nodes``, ``cast_model``, ``context``, ``fidelity``), in the order of
+    ``ANALYSES``, ``PIPELINE``, ``COUNTS``, ``LOWERING``: a step reads what earlier steps decided, never a later
+    step's code."""
+    from ampfx.passes import ANALYSES, COUNTS, LOWERING, PIPELINE
+
+    steps = [fn for _, fn in ANALYSES] + list(PIPELINE) + [fn for _, fn in COUNTS] + [fn for _, fn in LOWERING]
+    position: dict[str, int] = {}
+    for i, fn in enumerate(steps):
+        position.setdefault(fn.__module__, i)
+    known = modules()
+    bad = []
+    for name, path in known.items():
+        if not name.startswith("ampfx.passes.") or name == "ampfx.passes":
+            continue
+        mine = position.get(name, -1)  # a helper runs no step: it may import no step's module
+        for edge in _imports(name, path, known, inner_too=True)[0]:
+            theirs = position.get(edge)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{name} imports {edge}, a later step" if mine >= 0 else
+                           f"{name} (a helper) imports {edge}, a step")
+    return sorted(bad)
+
+
+def test_no_pass_imports_a_later_pass():
+    """Passes import the passes before them, the node facts (``passes/nodes.py``) and the cast model
+    (``passes/cast_model.py``), never a later pass; the helpers import no pass."""
+    assert pass_order_violations() == []
+
+
+def test_the_pass_order_check_sees_a_pass_importing_a_later_one(monkeypatch):
+    """The check is not vacuous: ``unpack`` (step 2) importing ``classify`` (step 4) is reported."""
+    real = _imports
+
+    def with_one_more(name, path, known, inner_too=False):
+        edges, inner = real(name, path, known, inner_too)
+        return (edges | {"ampfx.passes.classify"} if name == "ampfx.passes.unpack" else edges), inner
+
+    monkeypatch.setitem(globals(), "_imports", with_one_more)
+    assert pass_order_violations() == ["ampfx.passes.unpack imports ampfx.passes.classify, a later step"]
+
+
 def test_every_pass_has_a_unit_test_file():
     """Each pass in PIPELINE (and shape propagation) has tests/passes/test_<pass>.py whose code names
     the pass function itself (``paint.paint``, ``casts.insert_casts``, ...), not only through convert."""

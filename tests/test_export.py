@@ -130,7 +130,7 @@ def test_aten_ops_share_the_torch_level_name(aten_op, torch_level):
 
 def test_accumulation_dtype_only_where_the_aten_schema_takes_it():
     """``aten.softmax.int`` gets ``dtype=float32``; ``aten._softmax`` (no such argument) gets a cast instead."""
-    from ampfx.passes.writes import _takes
+    from ampfx.passes.cast_model import _takes
 
     assert _takes(aten.softmax.int, "dtype") and _takes(aten.sum.dim_IntList, "dtype")
     assert not _takes(aten._softmax.default, "dtype") and _takes(F.softmax, "dtype")

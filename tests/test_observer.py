@@ -75,3 +75,29 @@ def test_a_log_path_keeps_the_graph_after_each_step(tmp_path, monkeypatch):
     assert {row["step"] for row in json.loads((tmp_path / "steps.json").read_text())} >= {casts.insert_casts.__name__}
     monkeypatch.delenv("AMPFX_LOG_PATH")
     assert ampfx.convert(_net(), "bf16", example_inputs=(X,)).ampfx_report.step_code == {}
+
+
+def test_the_observer_sees_the_dry_runs():
+    """The passes up to painting run on copies of a graph twice: on each kept block's graph, for its caller to read
+    its boundary, and, with calibration's precision check, on the root graph to find the nodes that would be low.
+    Both are steps of the report (``dry run: <pass>``), under the graph they copied, before its own steps."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(x + self.fc(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 4))
+    steps = ampfx.convert(model, "bf16", example_inputs=(X,), keep_modules=("0", "1")).ampfx_report.steps
+    dry = [p.__name__ for p in passes.DECIDING]
+    for graph in ("0", "1"):
+        ran = [step for where, step, _ in steps if where == graph]
+        assert [s for s in ran if s.startswith("dry run: ")] == [f"dry run: {name}" for name in dry]
+        assert ran.index(f"dry run: {dry[-1]}") < ran.index("paint")
+    batches = [(X,)]
+    steps = ampfx.convert(_net(), "bf16", example_inputs=(X,), calibrate=batches,
+                          sensitivity_threshold=0.01).ampfx_report.steps
+    assert [s for g, s, _ in steps if g == "" and s.startswith("dry run: ")] == [f"dry run: {n}" for n in dry]
