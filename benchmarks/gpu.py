@@ -11,7 +11,10 @@ One command when a GPU is there: ``python benchmarks/gpu.py`` runs, for bf16 and
    LM (or the first model asked for), under ``torch.autocast`` and converted by ampfx with its weight cache
    (``weight_cache=True``: each weight cast once per step, gradients added into ``.grad`` without a cast) and
    without it (the default: cast at every micro-batch, as autocast does), eager and compiled;
-3. GEMM padding on odd shapes (vocabulary 50257, hidden 1000 and 3000, sequence 77) and on the
+3. FP8: a GPT-2-medium-sized LM (d=1024, 24 layers, 8 x 1024 tokens) in ampfx bf16, ampfx ``fp8="tensorwise"``
+   and torchao's float8 training (tensorwise, when torchao is installed), eager and compiled, as ratios to
+   ampfx bf16 (``--no-fp8`` skips it);
+4. GEMM padding on odd shapes (vocabulary 50257, hidden 1000 and 3000, sequence 77) and on the
    tensor-core friendly shapes of NVIDIA's guide (multiples of 8/64): ampfx ``pad="never"``,
    ``pad="always"`` and autocast, forward + backward.
 
@@ -242,6 +245,44 @@ def accum_rows(name: str, cfg: dict[str, Any], dtypes: list[torch.dtype], compil
                       f"{seconds / base[0]:>9.2f}{mem}", flush=True)
 
 
+FP8_FULL = dict(vocab=50257, d=1024, layers=24, heads=16, seq=1024, batch=8)  # GPT-2 medium's sizes
+FP8_SMOKE = dict(vocab=101, d=32, layers=1, heads=2, seq=16, batch=2)
+
+
+def fp8_rows(cfg: dict[str, Any], compile_: bool, reps: int, device: str, every_size: bool) -> None:
+    """A GPT-2-medium-sized LM's training step: ampfx bf16, ampfx ``fp8="tensorwise"`` (the H100 roofline; with
+    ``every_size``, the smoke run, every linear but the first and last) and torchao's float8 training (tensorwise,
+    its auto filter, first and last linear excluded; when torchao is installed), as ratios to ampfx bf16."""
+    torch.manual_seed(0)
+    model, x, y = build("gpt2", cfg, device)
+    options = {"fp8_roofline": "none"} if every_size else {}
+    amp8 = ampfx.convert(model, torch.bfloat16, example_inputs=(x,), fp8="tensorwise", **options)
+    runs: dict[str, tuple[nn.Module, nn.Module, bool]] = {
+        "ampfx bf16": (model, ampfx.convert(model, torch.bfloat16, example_inputs=(x,)), False),
+        "ampfx fp8": (model, amp8, False)}
+    print(next((line for line in amp8.ampfx_report.summary().splitlines() if "FP8" in line), "  FP8: none"))
+    try:
+        import copy
+
+        from torchao.float8 import _auto_filter_for_recipe, convert_to_float8_training
+        theirs = copy.deepcopy(model)
+        linears = [n for n, m in theirs.named_modules() if isinstance(m, nn.Linear)]
+        keep = _auto_filter_for_recipe("tensorwise", filter_fqns=[linears[0], linears[-1]])
+        convert_to_float8_training(theirs, module_filter_fn=keep)
+        runs["torchao fp8"] = (theirs, theirs, True)
+    except Exception as e:  # noqa: BLE001 - optional: torchao absent, or without float8 training here
+        print(f"  torchao: not run ({type(e).__name__}: {str(e)[:80]})")
+    for mode in ("eager", "compile") if compile_ else ("eager",):
+        base = None
+        for how, (owner, run, autocast) in runs.items():
+            module = torch.compile(run) if mode == "compile" else run
+            seconds, peak = measure(step_fn(owner, module, x, y, device, torch.bfloat16, autocast), reps, device)
+            base = base or (seconds, peak)
+            mem = f"{peak:>10.0f}{peak / base[1]:>9.2f}" if peak is not None and base[1] else f"{'-':>10}{'-':>9}"
+            print(f"{'fp8 gpt2':<10}{how:<18}{mode:<9}{seconds * 1e3:>10.2f}{seconds / base[0]:>9.2f}{mem}",
+                  flush=True)
+
+
 def gemm_rows(shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype], reps: int, device: str) -> None:
     for m, k, n in shapes:
         for dtype in dtypes:
@@ -280,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step in the gradient "
                                                         "accumulation table (0: skip it)")
+    ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 table (a GPT-2-medium-sized "
+                                                                       "LM: ampfx bf16, ampfx fp8, torchao fp8)")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda"
     configs = CPU if args.cpu else SMOKE if args.smoke or device == "cpu" else FULL
@@ -300,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{'accumulation':<16}{'k':>3}  {'run':<24}{'mode':<9}{'step ms':>10}{'x ac':>9}{'peak MB':>10}"
               f"{'x ac':>9}")
         accum_rows(name, configs[name], dtypes, compile_, reps, device, args.accum)
+    if args.fp8 and not args.cpu:
+        print(f"\n{'fp8':<10}{'run':<18}{'mode':<9}{'step ms':>10}{'x bf16':>9}{'peak MB':>10}{'x bf16':>9}")
+        fp8_rows(FP8_SMOKE if configs is SMOKE else FP8_FULL, compile_, reps, device, every_size=configs is SMOKE)
     if not args.cpu:
         print(f"\n{'GEMM M x K -> N':<22}{'dtype':<10}{'friendly':<10}{'never ms':>10}{'always ms':>11}"
               f"{'autocast ms':>13}{'alw/nev':>9}{'ac/nev':>9}")

@@ -10,9 +10,9 @@ weight gradient), by which :class:`~ampfx.report.records.Fp8Rule`, and why. The 
 3. ``fp8:module``: inside a module of ``fp8_skip_modules``;
 4. ``fp8:shape``: K and N must be multiples of 16 (``torch._scaled_mm``), and known;
 5. ``fp8:forced``: inside a module of ``fp8_modules``: FP8 (over the rules below);
-6. ``fp8:position``: the model's first or last ``nn.Linear`` (:attr:`~ampfx.policy.Resolved.linear_ends`), or,
-   where the model has none (a graph the compile backend converts holds parameters, not modules), the graph's
-   own first and last linear;
+6. ``fp8:position``: the model's first or last ``nn.Linear`` (:attr:`~ampfx.policy.Resolved.linear_ends`; none
+   where the model has no ``nn.Linear``, and under the compile backend, whose graphs hold parameters, not the
+   model's modules);
 7. ``fp8:router``: its output reaches a top-k or an arg-max within a few ops (an MoE's router);
 8. ``fp8:cost``: on the target device (``fp8_roofline``) quantising costs more than FP8 saves
    (:meth:`ampfx.policy.fp8.Roofline.pays`; M from the example inputs, else taken as large);
@@ -63,41 +63,44 @@ def decide_fp8(gm: fx.GraphModule, ctx: PassContext) -> None:
     recipe = vocabulary.recipe(ctx.policy.fp8)
     if recipe is None:
         return
-    gemms = [n for n in gm.graph.nodes if isinstance(record(n), Decision) and n.op in COMPUTE
-             and record(n).op in ops.ENTRIES and ops.ENTRIES[record(n).op].category is Category.ALLOW]
-    # the model's first and last nn.Linear; a graph of a model with none (the compile backend's graphs hold
-    # parameters, not modules): its own first and last linear
-    linears = [n for n in gemms if _is_linear(n, record(n))]
-    ends = {linears[0]: "first", linears[-1]: "last"} if ctx.resolved.linear_ends == () and linears else {}
-    for node in gemms:
+    spec = recipe.name if vocabulary.RECIPES.get(recipe.name) == recipe else recipe.spec
+    for node in [n for n in gm.graph.nodes if isinstance(record(n), Decision) and n.op in COMPUTE
+                 and record(n).op in ops.ENTRIES and ops.ENTRIES[record(n).op].category is Category.ALLOW]:
         d = record(node)
-        rule, reason, sizes = _rule(node, d, gm, ctx, ends)
+        rule, reason, sizes = _rule(node, d, gm, ctx)
         on = rule in (Fp8Rule.FP8, Fp8Rule.FORCED)
         node.meta[RECORD] = dataclasses.replace(d, fp8=Fp8Decision(
             recipe=recipe.name, rule=rule, reason=reason, output=on, input_grad=on,
             weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes)))
         if on:
             x, w, b = (list(node.args) + [node.kwargs.get("bias")])[:3]
-            node.target, node.args, node.kwargs = linear_fp8, (x, _master(gm, w), b, recipe.name if recipe.name in
-                                                               vocabulary.RECIPES else recipe.spec), {}
+            node.target, node.args, node.kwargs = linear_fp8, (x, _master(w), b, spec), {}
+            _drop_unused_cast(gm, w)
 
 
-def _master(gm: fx.GraphModule, weight: Any) -> Any:
-    """The weight an FP8 linear quantises: its float32 master where the plan cast it for this node alone (one
-    rounding, to FP8, instead of two; the cast goes), else what the plan reads."""
+def _master(weight: Any) -> Any:
+    """The weight an FP8 linear quantises: the float32 master where the plan casts a weight for it (one rounding,
+    to FP8, instead of two), else what the plan reads."""
     info = record(weight) if isinstance(weight, fx.Node) else None
-    if isinstance(info, CastInfo) and info.weight and len(weight.users) == 1 and weight.target is runtime.cast:
-        master = weight.args[0]
-        weight.replace_all_uses_with(master)
-        gm.graph.erase_node(weight)
-        return master
+    if isinstance(info, CastInfo) and info.weight and weight.target is runtime.cast:
+        return weight.args[0]
     return weight
 
 
-def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext,
-          ends: dict[fx.Node, str]) -> tuple[Fp8Rule, str, dict]:
-    """The rule, its reason and the GEMM's sizes (``{"M": .., "N": .., "K": ..}``, ``None`` where unknown);
-    ``ends``: the graph's own first and last linear, where the model has no ``nn.Linear`` to say."""
+def _drop_unused_cast(gm: fx.GraphModule, weight: Any) -> None:
+    """A weight's cast no FP8 linear reads any more: gone when nothing reads it, else its record names the readers
+    left."""
+    info = record(weight) if isinstance(weight, fx.Node) else None
+    if not (isinstance(info, CastInfo) and weight.target is runtime.cast):
+        return
+    if not weight.users:
+        gm.graph.erase_node(weight)
+    else:
+        weight.meta[RECORD] = dataclasses.replace(info, consumers=tuple(u.name for u in weight.users))
+
+
+def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext) -> tuple[Fp8Rule, str, dict]:
+    """The rule, its reason and the GEMM's sizes (``{"M": .., "N": .., "K": ..}``, ``None`` where unknown)."""
     sizes = _sizes(node, gm)
     if not _is_linear(node, d):
         return Fp8Rule.OP, f"{d.op}: FP8 runs linear layers only", sizes
@@ -117,8 +120,6 @@ def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext,
     if d.module in (ctx.resolved.linear_ends or ()):
         which = "first" if d.module == ctx.resolved.linear_ends[0] else "last"
         return Fp8Rule.POSITION, f"{d.module} is the model's {which} linear layer", sizes
-    if node in ends:
-        return Fp8Rule.POSITION, f"the {ends[node]} linear layer of this graph (it names no nn.Linear)", sizes
     route = _routes(node)
     if route is not None:
         return Fp8Rule.ROUTER, f"its output reaches {route}: it chooses experts", sizes
@@ -146,7 +147,8 @@ def _within(module: str, matched: tuple[tuple[str, str], ...]) -> str | None:
 
 
 def _routes(node: fx.Node) -> str | None:
-    """The op a few hops after ``node`` that chooses among its outputs (``topk``), else ``None``."""
+    """The op a few hops after ``node``, before any other GEMM, that chooses among its outputs (``topk``), else
+    ``None``."""
     frontier, seen = [node], {node}
     for _ in range(_HOPS):
         nxt = []
@@ -156,6 +158,8 @@ def _routes(node: fx.Node) -> str | None:
                 entry = ops.ENTRIES.get(d.op) if isinstance(d, Decision) else None
                 if entry is not None and entry.chooses:
                     return d.op
+                if entry is not None and entry.category is Category.ALLOW:
+                    continue  # past another GEMM: its choice, not this one's
                 if user not in seen:
                     seen.add(user)
                     nxt.append(user)
@@ -186,8 +190,11 @@ def _int(size: Any) -> int | None:
 
 
 def _sizes(node: fx.Node, gm: fx.GraphModule) -> dict[str, int | None]:
-    """M, N, K of a GEMM node: for a linear from its input and weight, for other GEMMs from the first operand
-    (K, its last size) and the output (N, M its other sizes multiplied); ``None`` where unknown."""
+    """M, N, K of a GEMM node: for a linear from its input and weight, for other matrix products (``OpEntry.gemm``
+    layouts) from the first operand (K, its last size) and the output (N, M its other sizes multiplied); ``None``
+    where unknown, and for convolutions, attention and einsum (no layout)."""
+    if ops.ENTRIES[record(node).op].gemm is None:
+        return {"M": None, "N": None, "K": None}
     args = [a for a in node.args if isinstance(a, fx.Node)]
     first = _shape(node.args[0], gm) if node.args and isinstance(node.args[0], fx.Node) else None
     out = out_infos(node)

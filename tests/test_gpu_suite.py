@@ -25,6 +25,9 @@ def test_smoke_mode_prints_every_run_of_every_model_and_the_gemm_table():
         ("4", f"{how} {dtype}") for dtype in ("bfloat16", "float16")
         for how in ("autocast", "ampfx cache", "ampfx")], accum  # gradient accumulation: 4 micro-batches a step
     assert all(float(r[-4]) > 0 for r in accum)
+    fp8 = [line.split() for line in out.splitlines() if line.startswith("fp8 gpt2")]
+    assert [" ".join(r[2:4]) for r in fp8][:2] == ["ampfx bf16", "ampfx fp8"] and all(float(r[-4]) > 0 for r in fp8)
+    assert "FP8 (tensorwise): " in out  # the smoke run puts linears in FP8 (every size)
     gemm = [line for line in out.splitlines() if "->" in line and "GEMM" not in line]
     assert len(gemm) == 6 and any("float16" in line for line in gemm)
 

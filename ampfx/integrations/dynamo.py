@@ -160,7 +160,8 @@ def ampfx_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     return default()(gm, example_inputs)
 
 
-_BY_MODULE = {"fp32_modules": "AMPFX_FP32_MODULES", "leaf_modules": "AMPFX_LEAF_MODULES"}
+_BY_MODULE = {"fp32_modules": "AMPFX_FP32_MODULES", "leaf_modules": "AMPFX_LEAF_MODULES",
+              "fp8_modules": "AMPFX_FP8_MODULES", "fp8_skip_modules": "AMPFX_FP8_SKIP_MODULES"}
 
 
 def _check_no_modules(policy: Any) -> None:

@@ -168,24 +168,40 @@ def _check_fields(p: "Policy") -> None:
 
 
 def _set_fp8(p: "Policy") -> None:
-    """``fp8`` and ``fp8_roofline`` as a preset's name (lower case) or the user's record, the FP8 module lists as
-    entries; FP8 options without ``fp8`` are an error (they would change nothing)."""
-    recipe, roofline = fp8.recipe(p.fp8), fp8.roofline(p.fp8_roofline)
+    """``fp8`` and ``fp8_roofline`` as a preset's name (lower case) or the user's record (``fp8_roofline`` ``None``
+    when not given), the FP8 module lists as entries. (FP8 options without ``fp8`` are checked once the
+    environment and a policy file have had their say: :func:`check_fp8_options`.)"""
+    recipe = fp8.recipe(p.fp8)
     object.__setattr__(p, "fp8", recipe.name if recipe is not None and recipe in fp8.RECIPES.values() else recipe)
-    object.__setattr__(p, "fp8_roofline", "none" if roofline is None else
-                       roofline.name if roofline in fp8.ROOFLINES.values() else roofline)
+    if p.fp8_roofline is not None:
+        roofline = fp8.roofline(p.fp8_roofline)
+        object.__setattr__(p, "fp8_roofline", "none" if roofline is None else
+                           roofline.name if roofline in fp8.ROOFLINES.values() else roofline)
     for name in ("fp8_modules", "fp8_skip_modules"):
         object.__setattr__(p, name, _module_entries(getattr(p, name), name))
-        if getattr(p, name) and recipe is None:
-            raise PolicyError(f"{name}={getattr(p, name)!r} without fp8=: name an FP8 recipe (fp8='tensorwise', "
-                              "AMPFX_FP8=tensorwise), or leave the FP8 module lists out")
-    if recipe is None and p.fp8_roofline != "h100":
-        raise PolicyError(f"fp8_roofline={p.fp8_roofline!r} without fp8=: name an FP8 recipe (fp8='tensorwise', "
-                          "AMPFX_FP8=tensorwise), or leave fp8_roofline out")
     if p.fp8_modules and p.fp8_skip_modules:
         both = [e for e in p.fp8_modules if e in p.fp8_skip_modules]
         if both:
             raise PolicyError(f"{both[0]!r} is in both fp8_modules and fp8_skip_modules: name it in one")
+
+
+_FP8_OPTIONS = ("fp8_roofline", "fp8_modules", "fp8_skip_modules")
+
+
+def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
+    """``p`` once the arguments, a policy file and the environment are merged: FP8 options without ``fp8`` are an
+    error (they would change nothing), except where ``AMPFX_FP8=off`` turned FP8 off, which drops them (the
+    switch that turns FP8 off without a code edit; the report's environment record says so)."""
+    if p.fp8 is not None:
+        return p
+    given = [name for name in _FP8_OPTIONS if getattr(p, name) not in (None, ())]
+    if not given:
+        return p
+    if "AMPFX_FP8" in dict(p.env):
+        return dataclasses.replace(p, **{name: None if name == "fp8_roofline" else () for name in given})
+    said = ", ".join(f"{name}={getattr(p, name)!r}" for name in given)
+    raise PolicyError(f"{said} without fp8{where}: name an FP8 recipe (fp8='tensorwise', AMPFX_FP8=tensorwise), or "
+                      "leave the FP8 options out")
 
 
 def _env(var: str, kind: str, help: str, **more: Any) -> dict[str, Any]:
@@ -276,10 +292,10 @@ class Policy:
     fp8: Any = field(default=None, metadata=_env(
         "AMPFX_FP8", "word", "an FP8 recipe for the linear layers' GEMMs where they pay: tensorwise, rowwise, "
         "rowwise_with_gw_hp; off (default): none", example="tensorwise"))
-    #: the target device whose peak rates and bandwidth decide where an FP8 GEMM pays (rule fp8:cost): "h100",
-    #: "h200", "b200", an ampfx.policy.fp8.Roofline, or "none" (every size)
-    fp8_roofline: Any = field(default="h100", metadata=_env(
-        "AMPFX_FP8_ROOFLINE", "word", "the device whose rates decide where an FP8 GEMM pays: h100 (default), h200, "
+    #: the target device whose peak rates and bandwidth decide where an FP8 GEMM pays (rule fp8:cost): None (not
+    #: given: "h100"), "h100", "h200", "b200", an ampfx.policy.fp8.Roofline, or "none" (every size)
+    fp8_roofline: Any = field(default=None, metadata=_env(
+        "AMPFX_FP8_ROOFLINE", "word", "the device whose rates decide where an FP8 GEMM pays: h100 (the default), h200, "
         "b200; none: every size", example="none", needs={"fp8": "tensorwise"}))
     #: modules whose linear layers run in FP8 whatever their size or position (rule fp8:forced)
     fp8_modules: tuple = field(default=(), metadata=_env(
@@ -607,7 +623,7 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
             raise PolicyError(f"unknown environment variable {var}.{did_you_mean(var, ENV_VARS)} "
                               f"Known: {', '.join(sorted(ENV_VARS))}.")
     if not seen:
-        return base
+        return check_fp8_options(base)
     if seen.get("AMPFX_POLICY_FILE", "").strip():  # the file first: the other variables apply on top of it
         base = policy_file.merge(base, seen["AMPFX_POLICY_FILE"].strip(), dtype_given=dtype_given)
     changes: dict[str, Any] = {}
@@ -624,7 +640,8 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
         if var in seen:
             changes[f.name] = _env_value(var, seen[var], f, getattr(base, f.name))
     try:
-        return dataclasses.replace(base, origins=tuple(origins.items()), env=tuple(sorted(seen.items())),
-                                   user_ops=base.user_ops, **changes)
+        return check_fp8_options(dataclasses.replace(base, origins=tuple(origins.items()),
+                                                     env=tuple(sorted(seen.items())), user_ops=base.user_ops,
+                                                     **changes))
     except PolicyError as e:
         raise PolicyError(f"{e} (environment: {', '.join(f'{k}={v}' for k, v in sorted(seen.items()))})") from None

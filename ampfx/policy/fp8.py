@@ -41,6 +41,9 @@ class Recipe:
     power_of_2_scales: bool = False
 
     def __post_init__(self) -> None:
+        for which in ("rowwise", "weight_grad_high_precision", "power_of_2_scales"):
+            if not isinstance(getattr(self, which), bool):
+                raise PolicyError(f"Recipe {self.name!r}: {which}={getattr(self, which)!r}: use True or False")
         for which in ("forward", "backward"):
             value = getattr(self, which)
             if isinstance(value, torch.dtype):
@@ -74,6 +77,10 @@ def recipe(value: Any) -> Recipe | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
         return None
     if isinstance(value, Recipe):
+        if value.name in RECIPES and value != RECIPES[value.name]:
+            raise PolicyError(f"fp8=Recipe({value.name!r}, ...) differs from the preset of that name: give your "
+                              f"recipe a name of its own (the log and a converted graph name recipes by name), or use "
+                              f"fp8={value.name!r}")
         found = value
     elif isinstance(value, str) and value.strip().lower() in RECIPES:
         found = RECIPES[value.strip().lower()]
@@ -143,9 +150,16 @@ ROOFLINES: dict[str, Roofline] = {r.name: r for r in (
 """Dense peak rates of the presets (vendor datasheets, SXM parts, without sparsity)."""
 
 
+DEFAULT_ROOFLINE = "h100"
+"""The target device when ``fp8_roofline`` is not given."""
+
+
 def roofline(value: Any) -> Roofline | None:
-    """The :class:`Roofline` ``fp8_roofline=`` names: a preset, a Roofline, ``None`` / ``"none"`` for no cost rule."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "off")):
+    """The :class:`Roofline` ``fp8_roofline=`` names: a preset, a Roofline, ``None`` (not given) for
+    :data:`DEFAULT_ROOFLINE`, ``"none"`` for no cost rule (``None`` returned)."""
+    if value is None:
+        return ROOFLINES[DEFAULT_ROOFLINE]
+    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
         return None
     if isinstance(value, Roofline):
         return value

@@ -213,11 +213,13 @@ class Report:
         if not rows:
             return []
         on = [r for r in rows if r.fp8.output]
-        flops = [r.fp8.flops for r in rows]
-        share = "GEMM FLOPs unknown (no example_inputs)"
-        if None not in flops:
-            total, fp8 = sum(flops), sum(r.fp8.flops for r in on)
+        known = [r for r in rows if r.fp8.flops is not None]
+        share = "GEMM FLOPs unknown (no example_inputs, or symbolic sizes)"
+        if known:
+            total, fp8 = sum(r.fp8.flops for r in known), sum(r.fp8.flops for r in on if r.fp8.flops is not None)
             share = f"{fp8:,} of {total:,} GEMM FLOPs ({fp8 / total:.0%})" if total else "no GEMM FLOPs"
+            if len(known) < len(rows):
+                share += f" of the {len(known)} nodes whose FLOPs are known (matrix products)"
         off = Counter(r.fp8.rule.value for r in rows if not r.fp8.output)
         why = ", ".join(f"{rule} {n}" for rule, n in sorted(off.items(), key=lambda kv: (-kv[1], kv[0])))
         return [f"  FP8 ({rows[0].fp8.recipe}): {len(on)}/{len(rows)} GEMM nodes, {share}"

@@ -55,11 +55,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None,
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b)`` of FP8 operands, in ``out_dtype``: ``a`` [M, K] with a scalar or [M, 1]
-    scale, ``b`` [K, N] with a scalar or [1, N] scale. ``torch._scaled_mm`` on a GPU; on a CPU the float32 product
-    of the dequantised operands, which is what that kernel computes."""
-    if a.is_cuda and _kernel_takes(a, scale_a, b, out_dtype):  # the kernel wants a row-major, b column-major
+    scale, ``b`` [K, N] with a scalar or [1, N] scale. ``torch._scaled_mm`` on a GPU (rowwise scales into a float32
+    result: the kernel writes bfloat16, widened after, as torchao's weight gradient does); on a CPU the float32
+    product of the dequantised operands, which is what that kernel computes."""
+    rowwise_fp32 = scale_a.numel() > 1 and out_dtype == torch.float32  # the rowwise kernels write 16 bits only
+    kernel_out = torch.bfloat16 if rowwise_fp32 else out_dtype
+    if a.is_cuda and _kernel_takes(a, scale_a, b, kernel_out):  # the kernel wants a row-major, b column-major
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a, scale_b=scale_b,
-                                out_dtype=out_dtype)
+                                out_dtype=kernel_out).to(out_dtype)
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
