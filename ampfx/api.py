@@ -32,7 +32,7 @@ from .inputs import ExampleInputs
 from .policy import Policy
 from .report import Report
 from .report.records import dtype_name
-from .request import Request, build, resolve
+from .request import Asked, Request, build, resolve
 from .state import copy_tree, one_thread, untouched
 from .tree import Memo, convert_module, convert_tree
 
@@ -103,8 +103,9 @@ def convert(
     """
     given = model
     model = _model_of(model)
-    request = build(model, dtype, example_inputs, policy, policy_options, environ=environ, dynamic_dims=dynamic_dims,
-                    tracer=tracer, mode=mode, calibrate=calibrate, calibrate_loss=calibrate_loss)
+    request = build(model, Asked(dtype, example_inputs, policy, policy_options, dynamic_dims=dynamic_dims,
+                                 tracer=tracer, mode=mode, calibrate=calibrate, calibrate_loss=calibrate_loss),
+                    environ=environ)
     return convert_request(model, request, given_a_view=given is not model)
 
 

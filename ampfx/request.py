@@ -94,13 +94,31 @@ def policy_of(caller: str, dtype: Any, policy: Policy | None, given: Mapping[str
     return policy
 
 
-def build(model: nn.Module, dtype: Any = None, example_inputs: Any = None, policy: Policy | None = None,
-          given: Mapping[str, Any] | None = None, *, caller: str = "convert", environ: Mapping[str, str] | None = None,
-          dynamic_dims: Any = None, tracer: str = "auto", mode: str = "train", calibrate: Any = None,
-          calibrate_loss: Any = None) -> Request:
-    """The request of one conversion of ``model``: every argument checked, the policy built
+@dataclass(frozen=True)
+class Asked:
+    """What a converting entry point was given, as given (:func:`build` checks it): the dtype, the example inputs,
+    a :class:`~ampfx.policy.Policy` and keyword ``options`` (its fields), and the capture and mode arguments of
+    :func:`ampfx.convert`."""
+
+    dtype: Any = None
+    example_inputs: Any = None
+    policy: Policy | None = None
+    options: Mapping[str, Any] | None = None
+    dynamic_dims: Any = None
+    tracer: str = "auto"
+    mode: str = "train"
+    calibrate: Any = None
+    calibrate_loss: Any = None
+
+
+def build(model: nn.Module, asked: Asked, *, caller: str = "convert",
+          environ: Mapping[str, str] | None = None) -> Request:
+    """The request of one conversion of ``model``: every argument ``asked`` checked, the policy built
     (:func:`policy_of`), the ``AMPFX_*`` variables of ``environ`` (default ``os.environ``) applied on top
     (:func:`ampfx.policy.from_env`), and resolved against the model (:func:`resolve`)."""
+    dtype, example_inputs, policy, given = asked.dtype, asked.example_inputs, asked.policy, asked.options
+    dynamic_dims, tracer, mode = asked.dynamic_dims, asked.tracer, asked.mode
+    calibrate, calibrate_loss = asked.calibrate, asked.calibrate_loss
     given = dict(given or {})
     args.check_model(model)
     _check_unwrapped(model)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -35,7 +35,7 @@ from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
 from .observer import Observer
 from .passes import ANALYSES, COUNTS, DECIDING, LOWERING, PIPELINE, autocast, boundary, calibrate, sensitivity, shapes
-from .passes.context import Ends, PassContext
+from .passes.context import Ends, PassContext, Place
 from .policy import Policy, Resolved
 from .request import Request
 from .report import Report
@@ -56,18 +56,12 @@ class Analysis:
 
 
 def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
-                  prefix: str, eager_leaves: frozenset[str], leaf_facts: Mapping[str, Any],
-                  arrive: torch.dtype | None = None, kept_ends: Mapping[str, Ends] | None = None,
-                  autocast_arrive: Any = None, *, enter: torch.dtype | None = None,
-                  hands_on: bool = False) -> tuple[AmpGraphModule, Report]:
-    """The converted graph module of ``work`` and its report (see the module docstring).
-    ``eager_leaves`` are the leaves that keep their Python, ``leaf_facts`` what other libraries
-    observed of their leaves (:mod:`ampfx.capture.observe`); ``arrive``: ``work`` is a kept module whose
-    caller's graph gives it its float inputs in that dtype and takes its outputs back in it;
-    ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries (:func:`kept_ends`);
-    ``autocast_arrive``: the dtype ``torch.autocast`` would hand a kept ``work`` its float inputs in (reporting);
-    ``enter``, ``hands_on``: :attr:`ampfx.passes.context.PassContext.enter` and ``hands_on``.
-    Raises :class:`NotReproduced` when the graph does not run on ``inputs``."""
+                  place: Place) -> tuple[AmpGraphModule, Report]:
+    """The converted graph module of ``work`` and its report (see the module docstring); ``place``: where its
+    graph sits in the model (:class:`~ampfx.passes.context.Place`: its path, its leaves that keep their Python,
+    its boundary dtypes, the boundaries of the kept modules it calls). Raises :class:`NotReproduced` when the
+    graph does not run on ``inputs``."""
+    prefix, arrive = place.prefix, place.arrive
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
@@ -75,9 +69,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     before = gm.code
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
-    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=eager_leaves,
-                   leaf_facts=leaf_facts, arrive=arrive, kept_ends=kept_ends or {}, autocast_arrive=autocast_arrive,
-                   enter=enter, hands_on=hands_on)
+    ctx = _context(work, capture, inputs, request, analysis, place)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
     run_passes(gm, ctx, seen)
     if inputs is not None:
@@ -98,13 +90,13 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
                                    step_code={where: tuple(seen.code)} if seen.keep_code else {})
 
 
-def _context(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request, prefix: str,
-             analysis: Analysis, **facts: Any) -> PassContext:
-    """The :class:`PassContext` of ``work``'s captured graph (``facts``: the fields only the caller knows)."""
+def _context(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request, analysis: Analysis,
+             place: Place) -> PassContext:
+    """The :class:`PassContext` of ``work``'s captured graph at ``place``."""
     why_kept = dict(request.resolved.keep_matched or ())
-    return PassContext(policy=request.policy, resolved=request.resolved, device=device_of(work, inputs), prefix=prefix,
-                       leaves=dict(capture.leaves), symbols=analysis.symbols,
-                       kept={p: why_kept.get(prefix + p, "keep_modules") for p in capture.kept}, **facts)
+    return PassContext(policy=request.policy, resolved=request.resolved, device=device_of(work, inputs),
+                       leaves=dict(capture.leaves), symbols=analysis.symbols, place=place,
+                       kept={p: why_kept.get(place.prefix + p, "keep_modules") for p in capture.kept})
 
 
 def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
@@ -124,8 +116,8 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     except NotReproduced:
         return None
     inner = frozenset(p for p in capture.leaves if list(work.get_submodule(p).children()))
-    ctx = _context(work, capture, inputs, request, prefix, analysis, eager_leaves=inner, arrive=torch.float32)
-    under_autocast = tuple((d, autocast.returns_under_autocast(dry, dataclasses.replace(ctx, autocast_arrive=d)))
+    ctx = _context(work, capture, inputs, request, analysis, Place(prefix, eager_leaves=inner, arrive=torch.float32))
+    under_autocast = tuple((d, autocast.returns_under_autocast(dry, ctx.at(autocast_arrive=d)))
                            for d in (torch.float32, request.policy.dtype))
     for pass_ in DECIDING:
         seen.run(f"dry run: {pass_.__name__}", pass_, dry, ctx)

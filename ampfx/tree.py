@@ -47,7 +47,7 @@ from .request import Request
 from .observer import Observer
 from .rewrite import convert_graph, device_of, kept_ends
 from .passes import boundary, nodes
-from .passes.context import Ends
+from .passes.context import Ends, Place
 from .meta import AUTOCAST_HANDS, record
 from .capture import observe as observing
 from .capture.observe import Observation, observe
@@ -163,9 +163,9 @@ def _capture(work: nn.Module, inputs: ExampleInputs | None, prefix: str, request
                 for p, why in request.resolved.keep_matched or () if p[len(prefix):] in kept and p.startswith(prefix))
     known = memo.export_drops.setdefault(work.training, set())  # classes, in this training mode
     drops = {path for path, m in work.named_modules() if type(m) in known}
-    capture = ladder.capture(work, request.policy, inputs, request.tracer, kept, required,
-                             sizes=memo.export_sizes.setdefault(prefix, [0]), drops=drops,
-                             named=request.resolved.below(prefix) if prefix else request.resolved.leaf_names)
+    named = request.resolved.below(prefix) if prefix else request.resolved.leaf_names
+    capture = ladder.capture(work, request.policy, inputs, request.tracer, ladder.Bounds(kept, required, named),
+                             sizes=memo.export_sizes.setdefault(prefix, [0]), drops=drops)
     known.update(type(work.get_submodule(p)) for p in drops)
     return capture
 
@@ -207,10 +207,11 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     calls.expect([prefix + path for path in (*inner, *capture.kept)])
     called = {path for path in inner if job.inputs is None or calls.get(prefix + path) is not None}
     try:
-        gm, job.part.report = convert_graph(work, capture, job.inputs, request, prefix, frozenset(called),
-                                            calls.leaf_facts(work, prefix, job.inputs), job.arrive,
-                                            _kept_ends(work, capture, job, calls, request, memo), job.autocast_in,
-                                            enter=(enter := _entered(job, memo)), hands_on=job.hands_on)
+        place = Place(prefix, eager_leaves=frozenset(called), leaf_facts=calls.leaf_facts(work, prefix, job.inputs),
+                      arrive=job.arrive, autocast_arrive=job.autocast_in,
+                      kept_ends=_kept_ends(work, capture, job, calls, request, memo),
+                      enter=(enter := _entered(job, memo)), hands_on=job.hands_on)
+        gm, job.part.report = convert_graph(work, capture, job.inputs, request, place)
     except NotReproduced as e:  # the graph does not reproduce the module on its inputs: eager instead
         if not list(work.children()):
             raise e.__cause__ or e

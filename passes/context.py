@@ -1,6 +1,7 @@
 """What the passes share: :class:`PassContext`, built once per graph and never changed."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -35,43 +36,69 @@ class Ends:
 
 
 @dataclass(frozen=True)
-class PassContext:
-    """The policy, what it resolved to in the model, and the facts about one conversion that no single
-    node carries.
+class Place:
+    """Where a captured graph sits in the model, passed whole from the module tree to the passes.
 
-    ``prefix`` is the module path of the converted part inside the user's
-    model (``"encoder."``; ``""`` for the root). ``leaves`` maps the path of each
-    module traced as a leaf to why; ``eager_leaves`` are the leaves that run their
-    own Python with their children converted separately; ``kept`` maps each
-    leaf ``keep_modules`` keeps as a module boundary to why, ``kept_ends`` those whose own graph was
-    read first to what it does at its boundary (:class:`Ends`). ``symbols`` (a
-    :class:`~ampfx.passes.shapes.Symbols`) is set when shapes were propagated
-    from example inputs. ``leaf_facts`` maps the path of each other library's
-    leaf module to what :func:`ampfx.libraries.leaf_facts` made of it on the
-    example inputs (DGL's overflow guard reads its in-degree and feature sizes).
+    ``prefix`` is the module path of the converted part inside the user's model (``"encoder."``; ``""`` for the
+    root). ``eager_leaves`` are its leaves that run their own Python with their children converted separately;
+    ``leaf_facts`` maps the path of each other library's leaf module to what
+    :func:`ampfx.libraries.leaf_facts` made of it on the example inputs (DGL's overflow guard reads its in-degree
+    and feature sizes). ``arrive``: a kept module converted on its own, the dtype its float inputs arrive in and its
+    outputs leave in; ``autocast_arrive``: the dtype ``torch.autocast`` would hand it its float inputs in
+    (reporting); ``kept_ends``: what the graphs of the kept modules it calls do at their boundaries
+    (:class:`Ends`). A child of a module that keeps its Python: its float inputs arrive in ``enter`` (other
+    converted children hand them, only moved between), and with ``hands_on`` its float outputs leave in the dtype
+    they are computed in.
+
+    >>> Place("enc.").prefix, Place().arrive
+    ('enc.', None)
+    """
+
+    prefix: str = ""
+    eager_leaves: frozenset[str] = frozenset()
+    leaf_facts: Mapping[str, Any] = field(default_factory=dict)
+    arrive: Any = None
+    autocast_arrive: Any = None
+    kept_ends: Mapping[str, Ends] = field(default_factory=dict)
+    enter: Any = None
+    hands_on: bool = False
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """The policy, what it resolved to in the model, where the graph sits (:class:`Place`, whose fields read as
+    the context's own: ``ctx.prefix``), and the facts about one conversion that no single node carries.
+
+    ``leaves`` maps the path of each module traced as a leaf to why; ``kept`` maps each leaf ``keep_modules``
+    keeps as a module boundary to why. ``symbols`` (a :class:`~ampfx.passes.shapes.Symbols`) is set when shapes
+    were propagated from example inputs.
 
     >>> from ampfx import Policy
-    >>> ctx = PassContext(Policy())
-    >>> ctx.has_shapes, ctx.device
-    (False, 'cpu')
+    >>> ctx = PassContext(Policy(), place=Place("enc."))
+    >>> ctx.has_shapes, ctx.device, ctx.prefix
+    (False, 'cpu', 'enc.')
     """
 
     policy: Policy
     resolved: Resolved = Resolved()
     device: str = "cpu"
-    prefix: str = ""
     leaves: Mapping[str, str] = field(default_factory=dict)
-    eager_leaves: frozenset[str] = frozenset()
     kept: Mapping[str, str] = field(default_factory=dict)
-    kept_ends: Mapping[str, Ends] = field(default_factory=dict)
-    arrive: Any = None  # a kept module converted on its own: the dtype its float inputs arrive in and its outputs leave in
-    autocast_arrive: Any = None  # a kept module: the dtype torch.autocast would hand its float inputs in (reporting)
-    # a child of a module that keeps its Python: its float inputs arrive in ``enter`` (other converted children hand
-    # them, only moved between), and with ``hands_on`` its float outputs leave in the dtype they are computed in
-    enter: Any = None
-    hands_on: bool = False
     symbols: Any = None
-    leaf_facts: Mapping[str, Any] = field(default_factory=dict)
+    place: Place = Place()
+
+    prefix = property(lambda self: self.place.prefix)
+    eager_leaves = property(lambda self: self.place.eager_leaves)
+    leaf_facts = property(lambda self: self.place.leaf_facts)
+    arrive = property(lambda self: self.place.arrive)
+    autocast_arrive = property(lambda self: self.place.autocast_arrive)
+    kept_ends = property(lambda self: self.place.kept_ends)
+    enter = property(lambda self: self.place.enter)
+    hands_on = property(lambda self: self.place.hands_on)
+
+    def at(self, **where: Any) -> "PassContext":
+        """This context with its place's fields ``where`` changed (``ctx.at(prefix="enc.")``)."""
+        return dataclasses.replace(self, place=dataclasses.replace(self.place, **where))
 
     @property
     def keeps_output_dtype(self) -> bool:

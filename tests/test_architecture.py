@@ -322,6 +322,35 @@ def test_layers_import_only_what_they_may():
     assert layer_violations() == []
 
 
+MAX_PARAMS = 8
+PUBLIC_OPTIONS = {("ampfx/api.py", "convert"), ("ampfx/ops/registration.py", "register_op"),
+                  ("ampfx/tools/compare.py", "compare"), ("ampfx/tools/tune.py", "tune")}
+"""Public entry points whose keyword options are the user's spelling (``convert(model, dtype, tracer=...,
+**options)``): their options stay keywords of their own."""
+
+
+def long_signatures() -> list[str]:
+    """Functions of ampfx and ampfx.passes with more than :data:`MAX_PARAMS` parameters (``self``/``cls`` not
+    counted, ``*args`` and ``**kwargs`` one each), the public entry points aside."""
+    hits = []
+    for path in modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) not in PUBLIC_OPTIONS:
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+                count = len(names) + bool(a.vararg) + bool(a.kwarg)
+                if count > MAX_PARAMS:
+                    hits.append(f"{rel}:{node.lineno} {node.name}: {count} parameters")
+    return hits
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """What belongs together travels as one record (where a graph sits: ``Place``; what a caller asked:
+    ``Asked``; what a capture keeps whole: ``Bounds``), not as a row of arguments unpacked and packed again."""
+    assert long_signatures() == []
+
+
 def test_no_function_body_over_60_lines():
     """Every function body (docstring aside) is at most 60 lines."""
     long = [(n, f) for n, f in function_bodies() if n > MAX_BODY]

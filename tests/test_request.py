@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import ampfx
 from ampfx.errors import ArgumentError, PolicyError
-from ampfx.request import build, resolve
+from ampfx.request import Asked, build, resolve
 
 X = torch.randn(4, 8)
 
@@ -72,7 +72,7 @@ def test_the_users_policy_is_never_changed_and_what_convert_resolved_is_its_own_
     amp = ampfx.convert(net, policy=policy, example_inputs=(X,))
     assert dataclasses.asdict(policy) == before
     assert not {"fp32_matched", "keep_matched", "filter_rejected"} & {f.name for f in dataclasses.fields(policy)}
-    request = build(net, policy=policy, example_inputs=(X,), environ={})
+    request = build(net, Asked(policy=policy, example_inputs=(X,)), environ={})
     assert request.policy == policy
     assert dict(request.resolved.fp32_matched) == {"2": "named in fp32_modules"}
     assert request.resolved.filter_rejected == frozenset({"0"})

@@ -291,15 +291,15 @@ def test_overflow_guard_numbers_come_from_the_real_graph_and_features():
     assert (stats.max_in_degree, stats.max_abs_node) == (5001, 30.0)
     conv = dglnn.GraphConv(4, 4)
     rule = integ.entry_for(conv)
-    no_bf16 = integ.decide(rule, conv, torch.float16, "cuda", stats=stats, cuda_bf16=False)
+    no_bf16 = integ.decide(rule, conv, torch.float16, "cuda", observed=integ.Observed(stats), cuda_bf16=False)
     assert (no_bf16.dtype, no_bf16.rule) == (torch.float32, "dgl:overflow")
     assert "max in-degree 5,001 x max |feature| 30 = 1.5e+05 > 65504" in no_bf16.reason
-    assert integ.decide(rule, conv, torch.float16, "cuda", stats=stats, cuda_bf16=True).dtype == torch.bfloat16
+    assert integ.decide(rule, conv, torch.float16, "cuda", observed=integ.Observed(stats), cuda_bf16=True).dtype == torch.bfloat16
     small = integ.stats_of((graph(), torch.ones(40, 4)), {})
-    keep = integ.decide(rule, conv, torch.float16, "cuda", stats=small, cuda_bf16=False)
+    keep = integ.decide(rule, conv, torch.float16, "cuda", observed=integ.Observed(small), cuda_bf16=False)
     assert keep.dtype == torch.float16 and "<= 65504" in keep.reason
     gat = integ.entry_for(dglnn.GATConv(4, 4, 1))  # attention weights sum to 1: no degree blow-up
-    assert integ.decide(gat, None, torch.float16, "cuda", stats=stats, cuda_bf16=False).dtype == torch.float16
+    assert integ.decide(gat, None, torch.float16, "cuda", observed=integ.Observed(stats), cuda_bf16=False).dtype == torch.float16
 
 
 def test_overflow_guard_numbers_appear_in_the_log_of_a_float16_conversion():

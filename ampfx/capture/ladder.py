@@ -41,20 +41,30 @@ FROZEN_DRAW = ("the model's Python drew a random number while being traced (a la
                "not used")
 
 
-def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str,
-            kept: frozenset[str] = frozenset(), required: bool = False, sizes: list[int] | None = None,
-            drops: set[str] | None = None, named: frozenset[str] = frozenset()) -> Capture | Uncaptured:
+@dataclass(frozen=True)
+class Bounds:
+    """The modules a capture keeps whole: ``kept``, paths in the module that stay boundaries (``keep_modules``);
+    ``required``, whether one was named (or carries hooks) rather than found by ``"auto"``; ``named``, the leaves
+    ``leaf_modules`` names (under any of their names: :attr:`ampfx.policy.Resolved.leaf_names`)."""
+
+    kept: frozenset[str] = frozenset()
+    required: bool = False
+    named: frozenset[str] = frozenset()
+
+
+def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tracer: str, bounds: Bounds = Bounds(),
+            sizes: list[int] | None = None, drops: set[str] | None = None) -> Capture | Uncaptured:
     """Capture ``module`` as one graph with ``tracer`` (see the module docstring). The modules at
-    ``kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
+    ``bounds.kept`` (paths in ``module``) stay boundaries: torch.fx keeps them as leaves, and torch.export,
     which would inline them, is not tried where torch.fx captured the module, nor where a kept module
-    was named (``required``) rather than found by ``"auto"``; the modules at ``named`` are leaves
-    ``leaf_modules`` names (under any of their names: :attr:`ampfx.policy.Resolved.leaf_names`); when torch.export does capture it, a
-    note says which modules it inlined. ``sizes`` and ``drops``: :func:`ampfx.capture.export.capture`'s memos;
+    was named (``bounds.required``) rather than found by ``"auto"``; the modules at ``bounds.named`` are leaves
+    ``leaf_modules`` names; when torch.export does capture it, a note says which modules it inlined. ``sizes`` and ``drops``: :func:`ampfx.capture.export.capture`'s memos;
     torch.export is not tried where ``drops`` already names modules (paths in ``module``, of a class whose
     forward an earlier export in this training mode found it would not repeat), nor where the model's own
     run that checks the torch.fx graph shows a forward doing that (an eval-mode cache filled); those
     modules' paths are added to ``drops``."""
     fx_capture, steps, run = None, [], _ModelRun()
+    kept, required, named = bounds.kept, bounds.required, bounds.named
     if tracer != "export" and _graph_as_given(module):
         return Capture(graph=copied_graph(module.graph), method="fx (the graph module's own graph)",
                        why="a graph module calling no submodule, with plain code (as dynamo hands a backend): its own "

@@ -316,14 +316,15 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
                 continue
             mode = "fx" if mode == "fx, whole model failed" else mode
             mode = "fx, optional arguments fixed" if fixed and mode == "fx, None defaults fixed" else mode
-            return _captured(graph, tracer, mode, leaves, fixed, steps, kept, whole, python_state)
+            return _captured(tracer, mode, leaves, fixed, steps, kept, whole, python_state)
     raise RootUntraceable(RuntimeError(f"more than {MAX_LEAF_RETRIES} modules failed to trace"), steps)
 
 
-def _captured(graph: fx.Graph, tracer: AmpTracer, mode: str, leaves: dict[str, str], fixed: dict[str, Any],
-              steps: list[str], kept: frozenset[str], whole: dict[str, str], python_state: bool) -> Capture:
-    """The :class:`Capture` of a trace :func:`trace` accepts: the graph finished (fixed arguments, the
-    forward's own output containers), and the step that says how."""
+def _captured(tracer: AmpTracer, mode: str, leaves: dict[str, str], fixed: dict[str, Any], steps: list[str],
+              kept: frozenset[str], whole: dict[str, str], python_state: bool) -> Capture:
+    """The :class:`Capture` of a trace :func:`trace` accepts (``tracer.graph``, the graph its last trace made):
+    the graph finished (fixed arguments, the forward's own output containers), and the step that says how."""
+    graph = tracer.graph
     _finish(graph, fixed)
     try:
         _keep_output_types(graph, tracer.returned)

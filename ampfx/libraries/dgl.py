@@ -212,26 +212,27 @@ def _probe_variant(aggregation: str | None, dtype: torch.dtype, device: str) -> 
 
 
 def decide(rule: ModuleEntry | None, module: Any, dtype: torch.dtype, device: str, *,
-           stats: LeafStats | None = None, source: str = Rule.TABLE, reason: str | None = None,
-           cuda_bf16: bool | None = None, coo_only: bool = False) -> Choice:
+           observed: Observed | None = None, source: str = Rule.TABLE, reason: str | None = None,
+           cuda_bf16: bool | None = None) -> Choice:
     """The dtype a DGL leaf the lists put on the allowlist runs in, on ``device``.
 
     ``rule`` is the table entry (``None`` for a module a user allowed), ``dtype``
-    the policy's low dtype, ``stats`` the example inputs' facts for the
-    overflow guard, ``source``/``reason`` what the lists said. ``cuda_bf16``
-    overrides ``torch.cuda.is_bf16_supported()`` (tests). ``coo_only``: the
-    example graph is restricted to the COO format (no bfloat16 COO SpMM on CPU).
+    the policy's low dtype, ``observed`` what the example inputs showed (:class:`Observed`: the facts of the
+    overflow guard, ``stats``, and ``coo_only``, an example graph restricted to the COO format: no bfloat16 COO
+    SpMM on CPU), ``source``/``reason`` what the lists said. ``cuda_bf16``
+    overrides ``torch.cuda.is_bf16_supported()`` (tests).
 
     >>> import torch
     >>> gcn = entry_for_type_name("dgl.nn.pytorch.conv.graphconv.GraphConv")
     >>> decide(gcn, None, torch.float16, "cpu").dtype
     torch.bfloat16
-    >>> c = decide(gcn, None, torch.float16, "cuda", stats=LeafStats(5000, 30.0), cuda_bf16=False)
+    >>> c = decide(gcn, None, torch.float16, "cuda", observed=Observed(LeafStats(5000, 30.0)), cuda_bf16=False)
     >>> c.dtype, c.rule
     (torch.float32, 'dgl:overflow')
     >>> print(c.reason.split("; ")[-1])
     float16 overflow guard: max in-degree 5,000 x max |feature| 30 = 1.5e+05 > 65504: float32 (no bfloat16 on this device)
     """
+    stats, coo_only = (observed.stats, observed.coo_only) if observed is not None else (None, False)
     want = dtype
     rule_name = source
     why = [reason if reason is not None else (rule.reason if rule is not None else "allowed by the policy")]
@@ -291,8 +292,8 @@ def refine(decision: Any, module: Any, facts: Any) -> Any:
     """
     if decision.category is Category.ALLOW:
         observed = facts.observed if facts.observed is not None else Observed()
-        choice = decide(entry_for(module), module, facts.dtype, facts.device, stats=observed.stats,
-                        source=decision.rule, reason=decision.reason, coo_only=observed.coo_only)
+        choice = decide(entry_for(module), module, facts.dtype, facts.device, observed=observed,
+                        source=decision.rule, reason=decision.reason)
         if choice.dtype == torch.float32:
             return dataclasses.replace(decision, category=Category.FP32, dtype=torch.float32, rule=choice.rule,
                                        reason=choice.reason)

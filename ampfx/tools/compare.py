@@ -50,7 +50,7 @@ from ..passes.calibrate import default_loss
 from ..policy import Policy
 from ..report import Report
 from ..report.records import dtype_name
-from ..request import build, check_options
+from ..request import Asked, build, check_options
 from ..state import kept_random, kept_rng, untouched
 
 
@@ -369,7 +369,7 @@ def _converted(model: Any, amp: Any, batch: Any, policy: Policy | None, environ:
     """``amp`` when it is a module; else ``model`` converted to the dtype ``amp`` names, on ``batch``, with
     the policy as :func:`ampfx.convert` takes it (:mod:`ampfx.request`: the same checks, the same errors)."""
     if not isinstance(amp, nn.Module):
-        return convert_request(model, build(model, amp, batch, policy, given, caller="compare", environ=environ))
+        return convert_request(model, build(model, Asked(amp, batch, policy, given), caller="compare", environ=environ))
     if given or policy is not None or environ is not None:
         check_options("compare", given)
         raise ArgumentError("compare(): policy, environ and policy options apply when compare converts the model: "

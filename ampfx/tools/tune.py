@@ -120,9 +120,11 @@ def tune(model: nn.Module, dtype: Any = None, *, example_inputs: Any, metric: Ca
     added to ``policy.tuned``). The result carries ``ampfx_tune`` (:class:`TuneResult`) and
     ``ampfx_policy`` (the :class:`~ampfx.policy.Policy` to save and load again).
     """
-    search = _Search.start(model, dtype, example_inputs, metric, tolerance, budget, loss_fn, candidates, progress,
-                           policy, environ, policy_options)
-    return search.run()
+    _check(model, metric, tolerance, candidates)
+    evaluations, seconds = _budget(budget)
+    base = policy_of("tune", dtype, policy, policy_options)  # the environment is read by each conversion
+    return _Search(model, example_inputs, metric, float(tolerance), evaluations, seconds, loss_fn, int(candidates),
+                   bool(progress), base, environ, started=time.monotonic()).run()
 
 
 @dataclass
@@ -144,15 +146,6 @@ class _Search:
     target: float = 0.0
     complete: bool = True
     count: int = 0
-
-    @classmethod
-    def start(cls, model: Any, dtype: Any, inputs: Any, metric: Any, tolerance: Any, budget: Any, loss_fn: Any,
-              candidates: Any, progress: Any, policy: Any, environ: Any, options: dict[str, Any]) -> "_Search":
-        _check(model, metric, tolerance, candidates)
-        evaluations, seconds = _budget(budget)
-        policy = policy_of("tune", dtype, policy, options)  # the environment is read by each conversion
-        return cls(model, inputs, metric, float(tolerance), evaluations, seconds, loss_fn, int(candidates),
-                   bool(progress), policy, environ, started=time.monotonic())
 
     # ------------------------------------------------------------------ the search
     def run(self) -> nn.Module:

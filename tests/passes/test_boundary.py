@@ -3,8 +3,6 @@ graph reads in a low dtype to that dtype; the model's own root graph, integer in
 its input float32 get no cast."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,7 @@ INPUTS = (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 4), torch.tens
 
 def _converted(prefix: str):
     gm, ctx = run(_fn, INPUTS, upto=pad.pad)
-    ctx = dataclasses.replace(ctx, prefix=prefix)
+    ctx = ctx.at(prefix=prefix)
     run_passes(gm, ctx, start=boundary.cast_part_inputs, upto=boundary.cast_part_inputs)
     return gm
 

@@ -208,7 +208,7 @@ def test_a_region_leaf_is_float32_whatever_its_type():
     """A call_module node named in ``ctx.eager_leaves`` (a module that could not be traced,
     run eagerly) is FP32 with rule "eager", even when its type is on the allow list."""
     gm = graph(Block())
-    ctx = dataclasses.replace(context(gm), eager_leaves=frozenset({"fc"}), leaves={"fc": "it failed to trace"})
+    ctx = dataclasses.replace(context(gm), leaves={"fc": "it failed to trace"}).at(eager_leaves=frozenset({"fc"}))
     run_passes(gm, ctx, upto=classify.classify)
     d = rec(gm, "fc")
     assert (d.category, d.dtype, d.rule) == (Category.FP32, torch.float32, "eager")
