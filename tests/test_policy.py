@@ -244,3 +244,30 @@ def test_the_reports_policy_record_holds_every_field_the_user_can_set():
     assert (logged["weight_cache"], logged["exact_values"], logged["sensitivity_threshold"]) == (True, False, None)
     assert (logged["reconvert_limit"], logged["calibration_margin"], logged["export_timeout"]) == (3, 4.0, 12.0)
     json.dumps(logged)  # the report's file holds it as it is
+
+
+def test_every_variable_is_documented_and_every_field_set_by_one_saves_and_loads():
+    """Derived from the fields' metadata, not from lists kept by hand: each AMPFX_* variable (a field's, the op
+    lists', the policy file's) has its row in docs/policy.md's table, and each field a variable sets survives a
+    policy file: set through its variable, saved, loaded, equal."""
+    import pathlib
+    import tempfile
+
+    from ampfx.policy import ENV_FIELDS, ENV_VARS
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "policy.md").read_text()
+    rows = {line.split("|")[1] for line in page.splitlines() if line.startswith("| `AMPFX_")}
+    documented = {var.strip(" `") for row in rows for var in row.split(",")}
+    assert set(ENV_VARS) - documented == set()
+    samples = {"int": "7", "number_or_off": "3", "word": "never", "append": "head", "keep": "head",
+               "append_leaves": "head"}
+    for var, f in ENV_FIELDS.items():
+        kind = f.metadata["kind"]
+        if kind == "path":
+            continue  # where the log goes: not a policy (a file saved elsewhere would name this machine's path)
+        value = ("0" if f.default else "1") if kind == "bool" else \
+            f.metadata.get("example", samples[kind]) if kind == "word" else samples[kind]
+        policy = from_env(dataclasses.replace(Policy(), **f.metadata.get("needs", {})), {var: value})
+        path = pathlib.Path(tempfile.mkdtemp()) / "p.json"
+        loaded = Policy.from_file(policy.save(path))
+        assert getattr(loaded, f.name) == getattr(policy, f.name) != getattr(Policy(), f.name), var
