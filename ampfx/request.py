@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from . import arguments as args
 from . import libraries
-from .runtime import guards
+from .capture import guarding
 from .policy import module_match
 from .capture import export
 from .errors import ArgumentError, PolicyError, UninitializedModelError
@@ -146,7 +146,7 @@ def build(model: nn.Module, asked: Asked, *, caller: str = "convert",
     if calib is not None and inputs is None:
         inputs = ExampleInputs.of(calib[0][0])
     if dynamic_dims is not None and inputs is not None:
-        guards.check_dynamic_dims(dynamic_dims, inputs)
+        guarding.check_dynamic_dims(dynamic_dims, inputs)
     return Request(policy, inputs, tracer, dynamic_dims, calib, resolved, mode)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .runtime import fixed, guards
+from .capture import fixing, guarding
 from .errors import NotReproduced
 from .capture.base import Capture
 from .capture.tracer import inlined
@@ -65,7 +65,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
-    exported = guards.exported(capture)  # before the analyses overwrite the placeholders' values
+    exported = guarding.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
     seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
@@ -78,7 +78,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
-    notes += guards.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
+    notes += guarding.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
                            exported, request.policy.pad)
     remember(gm, work, capture, request.policy, request.resolved, prefix, arrive)
     report = graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
@@ -127,13 +127,13 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
 def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,
              arrive: torch.dtype | None) -> None:
     """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.runtime.view`): what its
-    graph fixed of ``work``'s Python (:func:`ampfx.runtime.fixed.record`), where it sits, its boundary dtype, and
+    graph fixed of ``work``'s Python (:func:`ampfx.capture.fixing.record`), where it sits, its boundary dtype, and
     whether it keeps its own copies of ``work``'s hooks (torch.export traced a pruning pre-hook in)."""
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))
     rt = gm._rt
     named = resolved.below(prefix) if prefix else resolved.leaf_names
-    rt.recorded = fixed.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
+    rt.recorded = fixing.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
                                torch.finfo(policy.dtype).max, capture.read, capture.folded)
     rt.where, rt.arrive, rt.low_dtype = prefix.rstrip("."), arrive, policy.dtype
     rt.own_hooks = capture.method == "export" and any(

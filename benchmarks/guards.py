@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 
 import ampfx
-from ampfx.runtime.guards import ATTR
 
 
 class ListMLP(nn.Module):
@@ -79,27 +78,32 @@ def per_call(fn, args: tuple, calls: int, repeats: int) -> float:
     return best
 
 
-CHECKS = {"input guard": ATTR, "structure": "_ampfx_check", "fixed values": "_ampfx_fixed"}
+CHECKS = {"input guard": "guard", "structure": "check", "fixed values": "fixed"}
+"""The per-call checks, by the field of the converted module's runtime state that holds each."""
 
 
 def measure(name: str, model: nn.Module, args: tuple, tracer: str, calls: int, repeats: int, **options) -> None:
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=args, tracer=tracer, **options)
     eager = per_call(model, args, calls, repeats)
     converted = per_call(amp, args, calls, repeats)
+    rt = amp._rt
     alone = {}
     for label, key in CHECKS.items():
-        check = amp.__dict__.get(key)
+        check = getattr(rt, key)
         if check is None:
             alone[label] = 0.0
-        elif key == ATTR:
+        elif key == "guard":
             alone[label] = per_call(lambda *a: check(a, {}), args, calls, repeats)
-        elif key == "_ampfx_check":
+        elif key == "check":
             alone[label] = per_call(lambda *a: check(amp), args, calls, repeats)
         else:
             alone[label] = per_call(lambda *a: check.holds(), args, calls, repeats)
-    saved = {key: amp.__dict__.pop(key) for key in CHECKS.values() if key in amp.__dict__}
+    saved = {key: getattr(rt, key) for key in CHECKS.values()}
+    for key in saved:
+        setattr(rt, key, None)
     bare = per_call(amp, args, calls, repeats)
-    amp.__dict__.update(saved)
+    for key, value in saved.items():
+        setattr(rt, key, value)
     total = sum(alone.values())
     parts = " | ".join(f"{label} {t * 1e6:5.2f} us" for label, t in alone.items())
     print(f"{name:<26} eager {eager * 1e6:8.1f} us | converted {converted * 1e6:8.1f} us (without the checks "

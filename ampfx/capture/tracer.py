@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from .. import libraries, ops, runtime
 from ..errors import RootUntraceable
-from ..runtime.fixed import reads_training
+from .fixing import reads_training
 from ..runtime.graph_module import OutputCodeGen
 from ..policy import Policy
 from .base import Capture, short
