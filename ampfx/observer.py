@@ -36,16 +36,19 @@ log = logging.getLogger(__name__)
 
 class Observer:
     """The steps run on the graph at ``where`` (its module path, ``""`` for the model's root): their
-    timings (``steps``: (name, seconds)) and, with ``keep_code``, the graph's code after each (``code``)."""
+    timings (``steps``: (name, seconds)) and, with ``keep_code``, the graph's code after each (``code``).
+    ``label`` goes before every step's name (``"dry run: "``: steps run on a copy of the graph)."""
 
-    def __init__(self, where: str, keep_code: bool = False) -> None:
+    def __init__(self, where: str, keep_code: bool = False, label: str = "") -> None:
         self.where = where
         self.keep_code = keep_code
+        self.label = label
         self.steps: list[tuple[str, float]] = []
         self.code: list[tuple[str, str]] = []
 
     def run(self, name: str, step: Callable[..., Any], gm: fx.GraphModule, *args: Any) -> Any:
         """``step(gm, *args)``, observed (see the module docstring); returns what the step returns."""
+        name = self.label + name
         before = {node: record(node) for node in gm.graph.nodes}
         start = time.perf_counter()
         result = step(gm, *args)

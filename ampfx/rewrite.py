@@ -99,16 +99,21 @@ def _context(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, re
                        kept={p: why_kept.get(place.prefix + p, "keep_modules") for p in capture.kept})
 
 
+DRY_RUN = "dry run: "
+"""Before the name of each step run on a copy of a graph (the report's steps say so)."""
+
+
 def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, request: Request,
               prefix: str, seen: Observer | None = None) -> Ends | None:
     """What the kept module ``work`` (at ``prefix``, captured as ``capture``) does at its boundary when its
     caller hands it float32 (:func:`ampfx.passes.boundary.ends`), from its passes up to painting run on a
     copy of its graph (``capture`` is left as it was, for its own conversion); ``None`` where that cannot
     be known before its conversion (constants its capture made, a graph that does not run on ``inputs``).
-    Its caller paints its call from it. Each step runs under ``seen`` (a dry run: ``"dry run: paint"``)."""
+    Its caller paints its call from it. Each step runs under ``seen``, an observer of dry runs (its steps are
+    named ``"dry run: paint"``)."""
     if capture.constants:
         return None
-    seen = seen if seen is not None else Observer(prefix.rstrip("."))
+    seen = seen if seen is not None else Observer(prefix.rstrip("."), label=DRY_RUN)
     dry = (graph_module(work, copy.deepcopy(capture.graph)) if capture.module is None
            else fx.GraphModule(capture.module, copy.deepcopy(capture.module.graph)))
     try:
@@ -120,7 +125,7 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     under_autocast = tuple((d, autocast.returns_under_autocast(dry, ctx.at(autocast_arrive=d)))
                            for d in (torch.float32, request.policy.dtype))
     for pass_ in DECIDING:
-        seen.run(f"dry run: {pass_.__name__}", pass_, dry, ctx)
+        seen.run(pass_.__name__, pass_, dry, ctx)
     return dataclasses.replace(boundary.ends(dry, ctx), autocast=under_autocast)
 
 
@@ -196,7 +201,7 @@ def planned_low(gm: AmpGraphModule, ctx: PassContext, seen: Observer | None = No
     seen = seen if seen is not None else Observer(ctx.prefix.rstrip("."))
     dry = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node.meta dicts are copied: the passes write the copies
     for pass_ in DECIDING:
-        seen.run(f"dry run: {pass_.__name__}", pass_, dry, ctx)
+        seen.run(f"{DRY_RUN}{pass_.__name__}", pass_, dry, ctx)
     return {n.name for n in dry.graph.nodes if isinstance(record(n), Decision) and record(n).kind in COMPUTE
             and record(n).dtype == ctx.policy.dtype}
 

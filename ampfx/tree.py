@@ -45,7 +45,7 @@ from .report.records import Decision, Part, dtype_name
 from .errors import NotReproduced
 from .request import Request
 from .observer import Observer
-from .rewrite import convert_graph, device_of, kept_ends
+from .rewrite import DRY_RUN, convert_graph, device_of, kept_ends
 from .passes import boundary, nodes
 from .passes.context import Ends, Place
 from .meta import AUTOCAST_HANDS, record
@@ -186,7 +186,7 @@ def _kept_ends(work: nn.Module, capture: Capture, job: _Job, calls: _Observed, r
         if isinstance(made, Uncaptured):
             continue
         memo.captures[prefix] = (module, module.training, made)
-        seen = Observer(prefix.rstrip("."))
+        seen = Observer(prefix.rstrip("."), label=DRY_RUN)
         ends = kept_ends(module, made, inputs, request, prefix, seen)
         memo.dry_runs[prefix] = seen.steps
         if ends is not None:

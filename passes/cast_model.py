@@ -85,7 +85,7 @@ def accumulates(node: fx.Node, entry: ops.OpEntry | None, want: torch.dtype, out
 
 def needed_casts(node: fx.Node, want: torch.dtype | None, out_of: Callable[[fx.Node], Any],
                  keep_output_dtype: bool) -> set[tuple[fx.Node, torch.dtype]]:
-    """The ``(value, dtype)`` casts :func:`insert_casts` would give ``node`` if it
+    """The ``(value, dtype)`` casts :func:`~ampfx.passes.casts.insert_casts` would give ``node`` if it
     computed in ``want`` and every value had the dtype ``out_of(value)``; for
     weighing alternatives before anything is rewritten (``paint``, step 7).
     Ignores the linear-bias split, which only removes casts."""

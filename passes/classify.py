@@ -341,5 +341,3 @@ def _kernel_checks(verdict: decide.Verdict, node: fx.Node, gm: fx.GraphModule, c
         verdict = decide.Verdict(Category.FP32, torch.float32, Rule.RANGE_CONSTANT,
                                  f"{name} uses the constant {big:.4g}, outside {dtype_name(low)}'s range: float32")
     return verdict
-
-

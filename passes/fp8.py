@@ -46,7 +46,7 @@ from ..ops import Category
 from ..policy import fp8 as vocabulary
 from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule
 from ..runtime.fp8 import linear_fp8
-from .nodes import attr_of
+from .nodes import operand_shape
 from .context import PassContext
 
 MULTIPLE = 16
@@ -167,20 +167,6 @@ def _routes(node: fx.Node) -> str | None:
     return None
 
 
-def _shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
-    """An operand's sizes before conversion: a parameter's own, or from shape propagation (through a cast)."""
-    src = arg
-    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
-        src = src.args[0]  # a cast ampfx inserted (a padded one too): the value it casts
-    if not isinstance(src, fx.Node):
-        return None
-    if src.op == "get_attr":
-        obj = attr_of(gm, str(src.target))
-        return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
-    infos = out_infos(src)
-    return tuple(infos[0].shape) if infos else None
-
-
 def _int(size: Any) -> int | None:
     """A size as an int, ``None`` where symbolic."""
     if isinstance(size, int):
@@ -196,12 +182,12 @@ def _sizes(node: fx.Node, gm: fx.GraphModule) -> dict[str, int | None]:
     if ops.ENTRIES[record(node).op].gemm is None:
         return {"M": None, "N": None, "K": None}
     args = [a for a in node.args if isinstance(a, fx.Node)]
-    first = _shape(node.args[0], gm) if node.args and isinstance(node.args[0], fx.Node) else None
+    first = operand_shape(node.args[0], gm) if node.args and isinstance(node.args[0], fx.Node) else None
     out = out_infos(node)
     out_shape = tuple(out[0].shape) if out else None
     layout = ops.ENTRIES[record(node).op].gemm
     if _is_linear(node, record(node)) and len(args) >= 2:
-        weight = _shape(node.args[1], gm)
+        weight = operand_shape(node.args[1], gm)
         if weight is None or len(weight) != 2:
             return {"M": None, "N": None, "K": None}
         lead = [_int(s) for s in first[:-1]] if first else [None]
@@ -209,7 +195,7 @@ def _sizes(node: fx.Node, gm: fx.GraphModule) -> dict[str, int | None]:
         return {"M": m, "N": _int(weight[0]), "K": _int(weight[1])}
     operand = _FIRST_OPERAND.get(layout, 0)  # addmm's first operand is the bias
     if operand and len(node.args) > operand and isinstance(node.args[operand], fx.Node):
-        first = _shape(node.args[operand], gm)
+        first = operand_shape(node.args[operand], gm)
     if not first or not out_shape:
         return {"M": None, "N": None, "K": None}
     dims = [_int(s) for s in out_shape]

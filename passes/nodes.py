@@ -11,9 +11,9 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import out_infos
+from ..meta import out_infos, record
 from ..ops import Category, Result, custom_ops
-from ..report.records import Decision, Rule
+from ..report.records import CastInfo, Decision, Rule
 from ..runtime import CASTABLE
 
 
@@ -176,3 +176,18 @@ def pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     if meta_dtype is not None and not any(isinstance(a, fx.Node) for a in n.kwargs.values()):
         return meta_dtype  # factories: dtype fixed by constant arguments
     return DYNAMIC
+
+
+def operand_shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
+    """An operand's sizes before conversion: a parameter's own, or from shape propagation, through the casts ampfx
+    inserted (a padded one too); ``None`` where unknown."""
+    src = arg
+    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
+        src = src.args[0]
+    if not isinstance(src, fx.Node):
+        return None
+    if src.op == "get_attr":
+        obj = attr_of(gm, str(src.target))
+        return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
+    infos = out_infos(src)
+    return tuple(infos[0].shape) if infos else None

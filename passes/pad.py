@@ -40,10 +40,10 @@ import torch
 import torch.fx as fx
 
 from .. import ops, runtime
-from ..meta import RECORD, TENSOR_META, decision, out_infos, record
+from ..meta import RECORD, TENSOR_META, decision, record
 from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
-from .nodes import attr_of
+from .nodes import operand_shape
 
 MAX_EXTRA = 0.25  # "auto" pads only when the padded weight is at most this much larger
 
@@ -55,18 +55,6 @@ def _up(n: int, m: int) -> int:
 def _our_cast(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (runtime.cast,
                                                                                          runtime.cast_pad)
-
-
-def _shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
-    """Sizes of an operand before conversion: a parameter's own, or from shape propagation."""
-    src = arg.args[0] if _our_cast(arg) else arg
-    if not isinstance(src, fx.Node):
-        return None
-    if src.op == "get_attr":
-        obj = attr_of(gm, str(src.target))
-        return tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
-    infos = out_infos(src)
-    return tuple(infos[0].shape) if infos else None
 
 
 def _pad_input(gm: fx.GraphModule, user: fx.Node, arg: fx.Node, dtype: torch.dtype, sizes: tuple[int, ...],
@@ -123,8 +111,8 @@ def _plan(node: fx.Node, layout: dict, gm: fx.GraphModule, m: int) -> tuple[dict
     args = node.args
     sizes = {}
     for dim, (pos, axis) in (("K", layout["k_from"]), ("N", layout["n_from"])):
-        shape = _shape(args[pos], gm) if pos < len(args) else None
-        if shape is None or len(shape) < 2 or any(_shape(args[p], gm) is None for p, _ in layout["operands"][:2]):
+        shape = operand_shape(args[pos], gm) if pos < len(args) else None
+        if shape is None or len(shape) < 2 or any(operand_shape(args[p], gm) is None for p, _ in layout["operands"][:2]):
             return None, "shapes unknown (no example_inputs): not padded"
         sizes[dim] = shape[axis]
     text = ", ".join(f"{d}={v}" for d, v in sizes.items())
@@ -168,7 +156,7 @@ def pad(gm: fx.GraphModule, ctx: PassContext) -> None:
         for pos, dims in layout["operands"]:
             if pos >= len(args) or not isinstance(args[pos], fx.Node):
                 continue
-            shape = _shape(args[pos], gm)
+            shape = operand_shape(args[pos], gm)
             trailing = tuple(shape[len(shape) - len(dims):]) if shape else ()
             want = tuple(targets[dim] for dim in dims)
             if len(trailing) == len(dims) and trailing != want and all(t != 1 for t in trailing):

@@ -95,8 +95,10 @@ def test_the_observer_sees_the_dry_runs():
     dry = [p.__name__ for p in passes.DECIDING]
     for graph in ("0", "1"):
         ran = [step for where, step, _ in steps if where == graph]
-        assert [s for s in ran if s.startswith("dry run: ")] == [f"dry run: {name}" for name in dry]
+        assert [s for s in ran if s.startswith("dry run: ")] == ["dry run: propagate_shapes"] + [
+            f"dry run: {name}" for name in dry]
         assert ran.index(f"dry run: {dry[-1]}") < ran.index("paint")
+        assert ran.count("propagate_shapes") == 1  # the block's own analysis, once
     batches = [(X,)]
     steps = ampfx.convert(_net(), "bf16", example_inputs=(X,), calibrate=batches,
                           sensitivity_threshold=0.01).ampfx_report.steps

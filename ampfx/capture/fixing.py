@@ -3,20 +3,8 @@ whose ``forward`` the graph traced through, its training flag (where its class r
 attributes its class's code names (read from the bytecode), the globals that code reads, whether it has hooks,
 and the dtype and device of each parameter and buffer the graph reads. The record it makes
 (:class:`ampfx.runtime.fixed.Recorded`) is bound to the model and checked at every call by
-:mod:`ampfx.runtime.fixed`; this module only reads code and modules, at conversion.
-
->>> import torch.nn as nn
->>> class Scaled(nn.Module):
-...     def __init__(self):
-...         super().__init__()
-...         self.lin, self.t = nn.Linear(2, 2), 2.0
-...     def forward(self, x):
-...         return self.lin(x) / self.t
->>> net = Scaled()
->>> fixed = record(net, inlined=("", "lin"), tensors=("lin.weight", "lin.bias")).bind(net, "")
->>> net.t = 4.0
->>> fixed.holds(), fixed.changes()
-(False, ['model.t is 4.0, the graph was converted with 2.0'])
+:mod:`ampfx.runtime.fixed` (whose example makes, binds and checks one); this module only reads code and modules,
+at conversion.
 """
 from __future__ import annotations
 

@@ -285,7 +285,7 @@ def trace(model: nn.Module, policy: Policy, given_args: set[str] | None = None,
         for _ in range(MAX_LEAF_RETRIES):
             tracer = AmpTracer(policy, set(leaves), kept, named, into_wrapped, frozenset(whole))
             try:
-                graph = tracer.trace(model, concrete_args=fixed or None)
+                tracer.trace(model, concrete_args=fixed or None)  # _captured reads tracer.graph
             except Exception as e:  # noqa: BLE001 - any trace error moves down the ladder
                 path = tracer.failed_path
                 if mode in ("fx", "fx, None defaults fixed"):

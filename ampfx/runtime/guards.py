@@ -347,5 +347,3 @@ def _describe_spec(spec: TreeSpec | None) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Convert time: what the capture and the passes specialised, as a Signature
-
-
