@@ -392,3 +392,15 @@ def test_the_flops_share_counts_the_matrix_products_it_knows():
     amp = ampfx.convert(Cnn(), example_inputs=(torch.randn(2, 3, 8, 8),), **EVERY_SIZE)
     assert "of the 3 nodes whose FLOPs are known (matrix products)" in amp.ampfx_report.summary()
     assert [r.fp8.flops for r in _gemm_rows(amp) if r.op != "linear"] == [None]
+
+
+def test_the_page_shows_each_gemms_fp8_decision():
+    """The HTML page: the summary's FP8 line, an fp8 column in the decisions table (which GEMMs, recipe, rule,
+    reason), and the node panel's field."""
+    amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),), **EVERY_SIZE)
+    page = amp.ampfx_report.html()
+    assert "FP8 (tensorwise): 1/3 GEMM nodes" in page
+    assert "fp8 (output, input gradient, weight gradient; tensorwise): K=64, N=64" in page
+    assert "fp8:position (none in FP8; tensorwise): inp is the model&#x27;s first linear layer" in page \
+        or "fp8:position (none in FP8; tensorwise): inp is the model's first linear layer" in page
+    assert '["fp8", n.fp8 ?' in page

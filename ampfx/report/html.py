@@ -265,6 +265,23 @@ def _swatch(cls: str, text: str) -> str:
     return f'<span class="key"><span class="sw {cls}"></span>{_e(text)}</span>'
 
 
+def fp8_text(fp8: dict | None) -> str:
+    """A GEMM node's FP8 decision (its ``fp8`` record as JSON) as the page shows it: which of its three GEMMs run
+    in FP8, the rule and the reason.
+
+    >>> fp8_text({"rule": "fp8", "reason": "M=4096, N=4096 ...", "output": True, "input_grad": True,
+    ...           "weight_grad": False, "recipe": "rowwise_with_gw_hp", "flops": 8})
+    'fp8 (output, input gradient; rowwise_with_gw_hp): M=4096, N=4096 ...'
+    >>> fp8_text(None)
+    ''
+    """
+    if not fp8:
+        return ""
+    gemms = [word for key, word in (("output", "output"), ("input_grad", "input gradient"),
+                                    ("weight_grad", "weight gradient")) if fp8[key]]
+    return f"{fp8['rule']} ({', '.join(gemms) or 'none in FP8'}; {fp8['recipe']}): {fp8['reason']}"
+
+
 def history_text(history: list[list[str]]) -> str:
     """A decision's history (``Decision.history``) as the page shows it.
 
@@ -279,11 +296,12 @@ def render(report: Report) -> str:
     data = graph(report)
     low = data["low"]
     lines = [*report.summary().splitlines(), f"  {report.autocast_summary()}"]
-    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", "rule", "reason",
-                        "decided by", "shapes before"),
+    fp8 = any(n["fp8"] for n in data["nodes"])  # fp8=: each GEMM node's FP8 rule and reason
+    decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", *(("fp8",) if fp8 else ()),
+                        "rule", "reason", "decided by", "shapes before"),
                        [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-",
-                         n["autocast"] or "-", n["rule"], n["reason"], history_text(n["history"]),
-                         " ".join(n["shapes_before"])) for n in data["nodes"]],
+                         n["autocast"] or "-", *((fp8_text(n["fp8"]),) if fp8 else ()), n["rule"], n["reason"],
+                         history_text(n["history"]), " ".join(n["shapes_before"])) for n in data["nodes"]],
                        "decisions")
     diff = report.autocast_diff()
     differs = _table(("node", "op", "module", "ampfx", "autocast", "rule", "reason"),
@@ -575,7 +593,9 @@ _JS = r"""
                     ["reason", n.reason], ["decided by", n.history.map(h => `${h[0]} (${h[1]})`).join(" \u2192 ")],
                     ["shapes before conversion", n.shapes_before.join(", ")],
                     ["input shapes before conversion", n.in_shapes_before.join(", ")],
-                    ["in-place", n.inplace ? "yes" : ""], ["inputs", ins.join(", ")], ["consumers", outs.join(", ")]]);
+                    ["in-place", n.inplace ? "yes" : ""], ["inputs", ins.join(", ")], ["consumers", outs.join(", ")],
+                    ["fp8", n.fp8 ? `${n.fp8.rule} (${["output", "input_grad", "weight_grad"].filter(k => n.fp8[k])
+                      .join(", ") || "none in FP8"}; ${n.fp8.recipe}): ${n.fp8.reason}` : ""]]);
     }
     function showCasts(cs) {
       const c = cs[0];
