@@ -44,6 +44,7 @@ from .. import ops, runtime
 from ..meta import RECORD, out_infos, record
 from ..ops import Category
 from ..policy import fp8 as vocabulary
+from ..policy.decide import matched_at
 from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule
 from ..runtime.fp8 import linear_fp8
 from .nodes import operand_shape
@@ -106,17 +107,17 @@ def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext) -> t
         return Fp8Rule.OP, f"{d.op}: FP8 runs linear layers only", sizes
     if d.dtype != ctx.policy.dtype:
         return Fp8Rule.NOT_LOW, f"computes in {str(d.dtype).replace('torch.', '')} ({d.rule})", sizes
-    skipped = _within(d.module, ctx.resolved.fp8_skipped)
+    skipped = matched_at(ctx.resolved.fp8_skipped, d.module)
     if skipped:
-        return Fp8Rule.SKIPPED, f"{d.module}: {skipped}", sizes
+        return Fp8Rule.SKIPPED, f"{d.module}: {skipped[1]}", sizes
     k, n = sizes["K"], sizes["N"]
     if k is None or n is None:
         return Fp8Rule.SHAPE, "K or N unknown: the FP8 kernel needs multiples of 16", sizes
     if k % MULTIPLE or n % MULTIPLE:
         return Fp8Rule.SHAPE, f"K={k}, N={n}: the FP8 kernel needs multiples of {MULTIPLE}", sizes
-    forced = _within(d.module, ctx.resolved.fp8_forced)
+    forced = matched_at(ctx.resolved.fp8_forced, d.module)
     if forced:
-        return Fp8Rule.FORCED, f"{d.module}: {forced}", sizes
+        return Fp8Rule.FORCED, f"{d.module}: {forced[1]}", sizes
     if d.module in (ctx.resolved.linear_ends or ()):
         which = "first" if d.module == ctx.resolved.linear_ends[0] else "last"
         return Fp8Rule.POSITION, f"{d.module} is the model's {which} linear layer", sizes
@@ -136,14 +137,6 @@ def _is_linear(node: fx.Node, d: Decision) -> bool:
     """A weight GEMM FP8 runs (``OpEntry.fp8``) as a function of the graph: ``linear(x, w[, b])``."""
     return (ops.ENTRIES[d.op].fp8 and node.op == "call_function" and 2 <= len(node.args) <= 3
             and set(node.kwargs) <= {"bias"})
-
-
-def _within(module: str, matched: tuple[tuple[str, str], ...]) -> str | None:
-    """The words of the entry that matched ``module`` or a module above it, else ``None``."""
-    for path, why in matched:
-        if module == path or module.startswith(path + "."):
-            return why
-    return None
 
 
 def _routes(node: fx.Node) -> str | None:

@@ -105,6 +105,17 @@ def _fp32_module(policy: Policy, resolved: Resolved, full: str) -> str | None:
             raise PolicyError(f"fp32_modules entries {unresolved!r} are resolved against the model by ampfx.convert "
                               "(ampfx.policy.module_match.resolve); this policy was not: convert with it, or name modules")
         matched = tuple((e, "named in fp32_modules") for e in policy.fp32_modules)
+    hit = matched_at(matched, full)
+    return None if hit is None else f"inside module {hit[0]!r}, {hit[1]}: kept float32"
+
+
+def matched_at(matched: tuple[tuple[str, str], ...], full: str) -> tuple[str, str] | None:
+    """``(path, why)`` of the first entry of ``matched`` (resolved module entries, in entry order) that is the
+    module at ``full`` or a module above it; ``None`` where none is.
+
+    >>> matched_at((("enc", "named in fp32_modules"),), "enc.layers.0")
+    ('enc', 'named in fp32_modules')
+    """
     if not matched:
         return None
     order = _order(matched)
@@ -113,7 +124,7 @@ def _fp32_module(policy: Policy, resolved: Resolved, full: str) -> str | None:
     if not hits:
         return None
     _, why, path = min(hits)
-    return f"inside module {path!r}, {why}: kept float32"
+    return path, why
 
 
 @functools.lru_cache(maxsize=64)
