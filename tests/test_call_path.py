@@ -266,3 +266,44 @@ def test_a_module_pickled_with_runtime_keys_of_its_own_loads_them_as_its_runtime
     assert (rt.alt, rt.where, rt.rebind) == ((False, "other"), "blocks.0", ("b", None))
     assert body == {"training": True} and Runtime.from_keys({"training": True}) is None
     assert rt.dispatched()
+
+
+def test_an_exported_graph_calls_its_ops_through_their_handles_and_compile_reads_the_plain_code():
+    """Rule: an exported graph's ops run through their C++ handles (``OpOverload.__call__``, a Python frame per op,
+    never runs); the graph's nodes, its ``code`` and its outputs are those of fx's code; ``torch.compile`` traces
+    fx's code (no graph break)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 16)
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,), tracer="export")
+    ops = [n for n in amp.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    assert ops and "torch.ops.aten" in amp.code
+    forward = type(amp).__dict__.get("_ampfx_graph_forward", type(amp).forward)
+    plain = forward._ampfx_plain
+    assert plain is forward.__wrapped__
+
+    overload_calls = []
+
+    def profile(frame, event, arg):  # noqa: ANN001
+        if event == "call" and frame.f_code is torch._ops.OpOverload.__call__.__code__:
+            overload_calls.append(frame.f_code.co_name)
+
+    def overloads_called(fn):  # noqa: ANN001
+        overload_calls.clear()
+        sys.setprofile(profile)
+        try:
+            with torch.no_grad():
+                out = fn(x)
+        finally:
+            sys.setprofile(None)
+        return len(overload_calls), out
+
+    seen, expected = overloads_called(lambda x: plain(amp, x))
+    assert seen >= len(ops)  # the check sees fx's calls
+    seen, got = overloads_called(amp)
+    assert seen == 0
+    assert torch.equal(got, expected)
+    step(amp, x)  # and trains: gradients through the handles
+    assert all(p.grad is not None for p in model.parameters())
+
+    explained = torch._dynamo.explain(amp)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1

@@ -57,6 +57,7 @@ from torch.fx.graph_module import _CodeOnlyModule
 from .. import runtime
 from ..errors import BakedValueError
 from ..state import TORCH_KEYS
+from . import lowered
 from .entries import ModeUnavailable, PendingMode, Runtime, run, stands_for
 
 __all__ = ["AmpGraphModule", "ModeUnavailable", "OutputCodeGen", "PendingMode", "graph_module", "run"]
@@ -305,6 +306,10 @@ class AmpGraphModule(fx.GraphModule):
         checkpointing stops each recompute early by raising one: 0.13 ms a call). The generated source is in
         the line cache anyway, so tracebacks show its lines."""
         code = super().recompile()
+        cls = type(self)
+        fast = lowered.forward(self._code, cls.forward.__globals__, getattr(self._graph, "_co_fields", None))
+        if fast is not None:  # its ops through their C++ handles (ampfx.runtime.lowered)
+            cls.forward = lowered.either(cls.forward, fast)
         if "__call__" in type(self).__dict__:  # fx's wrapper: nn.Module.__call__ (looked up, so tracers patch it)
             delattr(type(self), "__call__")
         if self.__dict__.get("_ampfx_runtime") is not None and self._rt.dispatched():

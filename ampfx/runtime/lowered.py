@@ -1,0 +1,87 @@
+"""A converted graph's torch ops called through their C++ handles.
+
+``torch.fx`` writes a captured graph's op as ``torch.ops.aten.mm.default(x, y)``: four attribute reads and
+``OpOverload.__call__``, a Python frame, before the op's C++ handle (``OpOverload._op``) runs. That is
+``OpOverload.__call__``'s whole work for an op without a Python dispatcher, and it costs about 0.5 us of the
+2 us such a call takes on a small tensor (torch 2.14, one CPU thread); an exported graph calls every op so, and a
+converted BERT's forward runs hundreds of them a step.
+
+:func:`forward` writes the graph's code again with each such op bound to its handle, and
+:func:`either` runs that code except under ``torch.compile``, which traces the code fx wrote (dynamo knows
+``torch.ops`` calls, not the handles). The graph itself is not changed: its nodes, the decision log, pickles
+and ``gm.code`` keep naming the ops. Calls through the handle go through torch's dispatcher as before
+(``__torch_function__`` and dispatch modes see the same ``OpOverload``).
+
+>>> import torch, torch.fx as fx
+>>> g = fx.Graph(); x = g.placeholder("x")
+>>> _ = g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
+>>> gm = fx.GraphModule(torch.nn.Module(), g)
+>>> fast = forward(gm.code, type(gm).forward.__globals__)
+>>> fast(gm, torch.tensor([-1.0, 2.0]))
+tensor([0., 2.])
+>>> "_op_aten_relu_default(" in fast.__ampfx_source__
+True
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any, Callable
+
+import torch
+from torch.fx.graph_module import _forward_from_src
+
+from . import is_compiling
+
+__all__ = ["either", "forward"]
+
+_CALL = re.compile(r"(?<![\w.])torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")
+"""A call of an op overload as fx writes it: ``torch.ops.<namespace>.<op>.<overload>(``."""
+
+
+def _handle(namespace: str, name: str, overload: str) -> Callable | None:
+    """The C++ handle ``OpOverload.__call__`` would call for ``torch.ops.namespace.name.overload``, or ``None``
+    where that call does more (an op with a Python dispatcher object) or the name is no overload."""
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(op, torch._ops.OpOverload) or getattr(op, "_pyobj_dispatcher", None) is not None:
+        return None
+    return getattr(op, "_op", None)
+
+
+def forward(src: str, globals_: dict[str, Any], co_fields: dict[str, Any] | None = None) -> Callable | None:
+    """The function fx's ``src`` (a graph module's ``code``, its globals ``globals_``) defines, with each op
+    overload bound to its C++ handle; ``None`` when it calls none."""
+    names: dict[str, Callable] = {}
+
+    def bind(match: re.Match) -> str:
+        handle = _handle(*match.groups())
+        if handle is None:
+            return match.group(0)
+        alias = "_op_" + "_".join(match.groups())
+        names[alias] = handle
+        return alias + "("
+
+    lowered = _CALL.sub(bind, src)
+    if not names:
+        return None
+    fn = _forward_from_src(lowered, {**globals_, **names}, co_fields)
+    fn.__ampfx_source__ = lowered
+    return fn
+
+
+def either(plain: Callable, fast: Callable) -> Callable:
+    """A graph module's ``forward``: ``fast`` (:func:`forward`'s), or ``plain`` (fx's) under ``torch.compile``."""
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            return plain(self, *args, **kwargs)
+        return fast(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, plain)
+    forward.__signature__ = inspect.signature(plain)
+    forward._ampfx_plain = plain
+    return forward
