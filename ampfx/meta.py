@@ -17,6 +17,8 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
   user class is rebuilt). It describes the graph before conversion: passes do not rewrite it when
   they change a node's dtype or pad it. Read it through :func:`out_infos`;
 - ``CALIB``: what calibration saw of the node's output and gradient;
+- ``FP8_CALIB``: with ``fp8=``, what calibration saw of a linear layer's GEMM in FP8
+  (:class:`~ampfx.passes.calibrate.Fp8Stats`);
 - ``SENSITIVITY``: how far rounding the node's result alone to the low dtype moved the output and
   the gradients in calibration (:class:`~ampfx.passes.sensitivity.Errors`), for nodes over the threshold;
 - ``LEAF_PARAM_CASTS`` (``gm.meta``): how many parameter copies leaves make per call;
@@ -46,6 +48,7 @@ RECORD = "ampfx"
 TENSOR_META = "tensor_meta"
 CALIB = "ampfx_calib"
 SENSITIVITY = "ampfx_sensitivity"
+FP8_CALIB = "ampfx_fp8_calib"
 LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 AUTOCAST = "ampfx_autocast"
@@ -126,6 +129,11 @@ def numel(info: TensorMetadata) -> int | sympy.Expr:
 def calib(node: fx.Node) -> Any:
     """What calibration recorded for ``node``, or ``None``."""
     return node.meta.get(CALIB)
+
+
+def fp8_calib(node: fx.Node) -> Any:
+    """What calibration saw of ``node``'s GEMM in FP8, or ``None``."""
+    return node.meta.get(FP8_CALIB)
 
 
 def sensitivity(node: fx.Node) -> Any:

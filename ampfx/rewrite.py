@@ -162,7 +162,8 @@ def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, 
     notes: list[str] = []
     if request.calibrate is not None and root:
         batches, loss_fn = request.calibrate
-        count = seen.run("record_calibration", steps["record_calibration"], gm, batches, loss_fn, request.policy.dtype)
+        count = seen.run("record_calibration", steps["record_calibration"], gm, batches, loss_fn, request.policy.dtype,
+                         request.policy.fp8)
         notes.append(f"calibration: {count} batches, forward and backward")
         advice = calibrate.loss_scale_advice(gm, request.policy.dtype)
         if advice:

@@ -37,7 +37,10 @@ from ..ops import Category
 from .. import meta
 from ..inputs import ExampleInputs
 from ..report.records import Decision, Rule, dtype_name
+from ..policy.fp8 import from_spec
+from ..runtime import fp8 as fp8_runtime
 from ..state import kept_attributes, kept_buffers, kept_rng
+from . import nodes
 from .context import PassContext
 
 UNDERFLOW_FLAG = 0.01  # flag nodes losing more than this fraction of gradient values to underflow
@@ -65,18 +68,57 @@ def _fractions(t: torch.Tensor, low: torch.dtype) -> tuple[float, float, float]:
             float((nonzero < info.smallest_normal).float().mean()))
 
 
-def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
-           low: torch.dtype) -> int:
-    """Run ``gm`` (still float32) on ``batches`` forward and backward; fill
-    ``node.meta['ampfx_calib']``. Returns the number of batches seen."""
-    acc: dict[fx.Node, dict[str, float]] = {}
+@dataclass(frozen=True)
+class Fp8Stats:
+    """What calibration saw of a linear layer's GEMM run in FP8 (``fp8=``; maxima over all batches): the largest
+    magnitudes of its input and weight, the relative difference of its FP8 output from its output in the low dtype,
+    and the share of the input's nonzero values that quantise to zero."""
 
-    def note(node: fx.Node, key: str, value: float) -> None:
-        acc.setdefault(node, {})[key] = max(acc.get(node, {}).get(key, 0.0), value)
+    amax_input: float = 0.0
+    amax_weight: float = 0.0
+    error: float = 0.0
+    underflow: float = 0.0
+
+
+def _fp8_stats(args: tuple, low: torch.dtype, spec: Any) -> dict[str, float] | None:
+    """A linear layer's :class:`Fp8Stats` on one batch: ``args`` ``(x, w[, b])`` as the float32 graph holds them,
+    ``spec`` the recipe (:func:`ampfx.runtime.fp8.linear_fp8`'s); ``None`` where they are no float tensors."""
+    x, w, b = (list(args) + [None])[:3]
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (x, w)) or x.numel() == 0:
+        return None
+    with torch.no_grad():
+        xl, bl = x.to(low), (b.to(low) if isinstance(b, torch.Tensor) else None)
+        want = torch.nn.functional.linear(xl, w.to(low), bl).float()
+        got = fp8_runtime.linear_fp8(xl, w, bl, spec).float()
+        recipe = from_spec(spec)
+        q, _ = fp8_runtime.quantize(xl.reshape(-1, x.shape[-1]).float(), getattr(torch, recipe.forward),
+                                    1 if recipe.rowwise else None, recipe.power_of_2_scales)
+        nonzero = xl.reshape(-1, x.shape[-1]) != 0
+        lost = ((q.float() == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)
+        norm = want.norm()
+    return {"amax_input": float(x.detach().abs().max()), "amax_weight": float(w.detach().abs().max()),
+            "error": float((got - want).norm() / norm) if norm > 0 else float((got - want).norm()),
+            "underflow": float(lost)}
+
+
+def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+           low: torch.dtype, fp8: Any = None) -> int:
+    """Run ``gm`` (still float32) on ``batches`` forward and backward; fill
+    ``node.meta['ampfx_calib']`` and, with an FP8 recipe ``fp8`` (``Policy.fp8``), each linear layer's
+    ``node.meta['ampfx_fp8_calib']``. Returns the number of batches seen."""
+    acc: dict[fx.Node, dict[str, float]] = {}
+    eight: dict[fx.Node, dict[str, float]] = {}
+    spec = None if fp8 is None else (fp8 if isinstance(fp8, str) else fp8.spec)
+
+    def note(node: fx.Node, key: str, value: float, into: dict = acc) -> None:
+        into.setdefault(node, {})[key] = max(into.get(node, {}).get(key, 0.0), value)
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
+            if spec is not None and nodes.is_linear_call(n):
+                for key, value in (_fp8_stats(self.map_nodes_to_values(n.args, n), low, spec) or {}).items():
+                    note(n, key, value, eight)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     mx, below_sub, _ = _fractions(t, low)
@@ -102,6 +144,8 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
             count += 1
     for node, values in acc.items():
         node.meta[meta.CALIB] = Stats(**values)
+    for node, values in eight.items():
+        node.meta[meta.FP8_CALIB] = Fp8Stats(**values)
     return count
 
 

@@ -14,9 +14,12 @@ weight gradient), by which :class:`~ampfx.report.records.Fp8Rule`, and why. The 
    where the model has no ``nn.Linear``, and under the compile backend, whose graphs hold parameters, not the
    model's modules);
 7. ``fp8:router``: its output reaches a top-k or an arg-max within a few ops (an MoE's router);
-8. ``fp8:cost``: on the target device (``fp8_roofline``) quantising costs more than FP8 saves
+8. ``fp8:sensitive``: with ``calibrate=`` batches, its FP8 output differed from its low-dtype output by more than
+   ``fp8_error_threshold`` on them (:class:`~ampfx.passes.calibrate.Fp8Stats`; every decision carries what
+   calibration saw: the amax of the GEMM's operands, the error, the input's values lost to zero);
+9. ``fp8:cost``: on the target device (``fp8_roofline``) quantising costs more than FP8 saves
    (:meth:`ampfx.policy.fp8.Roofline.pays`; M from the example inputs, else taken as large);
-9. ``fp8``: FP8.
+10. ``fp8``: FP8.
 
 An FP8 linear calls :func:`ampfx.runtime.fp8.linear_fp8` with the recipe, on the input and bias the plan casts
 for it and the weight's float32 master (quantised once, instead of cast to the low dtype first).
@@ -40,13 +43,14 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .. import ops, runtime
+from .. import meta, ops, runtime
 from ..meta import RECORD, out_infos, record
 from ..ops import Category
 from ..policy import fp8 as vocabulary
 from ..policy.decide import matched_at
-from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule
+from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule, dtype_name
 from ..runtime.fp8 import linear_fp8
+from . import nodes
 from .nodes import operand_shape
 from .context import PassContext
 
@@ -72,11 +76,22 @@ def decide_fp8(gm: fx.GraphModule, ctx: PassContext) -> None:
         on = rule in (Fp8Rule.FP8, Fp8Rule.FORCED)
         node.meta[RECORD] = dataclasses.replace(d, fp8=Fp8Decision(
             recipe=recipe.name, rule=rule, reason=reason, output=on, input_grad=on,
-            weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes)))
+            weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes), **_seen(node)))
         if on:
             x, w, b = (list(node.args) + [node.kwargs.get("bias")])[:3]
             node.target, node.args, node.kwargs = linear_fp8, (x, _master(w), b, spec), {}
             _drop_unused_cast(gm, w)
+
+
+def _seen(node: fx.Node) -> dict[str, float | None]:
+    """What calibration saw of the node's GEMM (:class:`~ampfx.passes.calibrate.Fp8Stats`, the largest output
+    gradient from its :class:`~ampfx.passes.calibrate.Stats`), as :class:`Fp8Decision` fields; none without it."""
+    seen = meta.fp8_calib(node)
+    if seen is None:
+        return {}
+    grads = meta.calib(node)
+    return {"amax_input": seen.amax_input, "amax_weight": seen.amax_weight, "error": seen.error,
+            "underflow": seen.underflow, "amax_grad": grads.max_grad if grads is not None else None}
 
 
 def _master(weight: Any) -> Any:
@@ -124,6 +139,12 @@ def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext) -> t
     route = _routes(node)
     if route is not None:
         return Fp8Rule.ROUTER, f"its output reaches {route}: it chooses experts", sizes
+    seen, threshold = meta.fp8_calib(node), ctx.policy.fp8_error_threshold
+    if seen is not None and threshold and seen.error > threshold:
+        return Fp8Rule.SENSITIVE, (f"its FP8 output differed from its {dtype_name(d.dtype)} output by {seen.error:.3g} "
+                                   f"(relative) on the calibration batches, over fp8_error_threshold {threshold:g}"
+                                   + (f" ({seen.underflow:.0%} of its input's values quantise to zero)"
+                                      if seen.underflow >= 0.01 else "")), sizes
     roofline = vocabulary.roofline(ctx.policy.fp8_roofline)
     if roofline is not None:
         pays, why = roofline.pays(sizes["M"], n)
@@ -135,8 +156,7 @@ def _rule(node: fx.Node, d: Decision, gm: fx.GraphModule, ctx: PassContext) -> t
 
 def _is_linear(node: fx.Node, d: Decision) -> bool:
     """A weight GEMM FP8 runs (``OpEntry.fp8``) as a function of the graph: ``linear(x, w[, b])``."""
-    return (ops.ENTRIES[d.op].fp8 and node.op == "call_function" and 2 <= len(node.args) <= 3
-            and set(node.kwargs) <= {"bias"})
+    return ops.ENTRIES[d.op].fp8 and nodes.linear_shaped(node)
 
 
 def _routes(node: fx.Node) -> str | None:

@@ -178,6 +178,17 @@ def pass_result(n: fx.Node, d: Decision, out: dict[fx.Node, object]) -> object:
     return DYNAMIC
 
 
+def linear_shaped(node: fx.Node) -> bool:
+    """Is ``node`` a function call shaped as ``linear(x, w[, b])``?"""
+    return node.op == "call_function" and 2 <= len(node.args) <= 3 and set(node.kwargs) <= {"bias"}
+
+
+def is_linear_call(node: fx.Node) -> bool:
+    """Is ``node`` a weight GEMM FP8 runs (``OpEntry.fp8``) called as a function: ``linear(x, w[, b])``?"""
+    name = ops.lookup_name(node.target) if node.op == "call_function" else None
+    return name in ops.ENTRIES and ops.ENTRIES[name].fp8 and linear_shaped(node)
+
+
 def operand_shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
     """An operand's sizes before conversion: a parameter's own, or from shape propagation, through the casts ampfx
     inserted (a padded one too); ``None`` where unknown."""

@@ -164,6 +164,9 @@ def test_fp8_from_the_environment(monkeypatch):
     ({"fp8_roofline": "none"}, r"fp8_roofline='none' without fp8"),
     ({"fp8": "tensorwise", "fp8_modules": ("nothere",)}, r"fp8_modules / AMPFX_FP8_MODULES names 'nothere'"),
     ({"fp8": "tensorwise", "fp8_modules": "hidden", "fp8_skip_modules": "hidden"}, r"both fp8_modules and"),
+    ({"fp8_error_threshold": 0.2}, r"fp8_error_threshold=0.2 without fp8"),
+    ({"fp8": "tensorwise", "fp8_error_threshold": -1}, r"fp8_error_threshold=-1: use a relative error >= 0"),
+    ({"fp8": "tensorwise", "fp8_error_threshold": "high"}, r"fp8_error_threshold='high'"),
 ])
 def test_bad_fp8_options_are_errors_naming_them(options, message):
     with pytest.raises(PolicyError, match=message):
@@ -404,3 +407,62 @@ def test_the_page_shows_each_gemms_fp8_decision():
     assert "fp8:position (none in FP8; tensorwise): inp is the model&#x27;s first linear layer" in page \
         or "fp8:position (none in FP8; tensorwise): inp is the model's first linear layer" in page
     assert '["fp8", n.fp8 ?' in page
+
+
+class Spiky(nn.Module):
+    """One feature of ``c``'s input a million times the others, which ``c`` does not read: tensorwise scaling sizes
+    the scale by that feature, and ``c``'s other inputs quantise to FP8's subnormals or to zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 64)
+        with torch.no_grad():
+            self.c.weight[:, 0] = 0
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.d(self.c(h * torch.cat([torch.full((1,), 1e6), torch.ones(255)])))
+
+
+def test_calibration_measures_each_linears_fp8_error_and_amax_and_keeps_a_sensitive_one_low(tmp_path, monkeypatch):
+    """Rule: with calibrate= batches, every linear's FP8 decision carries its operands' amax and its FP8 output error
+    against the low dtype, measured on them (in the record, decisions.jsonl, the summary and the page); one over
+    fp8_error_threshold stays low (fp8:sensitive); the threshold off (0, or AMPFX_FP8_ERROR_THRESHOLD=off) keeps
+    the measurement and drops the rule."""
+    torch.manual_seed(0)
+    model = Spiky()
+    batches = [torch.randn(64, 64) for _ in range(3)]
+    options = dict(example_inputs=(batches[0],), calibrate=batches, **EVERY_SIZE)
+    amp = ampfx.convert(model, "bf16", log_path=tmp_path, **options)
+    rows = {r.module: r.fp8 for r in _gemm_rows(amp)}
+    assert rows["c"].rule is Fp8Rule.SENSITIVE and not rows["c"].output and rows["c"].error > 0.5
+    assert "over fp8_error_threshold 0.1" in rows["c"].reason and "quantise to zero" in rows["c"].reason
+    assert rows["b"].rule is Fp8Rule.FP8 and rows["b"].output and 0 < rows["b"].error < 0.1
+    for name in "abcd":
+        seen = rows[name]
+        assert seen.amax_weight == pytest.approx(float(getattr(model, name).weight.detach().abs().max()))
+        assert seen.amax_input > 0 and seen.amax_grad > 0 and 0 <= seen.underflow <= 1
+    assert rows["c"].amax_input > 1e5 > rows["b"].amax_input
+    assert rows["c"].underflow > rows["b"].underflow
+    assert [n.args[0].name for n in _fp8_calls(amp)] != []  # b still runs in FP8
+    logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert {d["module"]: d["fp8"]["rule"] for d in logged if d.get("fp8")}["c"] == "fp8:sensitive"
+    assert all(d["fp8"]["amax_input"] > 0 for d in logged if d.get("fp8"))
+    line = amp.ampfx_report.fp8_lines()[1]
+    assert "FP8 in calibration (4 of 4 GEMM nodes)" in line and "largest linear_2" in line
+    logged_c = next(d["fp8"] for d in logged if d.get("fp8") and d["module"] == "c")
+    assert "in calibration: error" in ampfx.report.html.fp8_text(logged_c)
+
+    off = ampfx.convert(model, "bf16", fp8_error_threshold=0, **options)
+    assert {r.module: r.fp8.rule for r in _gemm_rows(off)}["c"] is Fp8Rule.FP8
+    assert {r.module: r.fp8.error for r in _gemm_rows(off)}["c"] > 0.5
+    monkeypatch.setenv("AMPFX_FP8_ERROR_THRESHOLD", "off")
+    assert {r.module: r.fp8.rule for r in _gemm_rows(ampfx.convert(model, "bf16", **options))}["c"] is Fp8Rule.FP8
+    monkeypatch.setenv("AMPFX_FP8_ERROR_THRESHOLD", "0.99")
+    assert {r.module: r.fp8.rule for r in _gemm_rows(ampfx.convert(model, "bf16", **options))}["c"] is Fp8Rule.FP8
+
+
+def test_without_calibration_an_fp8_decision_has_no_amax():
+    amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),), **EVERY_SIZE)
+    assert all(r.fp8.amax_input is None and r.fp8.error is None for r in _gemm_rows(amp))
+    assert len(amp.ampfx_report.fp8_lines()) == 1

@@ -116,6 +116,12 @@ SENSITIVITY_THRESHOLD = 0.1
 """Calibration keeps float32 a node whose rounding alone moves the output or a parameter gradient by more
 than this (relative): chosen by measurement, see docs/numerics.md ("Precision sensitivity")."""
 
+FP8_ERROR_THRESHOLD = 0.1
+"""With ``calibrate=`` batches and ``fp8=``, a linear layer whose FP8 output differs from its low-dtype output by
+more than this (relative, on the batches) stays in the low dtype. Current scaling's rounding alone differs by
+about 0.03-0.05 on ordinary activations (e4m3 keeps 3 mantissa bits); outliers that push most of a tensor's
+values into FP8's subnormals or to zero go past 0.1 (docs/fp8.md)."""
+
 EXPORT_TIMEOUT = 60.0
 """Seconds ``torch.export`` may take on one module (``Policy.export_timeout``). Most models export in
 0.2-10 s; a few spend minutes in export's symbolic size analysis, and a capture that slow takes the
@@ -146,6 +152,10 @@ def _check_fields(p: "Policy") -> None:
                                   or not 0 <= threshold < math.inf):
         raise PolicyError(f"sensitivity_threshold={threshold!r}: use a relative error >= 0 (default "
                           f"{SENSITIVITY_THRESHOLD:g}), or 0 / None to turn the precision check of calibration off")
+    error = p.fp8_error_threshold
+    if error is not None and (isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error < math.inf):
+        raise PolicyError(f"fp8_error_threshold={error!r}: use a relative error >= 0 (default {FP8_ERROR_THRESHOLD:g}), "
+                          "or 0 / None for no FP8 check in calibration")
     timeout = p.export_timeout
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 <= timeout < math.inf):
@@ -185,7 +195,7 @@ def _set_fp8(p: "Policy") -> None:
             raise PolicyError(f"{both[0]!r} is in both fp8_modules and fp8_skip_modules: name it in one")
 
 
-_FP8_OPTIONS = ("fp8_roofline", "fp8_modules", "fp8_skip_modules")
+_FP8_OPTIONS = ("fp8_roofline", "fp8_modules", "fp8_skip_modules", "fp8_error_threshold")
 
 
 def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
@@ -194,11 +204,12 @@ def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
     switch that turns FP8 off without a code edit; the report's environment record says so)."""
     if p.fp8 is not None:
         return p
-    given = [name for name in _FP8_OPTIONS if getattr(p, name) not in (None, ())]
+    defaults = {f.name: f.default for f in dataclasses.fields(p) if f.name in _FP8_OPTIONS}
+    given = [name for name in _FP8_OPTIONS if getattr(p, name) != defaults[name]]
     if not given:
         return p
     if "AMPFX_FP8" in dict(p.env):
-        return dataclasses.replace(p, **{name: None if name == "fp8_roofline" else () for name in given})
+        return dataclasses.replace(p, **{name: defaults[name] for name in given})
     said = ", ".join(f"{name}={getattr(p, name)!r}" for name in given)
     raise PolicyError(f"{said} without fp8{where}: name an FP8 recipe (fp8='tensorwise', AMPFX_FP8=tensorwise), or "
                       "leave the FP8 options out")
@@ -301,6 +312,12 @@ class Policy:
     fp8_modules: tuple = field(default=(), metadata=_env(
         "AMPFX_FP8_MODULES", "append", "comma-separated modules whose linear layers run in FP8 whatever their size or "
         "position: names, globs, classes", needs={"fp8": "tensorwise"}))
+    #: with calibrate= batches, a linear layer whose FP8 output differs from its low-dtype output by more than this
+    #: (relative) on them stays in the low dtype (rule fp8:sensitive); 0 or None: no such check
+    fp8_error_threshold: float | None = field(default=FP8_ERROR_THRESHOLD, metadata=_env(
+        "AMPFX_FP8_ERROR_THRESHOLD", "number_or_off", "with calibration batches, linear layers whose FP8 output "
+        "differs from their low-dtype output by more than this relative error stay in the low dtype (default "
+        f"{FP8_ERROR_THRESHOLD:g}; off: no check)", example="0.1", needs={"fp8": "tensorwise"}))
     #: modules whose linear layers stay in the low dtype under fp8= (rule fp8:module)
     fp8_skip_modules: tuple = field(default=(), metadata=_env(
         "AMPFX_FP8_SKIP_MODULES", "append", "comma-separated modules whose linear layers stay in the low dtype under "

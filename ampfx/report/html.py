@@ -272,6 +272,9 @@ def fp8_text(fp8: dict | None) -> str:
     >>> fp8_text({"rule": "fp8", "reason": "M=4096, N=4096 ...", "output": True, "input_grad": True,
     ...           "weight_grad": False, "recipe": "rowwise_with_gw_hp", "flops": 8})
     'fp8 (output, input gradient; rowwise_with_gw_hp): M=4096, N=4096 ...'
+    >>> fp8_text({"rule": "fp8", "reason": "...", "output": True, "input_grad": True, "weight_grad": True,
+    ...           "recipe": "tensorwise", "error": 0.036, "amax_input": 4.2, "amax_weight": 0.12, "amax_grad": 2e-05})
+    'fp8 (output, input gradient, weight gradient; tensorwise): ...; in calibration: error 0.036, amax input 4.2, weight 0.12, gradient 2e-05'
     >>> fp8_text(None)
     ''
     """
@@ -279,7 +282,11 @@ def fp8_text(fp8: dict | None) -> str:
         return ""
     gemms = [word for key, word in (("output", "output"), ("input_grad", "input gradient"),
                                     ("weight_grad", "weight gradient")) if fp8[key]]
-    return f"{fp8['rule']} ({', '.join(gemms) or 'none in FP8'}; {fp8['recipe']}): {fp8['reason']}"
+    seen = [f"{word} {fp8[key]:.3g}" for key, word in (("error", "error"), ("amax_input", "amax input"),
+                                                        ("amax_weight", "weight"), ("amax_grad", "gradient"))
+            if fp8.get(key) is not None]
+    return (f"{fp8['rule']} ({', '.join(gemms) or 'none in FP8'}; {fp8['recipe']}): {fp8['reason']}"
+            + (f"; in calibration: {', '.join(seen)}" if seen else ""))
 
 
 def history_text(history: list[list[str]]) -> str:

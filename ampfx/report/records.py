@@ -240,6 +240,8 @@ class Fp8Rule(str, enum.Enum):
     POSITION = "fp8:position", ("the model's first or last linear layer (its input features, its output logits): "
                                 "kept in the low dtype, as Megatron and torchao's float8 recipes keep them")
     ROUTER = "fp8:router", "its output chooses among experts (reaches a top-k): routing scores stay in the low dtype"
+    SENSITIVE = "fp8:sensitive", ("on the calibration batches its FP8 output differed from its low-dtype output by "
+                                  "more than fp8_error_threshold (relative): kept in the low dtype")
     SKIPPED = "fp8:module", "inside a module named in fp8_skip_modules / AMPFX_FP8_SKIP_MODULES"
 
     __str__ = str.__str__
@@ -253,7 +255,12 @@ class Fp8Rule(str, enum.Enum):
 class Fp8Decision:
     """A GEMM node's FP8 decision under ``fp8=``: the ``recipe``, which of its three GEMMs run in FP8 (``output``
     ``x @ w.T``, ``input_grad`` ``g @ w``, ``weight_grad`` ``g.T @ x``), the :class:`Fp8Rule` and the reason, and
-    ``flops``, its forward GEMM's floating-point operations on the example inputs (``None``: unknown)."""
+    ``flops``, its forward GEMM's floating-point operations on the example inputs (``None``: unknown). With
+    ``calibrate=`` batches, what they showed (largest over the batches; ``None`` without calibration): ``amax_input``,
+    ``amax_weight``, ``amax_grad``, the largest magnitudes of the GEMM's input, weight and output gradient, from which
+    each call's scales are made (tensorwise: ``amax / 448`` for the e4m3 operands, ``amax / 57344`` for the e5m2
+    gradient); ``error``, the relative difference of the FP8 output from the low dtype's (``|y_fp8 - y| / |y|``);
+    ``underflow``, the share of the input's nonzero values that quantise to zero."""
 
     recipe: str
     rule: Fp8Rule
@@ -262,6 +269,11 @@ class Fp8Decision:
     input_grad: bool = False
     weight_grad: bool = False
     flops: int | None = None
+    amax_input: float | None = None
+    amax_weight: float | None = None
+    amax_grad: float | None = None
+    error: float | None = None
+    underflow: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Fp8Rule:
