@@ -32,6 +32,9 @@ Before (``fp8="tensorwise"``, K=N=4096 on the example inputs)::
 After::
 
     linear = ampfx_runtime_fp8_linear_fp8(x_bf16, w, b_bf16, 'tensorwise')
+
+Under delayed scaling the call also reads the layer's amax history, an attribute of the graph module
+(``self._ampfx_fp8_amax_linear``, an :class:`~ampfx.runtime.fp8.AmaxHistory`).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from ..ops import Category
 from ..policy import fp8 as vocabulary
 from ..policy.decide import matched_at
 from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule, dtype_name
-from ..runtime.fp8 import linear_fp8
+from ..runtime.fp8 import AmaxHistory, linear_fp8
 from . import nodes
 from .nodes import operand_shape
 from .context import PassContext
@@ -79,8 +82,19 @@ def decide_fp8(gm: fx.GraphModule, ctx: PassContext) -> None:
             weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes), **_seen(node)))
         if on:
             x, w, b = (list(node.args) + [node.kwargs.get("bias")])[:3]
-            node.target, node.args, node.kwargs = linear_fp8, (x, _master(w), b, spec), {}
+            node.target, node.args, node.kwargs = linear_fp8, (x, _master(w), b, spec, *_history(gm, node, recipe)), {}
             _drop_unused_cast(gm, w)
+
+
+def _history(gm: fx.GraphModule, node: fx.Node, recipe: vocabulary.Recipe) -> tuple[fx.Node, ...]:
+    """Under delayed scaling (``Recipe.amax_history``), the node reading the layer's
+    :class:`~ampfx.runtime.fp8.AmaxHistory`, an attribute of the graph module made here; nothing otherwise."""
+    if not recipe.amax_history:
+        return ()
+    name = f"_ampfx_fp8_amax_{node.name}"
+    setattr(gm, name, AmaxHistory(recipe.amax_history))
+    with gm.graph.inserting_before(node):  # (Graph.get_attr warns of an attribute that is no module or tensor)
+        return (gm.graph.create_node("get_attr", name),)
 
 
 def _seen(node: fx.Node) -> dict[str, float | None]:

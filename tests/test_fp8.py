@@ -466,3 +466,44 @@ def test_without_calibration_an_fp8_decision_has_no_amax():
     amp = ampfx.convert(Mlp(), example_inputs=(torch.randn(16, 32),), **EVERY_SIZE)
     assert all(r.fp8.amax_input is None and r.fp8.error is None for r in _gemm_rows(amp))
     assert len(amp.ampfx_report.fp8_lines()) == 1
+
+
+def test_delayed_scaling_keeps_an_amax_history_per_fp8_linear_that_copies_pickles_and_compiles():
+    """Rule: a recipe with amax_history gives each FP8 linear an AmaxHistory on the graph module, read by its call;
+    training steps (eager and compiled) record into it; a deep copy or a pickle carries its values and then records
+    apart; the model trains as under current scaling."""
+    from ampfx.policy.fp8 import Recipe
+    from ampfx.runtime.fp8 import AmaxHistory
+    torch.manual_seed(0)
+    delayed = Recipe("delayed8", rowwise=False, amax_history=8)
+    model, x = Mlp(), torch.randn(16, 32)
+    amp = ampfx.convert(model, example_inputs=(x,), fp8=delayed, fp8_roofline="none")
+    calls = _fp8_calls(amp)
+    assert len(calls) == 1 and calls[0].args[3][-1] == 8
+    history = getattr(amp, calls[0].args[4].target)
+    assert isinstance(history, AmaxHistory) and history.values is None  # converting recorded nothing
+    amp(x).float().square().mean().backward()
+    recorded = lambda h: int((h.values != 0).sum())  # noqa: E731
+    assert recorded(history) == 3
+    for other in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
+        theirs = getattr(other, calls[0].args[4].target)
+        assert theirs is not history and torch.equal(theirs.values, history.values)
+        other(x).float().square().mean().backward()
+        assert recorded(theirs) == 6 and recorded(history) == 3
+    torch.compile(amp, backend="aot_eager")(x).float().square().mean().backward()
+    assert recorded(history) == 6
+
+    def train(fp8):
+        torch.manual_seed(1)
+        net = Mlp()
+        run = ampfx.convert(net, example_inputs=(x,), fp8=fp8, fp8_roofline="none")
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        target = torch.randn(16, 16)
+        for _ in range(30):
+            opt.zero_grad()
+            loss = F.mse_loss(run(x).float(), target)
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    assert train(delayed) == pytest.approx(train("tensorwise"), rel=0.05)

@@ -77,3 +77,43 @@ def test_shapes_the_gpu_kernel_refuses_are_computed_from_the_dequantised_operand
     assert not _kernel_takes(torch.empty(15, 32), one, torch.empty(32, 16), torch.bfloat16)  # tokens not x16
     assert not _kernel_takes(torch.empty(16, 32), rows, torch.empty(32, 16), torch.float32)  # rowwise, fp32 out
     assert _kernel_takes(torch.empty(16, 32), rows, torch.empty(32, 16), torch.bfloat16)
+
+
+def test_delayed_scaling_scales_by_the_amax_of_the_calls_before_and_saturates_past_it():
+    """Rule: under delayed scaling the first call equals current scaling; later calls scale input, weight and output
+    gradient by the largest amax of the calls before them (recorded, newest first), so a call whose input grew
+    saturates where current scaling would not; forward and gradients equal float32 of operands quantised so."""
+    from ampfx.policy.fp8 import Recipe
+    from ampfx.runtime.fp8 import AmaxHistory
+    torch.manual_seed(2)
+    delayed, current = Recipe("delayed4", rowwise=False, amax_history=4), RECIPES["tensorwise"]
+    w = torch.randn(16, 32, requires_grad=True)
+    x, g = torch.randn(6, 32), torch.randn(6, 16)
+    history = AmaxHistory(4)
+    torch.testing.assert_close(linear(x, w, None, delayed, history), linear(x, w, None, current), rtol=0, atol=0)
+    assert history.values[:2, 0].tolist() == [x.abs().max().item(), w.detach().abs().max().item()]
+
+    big = (x * 4).requires_grad_()  # grew past the range the history gives: saturates
+    y = linear(big, w, None, delayed, history)
+    y.backward(g)
+    ax, aw = x.abs().max(), w.detach().abs().max()
+    assert history.values[0, :2].tolist() == [big.abs().max().item(), ax.item()]
+    assert history.values[2, 0].item() == g.abs().max().item()  # the backward recorded the gradient's
+    want_y = _dq(*quantize(big.detach(), E4M3, None, amax=ax)) @ _dq(*quantize(w.detach(), E4M3, None, amax=aw)).t()
+    torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+    assert not torch.allclose(y, linear(big.detach(), w.detach(), None, current), atol=1e-3)
+    assert quantize(big.detach(), E4M3, None, amax=ax)[0].float().abs().max() == 448  # saturated
+    want_gx = _dq(*quantize(g, E5M2, None)) @ _dq(*quantize(w.detach(), E4M3, None, amax=aw))  # no gradient before
+    torch.testing.assert_close(big.grad, want_gx, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"rowwise": True, "amax_history": 16}, "delayed scaling keeps one amax per tensor"),
+    ({"rowwise": False, "amax_history": -1}, "amax_history=-1"),
+    ({"rowwise": False, "amax_history": True}, "amax_history=True"),
+])
+def test_a_bad_delayed_recipe_is_an_error_naming_it(bad, message):
+    from ampfx.errors import PolicyError
+    from ampfx.policy.fp8 import Recipe
+    with pytest.raises(PolicyError, match=message):
+        Recipe("mine", **bad)

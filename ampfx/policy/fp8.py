@@ -31,7 +31,14 @@ class Recipe:
     """How FP8 GEMMs scale their operands: ``rowwise`` (one scale per row along the reduced dimension) or one per
     tensor; ``weight_grad_high_precision``: the weight gradient GEMM runs in the operands' own dtype; the FP8
     dtypes of the forward operands and of the gradients (by name: ``"float8_e4m3fn"``, ``"float8_e5m2"``);
-    ``power_of_2_scales``: each scale rounded up to a power of two (exact to multiply by)."""
+    ``power_of_2_scales``: each scale rounded up to a power of two (exact to multiply by); ``amax_history``: 0 for
+    current scaling (each call scales by its operands' own amax), N for delayed scaling (tensorwise only): each call
+    scales by the largest amax of the layer's last N calls, and values past the range that gives saturate
+    (:class:`ampfx.runtime.fp8.AmaxHistory`).
+
+    >>> Recipe("delayed", rowwise=False, amax_history=16).amax_history
+    16
+    """
 
     name: str
     rowwise: bool
@@ -39,11 +46,19 @@ class Recipe:
     forward: str = "float8_e4m3fn"
     backward: str = "float8_e5m2"
     power_of_2_scales: bool = False
+    amax_history: int = 0
 
     def __post_init__(self) -> None:
         for which in ("rowwise", "weight_grad_high_precision", "power_of_2_scales"):
             if not isinstance(getattr(self, which), bool):
                 raise PolicyError(f"Recipe {self.name!r}: {which}={getattr(self, which)!r}: use True or False")
+        history = self.amax_history
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise PolicyError(f"Recipe {self.name!r}: amax_history={history!r}: use 0 (current scaling) or the number "
+                              "of calls whose amax delayed scaling keeps, e.g. 16")
+        if history and self.rowwise:
+            raise PolicyError(f"Recipe {self.name!r}: amax_history={history} with rowwise=True: delayed scaling keeps "
+                              "one amax per tensor; use rowwise=False, or amax_history=0 (current scaling)")
         for which in ("forward", "backward"):
             value = getattr(self, which)
             if isinstance(value, torch.dtype):

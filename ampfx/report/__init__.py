@@ -396,7 +396,7 @@ def _fp8_calibration_line(rows: list[Any]) -> list[str]:
     ...     def __init__(self, node, **kw): self.node, self.fp8 = node, Fp8Decision("tensorwise", "fp8", "", **kw)
     >>> print(_fp8_calibration_line([R("fc1", error=0.03, amax_input=4.0, amax_weight=0.1, amax_grad=2e-4),
     ...                              R("fc2", error=0.2, amax_input=900.0, amax_weight=0.1, amax_grad=1e-4)])[0])
-      FP8 in calibration (2 of 2 GEMM nodes): output error against the low dtype 0.03-0.2 (largest fc2), amax input <= 900, weight <= 0.1, output gradient <= 0.0002; scales are made at each call from the amax (current scaling)
+      FP8 in calibration (2 of 2 GEMM nodes): output error against the low dtype 0.03-0.2 (largest fc2), amax input <= 900, weight <= 0.1, output gradient <= 0.0002
     """
     seen = [r for r in rows if r.fp8.error is not None]
     if not seen:
@@ -409,5 +409,4 @@ def _fp8_calibration_line(rows: list[Any]) -> list[str]:
 
     return [f"  FP8 in calibration ({len(seen)} of {len(rows)} GEMM nodes): output error against the low dtype "
             f"{min(r.fp8.error for r in seen):.3g}-{worst.fp8.error:.3g} (largest {worst.node}), amax input <= "
-            f"{most('amax_input')}, weight <= {most('amax_weight')}, output gradient <= {most('amax_grad')}; scales are "
-            "made at each call from the amax (current scaling)"]
+            f"{most('amax_input')}, weight <= {most('amax_weight')}, output gradient <= {most('amax_grad')}"]

@@ -25,17 +25,18 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..policy.fp8 import HAS_FP8, RECIPES, Recipe, from_spec
 
 E4M3, E5M2 = (torch.float8_e4m3fn, torch.float8_e5m2) if HAS_FP8 else (None, None)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None,
-             power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool = False,
+             amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``x ~ q.float() * scale``: ``scale`` float32, one for the whole tensor (``dim=None``)
     or one per slice along ``dim`` (kept as a size-1 dimension), rounded up to a power of two with ``power_of_2``;
-    values past the FP8 range saturate.
+    made from ``amax`` where given (delayed scaling), else from ``x``'s own; values past the FP8 range saturate.
 
     >>> q, s = quantize(torch.tensor([[1.0, -448.0], [2.0, 0.5]]), E4M3, dim=1)
     >>> q.dtype, s.flatten().tolist()
@@ -44,7 +45,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None,
     [1.0, 0.0078125]
     """
     top = torch.finfo(dtype).max
-    amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
+    if amax is None:
+        amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
     scale = (amax.float() / top).clamp(min=torch.finfo(torch.float32).tiny)
     if power_of_2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
@@ -74,45 +76,88 @@ def _kernel_takes(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, out_d
             and (scale_a.numel() == 1 or out_dtype in (torch.bfloat16, torch.float16)))
 
 
+class AmaxHistory:
+    """Delayed scaling's state for one FP8 linear layer (a recipe with ``amax_history``): the amax of its input,
+    weight and output gradient over its last ``length`` calls, a row each, newest first. Each call scales an
+    operand by the largest amax of the calls before it (the first call by its own), then records its own. The
+    converted graph module holds one per FP8 linear (copied and pickled with it); its values are made on the device
+    of the first call and follow the operands to another.
+
+    >>> h = AmaxHistory(2)
+    >>> [float(h.amax(0, torch.tensor([v]))) for v in (3.0, 1.0, 2.0, 0.5)]
+    [3.0, 3.0, 3.0, 2.0]
+    """
+
+    INPUT, WEIGHT, GRAD = 0, 1, 2
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.values: torch.Tensor | None = None
+
+    def amax(self, row: int, x: torch.Tensor) -> torch.Tensor:
+        """The amax to scale ``x`` by (row ``row``: :attr:`INPUT`, :attr:`WEIGHT`, :attr:`GRAD`), recording ``x``'s."""
+        current = x.detach().abs().amax().float()
+        if isinstance(current, FakeTensor) or current.device.type == "meta":  # shapes only: nothing to record
+            return current
+        if self.values is None or self.values.device != current.device:
+            self.values = (torch.zeros(3, self.length, device=current.device) if self.values is None
+                           else self.values.to(current.device))
+        past = self.values[row].max()
+        used = torch.where(past > 0, past, current)
+        self.values[row] = torch.roll(self.values[row], 1)
+        self.values[row, 0] = current
+        return used
+
+    def __repr__(self) -> str:
+        return f"AmaxHistory({self.length})"
+
+
 class _Linear(torch.autograd.Function):
     """``x @ w.T (+ b)`` with its three GEMMs in FP8 (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe,
+                history: AmaxHistory | None) -> torch.Tensor:
         rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
         forward, p2 = getattr(torch, recipe.forward), recipe.power_of_2_scales
-        qx, sx = quantize(x, forward, rows, p2)
-        qw, sw = quantize(w, forward, rows, p2)
+        ax = aw = None
+        if history is not None:  # delayed scaling: the backward quantises x and w as this forward does
+            ax, aw = history.amax(AmaxHistory.INPUT, x), history.amax(AmaxHistory.WEIGHT, w)
+        qx, sx = quantize(x, forward, rows, p2, ax)
+        qw, sw = quantize(w, forward, rows, p2, aw)
         ctx.save_for_backward(x, w)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.history, ctx.amax = recipe, history, (ax, aw)
         return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, w = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         forward, backward = getattr(torch, recipe.forward), getattr(torch, recipe.backward)
         p2 = recipe.power_of_2_scales
+        ax, aw = ctx.amax
+        ag = ctx.history.amax(AmaxHistory.GRAD, g) if ctx.history is not None else None
         gx = gw = None
         if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: scaled along N
-            qg, sg = quantize(g, backward, 1 if recipe.rowwise else None, p2)
-            qw, sw = quantize(w, forward, 0 if recipe.rowwise else None, p2)
+            qg, sg = quantize(g, backward, 1 if recipe.rowwise else None, p2, ag)
+            qw, sw = quantize(w, forward, 0 if recipe.rowwise else None, p2, aw)
             gx = scaled_mm(qg, sg, qw, sw, x.dtype)
         if ctx.needs_input_grad[1]:  # g.T [N, M] @ x [M, K]: scaled along M
             if recipe.weight_grad_high_precision:
                 gw = (g.t().to(x.dtype) @ x).to(w.dtype)
             else:
-                qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2)
-                qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2)
+                qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2, ag)
+                qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2, ax)
                 gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe) -> torch.Tensor:
-    """``torch.nn.functional.linear(x, weight, bias)`` with its three GEMMs in FP8 under ``recipe``; the output
-    has ``x``'s dtype, the bias is added in it."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
+           history: AmaxHistory | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` with its three GEMMs in FP8 under ``recipe`` (scaled by
+    ``history`` under delayed scaling); the output has ``x``'s dtype, the bias is added in it."""
     lead = x.shape[:-1]
-    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe).reshape(*lead, weight.shape[0])
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe, history).reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -121,14 +166,14 @@ def _recipe(spec: Any) -> Recipe:
     return from_spec(spec)
 
 
-def linear_fp8(x: Any, weight: Any, bias: Any, spec: Any) -> Any:
+def linear_fp8(x: Any, weight: Any, bias: Any, spec: Any, history: AmaxHistory | None = None) -> Any:
     """What a converted graph calls for a linear node the ``fp8`` pass put in FP8 (:mod:`ampfx.passes.fp8`):
-    :func:`linear` under the recipe ``spec`` names (a preset's name, or :attr:`Recipe.spec`). Re-tracing a
-    converted module records the call again.
+    :func:`linear` under the recipe ``spec`` names (a preset's name, or :attr:`Recipe.spec`), with the layer's
+    :class:`AmaxHistory` under delayed scaling. Re-tracing a converted module records the call again.
 
     >>> linear_fp8(torch.ones(2, 16), torch.ones(16, 16), None, "tensorwise")[0, :3].tolist()
     [16.0, 16.0, 16.0]
     """
     if isinstance(x, torch.fx.Proxy):
-        return x.tracer.create_proxy("call_function", linear_fp8, (x, weight, bias, spec), {})
-    return linear(x, weight, bias, _recipe(spec))
+        return x.tracer.create_proxy("call_function", linear_fp8, (x, weight, bias, spec, history), {})
+    return linear(x, weight, bias, _recipe(spec), history)
