@@ -209,3 +209,26 @@ def test_resuming_without_the_ampfx_variables_of_the_checkpoints_run_is_an_error
     monkeypatch.delenv("AMPFX_INFERLIST_REMOVE")
     with pytest.raises(PolicyMismatchError, match="AMPFX_DENYLIST_ADD"):
         fit(tmp_path / "b", epochs=2, plugins=[AmpfxPrecision("bf16")], ckpt_path=ckpt)
+
+
+def test_fp8_linears_train_through_the_plugin_and_its_checkpoint_keeps_the_fp8_options(tmp_path):
+    """AmpfxPrecision takes convert's FP8 options: the forced linear runs in FP8 (its decision in the trainer's
+    report), the model learns as under bf16, and a checkpoint resumes with the same FP8 options (another recipe is
+    refused, naming the field)."""
+    plugin = AmpfxPrecision("bf16", fp8="tensorwise", fp8_modules=("net.0",))
+    amp, trainer = fit(tmp_path / "a", plugins=[plugin])
+    bf16, _ = fit(tmp_path / "bf16", plugins=[AmpfxPrecision("bf16")])
+    report = trainer.precision_plugin.report
+    decided = {r.module: r.fp8 for r in report.records if r.fp8 is not None}
+    assert decided["net.0"].output and decided["net.0"].rule == "fp8:forced"
+    assert not decided["net.3"].output  # the last linear layer stays bf16
+    assert amp.losses[-1] < 0.8 * amp.losses[0] and abs(amp.losses[-1] - bf16.losses[-1]) < 0.05
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["AmpfxPrecision"]["policy"]
+    assert saved["fp8"] == "tensorwise" and saved["fp8_modules"] == ["net.0"]
+    _, again = fit(tmp_path / "b", epochs=4, plugins=[AmpfxPrecision.from_checkpoint(ckpt)], ckpt_path=ckpt)
+    assert again.current_epoch == 4
+    with pytest.raises(PolicyMismatchError, match="fp8"):
+        fit(tmp_path / "c", epochs=4, plugins=[AmpfxPrecision("bf16", fp8="rowwise", fp8_modules=("net.0",))],
+            ckpt_path=ckpt)

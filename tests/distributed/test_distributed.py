@@ -61,6 +61,19 @@ def test_gradients_equal_the_single_process_run(how, reference, stepped):
         assert how != "fsdp" or all("off: FSDP2" in line for line in r["cache"])
 
 
+@pytest.mark.parametrize("how", ["ddp", "fsdp", "ac_ddp"])
+def test_fp8_linears_train_under_each_wrapper_as_in_one_process(how, stepped):
+    """fp8= under DDP, FSDP2 per block + root and activation checkpointing + DDP: the FP8 linears run, the masters
+    stay float32, and loss and gradients are those of the converted model's step in one process on each rank's half
+    of the batch in turn (each rank scales its half by its own amax)."""
+    loss, grads = workers.reference(halves=2, **workers.FP8)
+    for r in stepped("fp8_" + how):
+        assert r["fp8_linears"] == 15  # 4 blocks x 4 linears and the head, less the first (blocks.0.qkv) and the head
+        assert abs(r["loss"] - loss) < 2e-2 * max(1.0, abs(loss))
+        _close(r["grads"], grads, 2e-2)  # the ranks' sums round differently
+        assert r["masters"] == {torch.float32}
+
+
 def test_fsdp_mixed_precision_gathers_half_the_bytes(reference, stepped):
     loss, grads = reference
     full, mixed = stepped("fsdp"), stepped("fsdp_mp")

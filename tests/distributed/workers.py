@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
 from ampfx.integrations.fsdp import gather_low
+from ampfx.runtime.fp8 import linear_fp8
 
 BATCH, SEQ, VOCAB = 4, 8, 32
 
@@ -74,13 +76,23 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    """One step of the converted model on the whole batch, in one process."""
-    model = converted()
+FP8 = {"fp8": "tensorwise", "fp8_roofline": "none"}
+"""The FP8 options the ``fp8_*`` runs convert with (every linear of the tiny model in FP8 but the first and last)."""
+
+
+def reference(halves: int = 1, **options: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of the converted model (``options``: convert's) on the whole batch, in one process; with ``halves``,
+    on each rank's part of it in turn, the gradients averaged as DDP and FSDP2 average them (FP8 scales each part by
+    its own amax, as each rank does)."""
+    model = converted(**options)
     idx, target = data()
-    loss = loss_of(model, idx, target)
-    loss.backward()
-    return loss.item(), full_grads(model)
+    total = 0.0
+    for rank in range(halves):
+        part = slice(rank * BATCH // halves, (rank + 1) * BATCH // halves)
+        loss = loss_of(model, idx[part], target[part]) / halves
+        loss.backward()
+        total += loss.item()
+    return total, full_grads(model)
 
 
 class Traffic(contextlib.AbstractContextManager):
@@ -116,7 +128,11 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    amp = converted(weight_cache=how not in ("ddp", "fsdp_low"))  # plain DDP as by default; others with the cache
+    fp8 = FP8 if how.startswith("fp8_") else {}  # "fp8_ddp": the same wrapper over FP8 linears
+    how = how.removeprefix("fp8_")
+    amp = converted(weight_cache=how not in ("ddp", "fsdp_low"), **fp8)  # plain DDP as by default; others the cache
+    fp8_linears = sum(n.target is linear_fp8 for m in amp.modules() if isinstance(getattr(m, "graph", None), fx.Graph)
+                      for n in m.graph.nodes)
     gathered = [str(d) for d in gather_low(amp)] if how == "fsdp_low" else []
     idx, target = data()
     half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -140,6 +156,7 @@ def step(rank: int, world: int, how: str) -> dict[str, Any]:
     dist.all_reduce(loss := loss.detach())
     masters = {n: p.dtype for n, p in model.named_parameters()}
     return {"loss": loss.item() / world, "grads": full_grads(model), "fired": len(fired), "gather": gathered,
+            "fp8_linears": fp8_linears,
             "logits": logits.detach().float(),
             "cache": ampfx.runtime.weight_cache.status(amp).splitlines(),
             "gathered": traffic.gathered, "scattered": traffic.scattered, "masters": set(masters.values()),
