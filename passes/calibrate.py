@@ -72,12 +72,14 @@ def _fractions(t: torch.Tensor, low: torch.dtype) -> tuple[float, float, float]:
 class Fp8Stats:
     """What calibration saw of a linear layer's GEMM run in FP8 (``fp8=``; maxima over all batches): the largest
     magnitudes of its input and weight, the relative difference of its FP8 output from its output in the low dtype,
-    and the share of the input's nonzero values that quantise to zero."""
+    the share of the input's nonzero values that quantise to zero, and under delayed scaling the share of a batch's
+    input values past the largest amax of the batches before it (those saturate; 0 under current scaling)."""
 
     amax_input: float = 0.0
     amax_weight: float = 0.0
     error: float = 0.0
     underflow: float = 0.0
+    saturated: float = 0.0
 
 
 def _fp8_stats(args: tuple, low: torch.dtype, spec: Any) -> dict[str, float] | None:
@@ -109,6 +111,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
     acc: dict[fx.Node, dict[str, float]] = {}
     eight: dict[fx.Node, dict[str, float]] = {}
     spec = None if fp8 is None else (fp8 if isinstance(fp8, str) else fp8.spec)
+    delayed = spec is not None and bool(from_spec(spec).amax_history)
 
     def note(node: fx.Node, key: str, value: float, into: dict = acc) -> None:
         into.setdefault(node, {})[key] = max(into.get(node, {}).get(key, 0.0), value)
@@ -117,8 +120,12 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if spec is not None and nodes.is_linear_call(n):
-                for key, value in (_fp8_stats(self.map_nodes_to_values(n.args, n), low, spec) or {}).items():
+                args = self.map_nodes_to_values(n.args, n)
+                before = eight.get(n, {}).get("amax_input")
+                for key, value in (_fp8_stats(args, low, spec) or {}).items():
                     note(n, key, value, eight)
+                if delayed and before is not None and n in eight:  # scaled by the batches before: past it saturates
+                    note(n, "saturated", float((args[0].detach().abs() > before).float().mean()), eight)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     mx, below_sub, _ = _fractions(t, low)

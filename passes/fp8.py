@@ -105,7 +105,8 @@ def _seen(node: fx.Node) -> dict[str, float | None]:
         return {}
     grads = meta.calib(node)
     return {"amax_input": seen.amax_input, "amax_weight": seen.amax_weight, "error": seen.error,
-            "underflow": seen.underflow, "amax_grad": grads.max_grad if grads is not None else None}
+            "underflow": seen.underflow, "saturated": seen.saturated,
+            "amax_grad": grads.max_grad if grads is not None else None}
 
 
 def _master(weight: Any) -> Any:

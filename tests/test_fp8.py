@@ -507,3 +507,18 @@ def test_delayed_scaling_keeps_an_amax_history_per_fp8_linear_that_copies_pickle
         return loss.item()
 
     assert train(delayed) == pytest.approx(train("tensorwise"), rel=0.05)
+
+
+def test_calibration_under_delayed_scaling_counts_the_input_values_that_saturate():
+    """Rule: with a delayed recipe, calibration batches that grow give each FP8 linear the share of a batch's input
+    past the amax of the batches before it (saturated); under current scaling none saturate."""
+    from ampfx.policy.fp8 import Recipe
+    torch.manual_seed(0)
+    batches = [torch.randn(16, 32) * scale for scale in (1.0, 1.0, 3.0)]
+    options = dict(example_inputs=(batches[0],), calibrate=batches, fp8_roofline="none")
+    delayed = ampfx.convert(Mlp(), fp8=Recipe("delayed4", rowwise=False, amax_history=4), **options)
+    hidden = {r.module: r.fp8 for r in _gemm_rows(delayed)}["hidden"]
+    assert 0 < hidden.saturated < 1
+    assert "delayed scaling saturates up to" in delayed.ampfx_report.fp8_lines()[1]
+    current = ampfx.convert(Mlp(), **options, fp8="tensorwise")
+    assert {r.module: r.fp8 for r in _gemm_rows(current)}["hidden"].saturated == 0

@@ -409,4 +409,6 @@ def _fp8_calibration_line(rows: list[Any]) -> list[str]:
 
     return [f"  FP8 in calibration ({len(seen)} of {len(rows)} GEMM nodes): output error against the low dtype "
             f"{min(r.fp8.error for r in seen):.3g}-{worst.fp8.error:.3g} (largest {worst.node}), amax input <= "
-            f"{most('amax_input')}, weight <= {most('amax_weight')}, output gradient <= {most('amax_grad')}"]
+            f"{most('amax_input')}, weight <= {most('amax_weight')}, output gradient <= {most('amax_grad')}"
+            + (f"; delayed scaling saturates up to {most('saturated')} of an input"
+               if any(r.fp8.saturated for r in seen) else "")]

@@ -283,8 +283,9 @@ def fp8_text(fp8: dict | None) -> str:
     gemms = [word for key, word in (("output", "output"), ("input_grad", "input gradient"),
                                     ("weight_grad", "weight gradient")) if fp8[key]]
     seen = [f"{word} {fp8[key]:.3g}" for key, word in (("error", "error"), ("amax_input", "amax input"),
-                                                        ("amax_weight", "weight"), ("amax_grad", "gradient"))
-            if fp8.get(key) is not None]
+                                                        ("amax_weight", "weight"), ("amax_grad", "gradient"),
+                                                        ("saturated", "saturated"))
+            if fp8.get(key) is not None and (key != "saturated" or fp8[key])]
     return (f"{fp8['rule']} ({', '.join(gemms) or 'none in FP8'}; {fp8['recipe']}): {fp8['reason']}"
             + (f"; in calibration: {', '.join(seen)}" if seen else ""))
 

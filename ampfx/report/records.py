@@ -260,7 +260,8 @@ class Fp8Decision:
     ``amax_weight``, ``amax_grad``, the largest magnitudes of the GEMM's input, weight and output gradient, from which
     each call's scales are made (tensorwise: ``amax / 448`` for the e4m3 operands, ``amax / 57344`` for the e5m2
     gradient); ``error``, the relative difference of the FP8 output from the low dtype's (``|y_fp8 - y| / |y|``);
-    ``underflow``, the share of the input's nonzero values that quantise to zero."""
+    ``underflow``, the share of the input's nonzero values that quantise to zero; ``saturated``, under delayed
+    scaling, the largest share of a batch's input values past the amax of the batches before it."""
 
     recipe: str
     rule: Fp8Rule
@@ -274,6 +275,7 @@ class Fp8Decision:
     amax_grad: float | None = None
     error: float | None = None
     underflow: float | None = None
+    saturated: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.rule) is not Fp8Rule:
