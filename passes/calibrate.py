@@ -98,8 +98,9 @@ def _fp8_stats(args: tuple, low: torch.dtype, spec: Any) -> dict[str, float] | N
         nonzero = xl.reshape(-1, x.shape[-1]) != 0
         lost = ((q.float() == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)
         norm = want.norm()
+    error = float((got - want).norm() / norm) if norm > 0 else float((got - want).norm())
     return {"amax_input": float(x.detach().abs().max()), "amax_weight": float(w.detach().abs().max()),
-            "error": float((got - want).norm() / norm) if norm > 0 else float((got - want).norm()),
+            "error": math.inf if math.isnan(error) else error,  # (max() would keep 0.0 over a nan)
             "underflow": float(lost)}
 
 
@@ -120,7 +121,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if spec is not None and nodes.is_linear_call(n):
-                args = self.map_nodes_to_values(n.args, n)
+                args = (*self.map_nodes_to_values(n.args, n), self.map_nodes_to_values(n.kwargs, n).get("bias"))[:3]
                 before = eight.get(n, {}).get("amax_input")
                 for key, value in (_fp8_stats(args, low, spec) or {}).items():
                     note(n, key, value, eight)

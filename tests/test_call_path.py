@@ -307,3 +307,23 @@ def test_an_exported_graph_calls_its_ops_through_their_handles_and_compile_reads
 
     explained = torch._dynamo.explain(amp)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_binding_ops_to_handles_keeps_each_op_apart_and_leaves_strings_and_comments_alone():
+    """Rule: ops whose names would join to the same word run as themselves; a string or a comment naming an op
+    call is not rewritten."""
+    from ampfx.runtime import lowered
+
+    lib_a, lib_b = torch.library.Library("ampfxlw_b", "DEF"), torch.library.Library("ampfxlw", "DEF")
+    lib_a.define("c(Tensor x) -> Tensor")
+    lib_a.impl("c", lambda x: x + 1, "CompositeExplicitAutograd")
+    lib_b.define("b_c(Tensor x) -> Tensor")
+    lib_b.impl("b_c", lambda x: x * 100, "CompositeExplicitAutograd")
+    src = ("\ndef forward(self, x):\n"
+           "    a = torch.ops.ampfxlw_b.c.default(x)  # torch.ops.aten.relu.default(x)\n"
+           "    b = torch.ops.ampfxlw.b_c.default(x)\n"
+           "    return (a, b, 'torch.ops.aten.relu.default(x)')\n")
+    fast = lowered.forward(src, {"torch": torch})
+    a, b, text = fast(None, torch.ones(1))
+    assert (a.item(), b.item(), text) == (2.0, 100.0, "torch.ops.aten.relu.default(x)")
+    assert fast.__ampfx_source__.count("torch.ops.aten.relu.default(x)") == 2

@@ -44,6 +44,7 @@ import torch.fx as fx
 from ..api import convert
 from ..errors import ArgumentError
 from ..report import Report
+from ..policy import fp8 as fp8_vocabulary
 from ..policy import from_env
 from ..capture.base import copied_graph
 from ..request import MODES, check_options, policy_of
@@ -176,6 +177,12 @@ def _check_no_modules(policy: Any) -> None:
                             "none (a module's parameters are graph inputs). Keep ops float32 by op instead "
                             "(denylist_add=[op] with its list's *_remove, or AMPFX_DENYLIST_ADD), or convert first "
                             "and compile the result: torch.compile(ampfx.convert(model, ..., fp32_modules=[...]))")
+    recipe = fp8_vocabulary.recipe(policy.fp8)
+    if recipe is not None and recipe.amax_history:
+        raise ArgumentError(f"backend(): fp8={recipe.name!r} uses delayed scaling (amax_history={recipe.amax_history}), "
+                            "whose amax history is state a converted module keeps between calls, and a graph handed "
+                            "to a backend holds none. Use current scaling (fp8='tensorwise'), or convert first and "
+                            "compile the result: torch.compile(ampfx.convert(model, ..., fp8=recipe))")
 
 
 def _labelled(graph: CompiledGraph) -> Report:

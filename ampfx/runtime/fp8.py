@@ -25,9 +25,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..policy.fp8 import HAS_FP8, RECIPES, Recipe, from_spec
+from . import is_compiling
 
 E4M3, E5M2 = (torch.float8_e4m3fn, torch.float8_e5m2) if HAS_FP8 else (None, None)
 
@@ -78,10 +78,12 @@ def _kernel_takes(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, out_d
 
 class AmaxHistory:
     """Delayed scaling's state for one FP8 linear layer (a recipe with ``amax_history``): the amax of its input,
-    weight and output gradient over its last ``length`` calls, a row each, newest first. Each call scales an
-    operand by the largest amax of the calls before it (the first call by its own), then records its own. The
-    converted graph module holds one per FP8 linear (copied and pickled with it); its values are made on the device
-    of the first call and follow the operands to another.
+    weight and output gradient over its last ``length`` calls with gradients, a row each, newest first. Each call
+    scales an operand by the largest amax of the calls before it (the first call by its own), then records its
+    own. A call without gradients (evaluation) reads the history and records nothing; activation checkpointing's
+    recompute, inside the backward, scales as the forward it repeats did and records nothing. The converted graph
+    module holds one per FP8 linear (copied and pickled with it); its values follow the operands to their device
+    at an eager call.
 
     >>> h = AmaxHistory(2)
     >>> [float(h.amax(0, torch.tensor([v]))) for v in (3.0, 1.0, 2.0, 0.5)]
@@ -92,21 +94,31 @@ class AmaxHistory:
 
     def __init__(self, length: int) -> None:
         self.length = length
-        self.values: torch.Tensor | None = None
+        # one column more than the history: a recompute reads the columns the forward it repeats read
+        self.values = torch.zeros(3, length + 1)
 
-    def amax(self, row: int, x: torch.Tensor) -> torch.Tensor:
-        """The amax to scale ``x`` by (row ``row``: :attr:`INPUT`, :attr:`WEIGHT`, :attr:`GRAD`), recording ``x``'s."""
-        current = x.detach().abs().amax().float()
-        if isinstance(current, FakeTensor) or current.device.type == "meta":  # shapes only: nothing to record
-            return current
-        if self.values is None or self.values.device != current.device:
-            self.values = (torch.zeros(3, self.length, device=current.device) if self.values is None
-                           else self.values.to(current.device))
-        past = self.values[row].max()
-        used = torch.where(past > 0, past, current)
-        self.values[row] = torch.roll(self.values[row], 1)
-        self.values[row, 0] = current
+    def amax(self, row: int, x: torch.Tensor, record: bool = True, recompute: bool = False) -> torch.Tensor:
+        """The amax to scale ``x`` by (row ``row``: :attr:`INPUT`, :attr:`WEIGHT`, :attr:`GRAD`); ``x``'s own is
+        recorded with ``record``; ``recompute``: the call repeats the forward that recorded last (read what it
+        read)."""
+        with torch.no_grad():
+            current = x.detach().abs().amax().float()
+            if self.values.device != current.device and not is_compiling():
+                self.values = self.values.to(current.device)
+            values = self.values
+            past = (values[row, 1:] if recompute else values[row, :-1]).max()
+            used = torch.where(past > 0, past, current)
+            if record and not recompute:
+                values[row].copy_(torch.roll(values[row], 1))
+                values[row, 0] = current
         return used
+
+    @staticmethod
+    def call() -> tuple[bool, bool]:
+        """``(record, recompute)`` for a forward called now: it records when gradients are on, and is a recompute
+        inside the backward (activation checkpointing)."""
+        recompute = torch._C._current_graph_task_id() != -1
+        return torch.is_grad_enabled() and not recompute, recompute
 
     def __repr__(self) -> str:
         return f"AmaxHistory({self.length})"
@@ -116,13 +128,13 @@ class _Linear(torch.autograd.Function):
     """``x @ w.T (+ b)`` with its three GEMMs in FP8 (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe,
-                history: AmaxHistory | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe, history: AmaxHistory | None,
+                call: tuple[bool, bool]) -> torch.Tensor:
         rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
         forward, p2 = getattr(torch, recipe.forward), recipe.power_of_2_scales
         ax = aw = None
         if history is not None:  # delayed scaling: the backward quantises x and w as this forward does
-            ax, aw = history.amax(AmaxHistory.INPUT, x), history.amax(AmaxHistory.WEIGHT, w)
+            ax, aw = history.amax(AmaxHistory.INPUT, x, *call), history.amax(AmaxHistory.WEIGHT, w, *call)
         qx, sx = quantize(x, forward, rows, p2, ax)
         qw, sw = quantize(w, forward, rows, p2, aw)
         ctx.save_for_backward(x, w)
@@ -130,7 +142,7 @@ class _Linear(torch.autograd.Function):
         return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, w = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         forward, backward = getattr(torch, recipe.forward), getattr(torch, recipe.backward)
@@ -149,7 +161,7 @@ class _Linear(torch.autograd.Function):
                 qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2, ag)
                 qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2, ax)
                 gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
@@ -157,7 +169,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rec
     """``torch.nn.functional.linear(x, weight, bias)`` with its three GEMMs in FP8 under ``recipe`` (scaled by
     ``history`` under delayed scaling); the output has ``x``'s dtype, the bias is added in it."""
     lead = x.shape[:-1]
-    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe, history).reshape(*lead, weight.shape[0])
+    call = AmaxHistory.call() if history is not None else (False, False)
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe, history, call).reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
 

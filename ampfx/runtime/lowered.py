@@ -19,14 +19,16 @@ and ``gm.code`` keep naming the ops. Calls through the handle go through torch's
 >>> fast = forward(gm.code, type(gm).forward.__globals__)
 >>> fast(gm, torch.tensor([-1.0, 2.0]))
 tensor([0., 2.])
->>> "_op_aten_relu_default(" in fast.__ampfx_source__
+>>> "_ampfx_op0_relu_default(" in fast.__ampfx_source__
 True
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import io
 import re
+import tokenize
 from typing import Any, Callable
 
 import torch
@@ -47,8 +49,8 @@ def _handle(namespace: str, name: str, overload: str) -> Callable | None:
         op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
     except (AttributeError, RuntimeError):
         return None
-    if not isinstance(op, torch._ops.OpOverload) or getattr(op, "_pyobj_dispatcher", None) is not None:
-        return None
+    if type(op) is not torch._ops.OpOverload or getattr(op, "_pyobj_dispatcher", None) is not None:
+        return None  # (a TorchBind op's call, or one with a Python dispatcher object, does more than its handle)
     return getattr(op, "_op", None)
 
 
@@ -56,14 +58,19 @@ def forward(src: str, globals_: dict[str, Any], co_fields: dict[str, Any] | None
     """The function fx's ``src`` (a graph module's ``code``, its globals ``globals_``) defines, with each op
     overload bound to its C++ handle; ``None`` when it calls none."""
     names: dict[str, Callable] = {}
+    aliases: dict[tuple[str, ...], str] = {}
+    quoted = _strings_and_comments(src)
 
     def bind(match: re.Match) -> str:
+        if any(start <= match.start() < end for start, end in quoted):
+            return match.group(0)
         handle = _handle(*match.groups())
         if handle is None:
             return match.group(0)
-        alias = "_op_" + "_".join(match.groups())
-        names[alias] = handle
-        return alias + "("
+        if match.groups() not in aliases:  # one name per op, numbered: names joined by "_" could collide
+            aliases[match.groups()] = f"_ampfx_op{len(aliases)}_{match.group(2)}_{match.group(3)}"
+            names[aliases[match.groups()]] = handle
+        return aliases[match.groups()] + "("
 
     lowered = _CALL.sub(bind, src)
     if not names:
@@ -71,6 +78,21 @@ def forward(src: str, globals_: dict[str, Any], co_fields: dict[str, Any] | None
     fn = _forward_from_src(lowered, {**globals_, **names}, co_fields)
     fn.__ampfx_source__ = lowered
     return fn
+
+
+def _strings_and_comments(src: str) -> list[tuple[int, int]]:
+    """The spans (offsets into ``src``) of its string literals and comments, which name no call."""
+    starts = [0]
+    for line in src.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    spans = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            if tok.type in (tokenize.STRING, tokenize.COMMENT):
+                spans.append((starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return [(0, len(src))]  # not read: nothing bound
+    return spans
 
 
 def either(plain: Callable, fast: Callable) -> Callable:
