@@ -113,7 +113,7 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
     """:func:`convert` of ``model`` as ``request`` (:func:`ampfx.request.build`) asks; ``given_a_view``: the
     caller was given a converted module of ``model``, and the report says so."""
     mode = request.mode
-    if request.policy.disable:
+    if request.policy.log.disable:
         return _disabled_copy(model, request)
     work = copy_tree(model)
     inputs = request.inputs.tensors() if request.inputs is not None else ()
@@ -159,7 +159,7 @@ def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -
     conversions depend on is added to what ``follower`` watches. The example inputs are not held: a
     conversion made again uses the inputs of the call that needs it."""
     again = Again(dataclasses.replace(request, inputs=None), model)
-    Arm(again, request.policy.reconvert_limit, follower, views)(views)
+    Arm(again, request.policy.runtime.reconvert_limit, follower, views)(views)
 
 
 @dataclasses.dataclass
@@ -224,12 +224,12 @@ def _model_of(module: nn.Module) -> nn.Module:
 
 def _save(report: Report, policy: Policy) -> None:
     """The report saved where ``log_path`` / ``AMPFX_LOG_PATH`` says; an unwritable place is named."""
-    if not policy.log_path:
+    if not policy.log.log_path:
         return
     try:
-        report.save(policy.log_path)
+        report.save(policy.log.log_path)
     except OSError as e:
-        raise ArgumentError(f"log_path / AMPFX_LOG_PATH={str(policy.log_path)!r}: cannot write the report there "
+        raise ArgumentError(f"log_path / AMPFX_LOG_PATH={str(policy.log.log_path)!r}: cannot write the report there "
                             f"({e.strerror or e}); give a writable directory") from e
 
 
@@ -259,7 +259,7 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
 def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
     """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`),
     unless the policy turns that off; the note saying which."""
-    if not policy.weight_cache:
+    if not policy.runtime.weight_cache:
         return ("weight cache: off: weights are cast at every forward, as autocast casts them (weight_cache=True or "
                 "AMPFX_WEIGHT_CACHE=1 keeps low copies between steps)",)
     count = numel = 0
@@ -278,10 +278,10 @@ def _policy_log(request: Request) -> dict[str, Any]:
     """The report's record of the policy: every field of what was asked (:class:`~ampfx.policy.Policy`; the list
     edits under ``edits``) and what it was resolved to in the model (:class:`~ampfx.request.Resolved`)."""
     policy = request.policy
-    edits = {f.name: list(getattr(policy, f.name)) for f in dataclasses.fields(policy)
+    edits = {f.name: list(getattr(policy, f.name)) for f in policy.option_fields()
              if f.name.endswith(("_add", "_remove")) and getattr(policy, f.name)}
     out: dict[str, Any] = {"dtype": dtype_name(policy.dtype), "edits": edits}
-    for f in dataclasses.fields(policy):
+    for f in policy.option_fields():
         if f.name != "dtype" and not f.name.endswith(("_add", "_remove")) and f.name != "user_ops":
             out[f.name] = _logged(f.name, getattr(policy, f.name))
     out["pad_multiple"] = policy.pad_multiple or 8

@@ -63,7 +63,7 @@ MODES = {"train": "float32 master weights", "inference": "weights stored in the 
 def options() -> list[str]:
     """The keyword options every converting entry point takes: the fields of :class:`~ampfx.policy.Policy`
     a user sets."""
-    return [f.name for f in dataclasses.fields(Policy) if f.name not in INTERNAL and f.name != "dtype"]
+    return [f.name for f in Policy.option_fields() if f.name not in INTERNAL and f.name != "dtype"]
 
 
 def check_options(caller: str, given: Mapping[str, Any]) -> None:
@@ -132,7 +132,7 @@ def build(model: nn.Module, asked: Asked, *, caller: str = "convert",
     policy = from_env(policy_of(caller, dtype, policy, given), environ, dtype_given=dtype_given)
     resolved = resolve(model, policy)
     _check_initialised(model)
-    if policy.disable:
+    if policy.log.disable:
         return Request(policy, None, resolved=resolved, mode=mode)
     if tracer == "export" and example_inputs is None:
         raise ArgumentError("tracer='export' runs the model on example_inputs: give example_inputs=(x,) (or a "
@@ -161,12 +161,12 @@ def resolve(model: nn.Module, policy: Policy) -> Resolved:
     matched = module_match.resolve(model, policy.fp32_modules)
     # another library's module (a DGL conv) is a leaf its integration runs: its forward runs already
     plugged = [n for n, m in named if n and libraries.library_of(m) is not None]
-    kept = tuple((p, why) for p, why in module_match.resolve(model, policy.keep_modules, "keep_modules")
+    kept = tuple((p, why) for p, why in module_match.resolve(model, policy.capture.keep_modules, "keep_modules")
                  if not any(p == lib or p.startswith(lib + ".") for lib in plugged))
     rejected = (module_match.filter_rejected(model, policy.module_filter_fn)
                 if policy.module_filter_fn is not None else None)
     leaves: list[str] = []
-    for leaf in policy.leaf_modules:
+    for leaf in policy.capture.leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
             raise PolicyError(f"leaf_modules / AMPFX_LEAF_MODULES names {leaf!r}, which is neither a module "
                               f"of {type(model).__name__} nor an importable module type."

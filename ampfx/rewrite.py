@@ -67,7 +67,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
     exported = guarding.exported(capture)  # before the analyses overwrite the placeholders' values
     before = gm.code
-    seen = Observer(prefix.rstrip("."), keep_code=request.policy.log_path is not None)
+    seen = Observer(prefix.rstrip("."), keep_code=request.policy.log.log_path is not None)
     analysis = analyse(gm, inputs, request, root=prefix == "", seen=seen)
     ctx = _context(work, capture, inputs, request, analysis, place)
     precision = find_sensitive(gm, ctx, request, seen) if prefix == "" else []
@@ -228,7 +228,7 @@ def device_of(model: nn.Module, inputs: ExampleInputs | None) -> str:
 
 
 def _export_notes(capture: Capture, policy: Policy) -> list[str]:
-    if capture.method == "export" and (policy.leaf_modules or any(not isinstance(o, str) for o, _ in policy.user_ops)):
+    if capture.method == "export" and (policy.capture.leaf_modules or any(not isinstance(o, str) for o, _ in policy.user_ops)):
         return ["torch.export traces through leaf_modules and the modules and functions named on a list: on this "
                 "exported graph their ops are decided one by one (tracer='fx' keeps them whole)"]
     return []

@@ -349,7 +349,7 @@ def _eager(job: _Job, calls: _Observed, request: Request) -> tuple[None, list[_J
                                  other_mode=job.other_mode))
 
     visit(job.module, "")
-    if request.policy.hand_low:
+    if request.policy.runtime.hand_low:
         jobs = _linked(job, jobs, calls)
     if any(j.hands_on for j in jobs):  # its Python sees float32 wherever it does more than move them
         handing.hand_on(job.module, request.policy.dtype)

@@ -223,7 +223,7 @@ def test_each_fields_variable_is_defined_once_on_the_field():
             f.metadata.get("example", samples[kind]) if kind == "word" else samples[kind]
         with_needs = dataclasses.replace(base, **f.metadata.get("needs", {}))
         got = from_env(with_needs, {var: value})
-        changed = [g.name for g in dataclasses.fields(Policy)
+        changed = [g.name for g in Policy.option_fields()
                    if g.name not in ("env",) and getattr(got, g.name) != getattr(with_needs, g.name)]
         assert changed == [f.name], (var, changed)
 
@@ -271,3 +271,37 @@ def test_every_variable_is_documented_and_every_field_set_by_one_saves_and_loads
         path = pathlib.Path(tempfile.mkdtemp()) / "p.json"
         loaded = Policy.from_file(policy.save(path))
         assert getattr(loaded, f.name) == getattr(policy, f.name) != getattr(Policy(), f.name), var
+
+
+def test_capture_runtime_and_log_options_are_records_of_their_own_given_and_read_by_name():
+    """Rule: the policy is a numerics core with a frozen record per other concern (ampfx.policy.options); each
+    option is still given to Policy(), replace() and convert() by its own name and read so; a record given whole
+    takes the options named beside it on top; the core holds no option of a record; every option of a record has
+    its environment variable."""
+    import pickle
+
+    from ampfx.policy import OPTION_FIELDS, RECORDS
+    from ampfx.policy.options import CaptureOptions, RuntimeOptions
+
+    p = Policy("fp16", weight_cache=True, keep_modules="none", log_path="/tmp/x", pad="never")
+    assert (p.runtime.weight_cache, p.capture.keep_modules, p.log.log_path, p.pad) == (True, (), "/tmp/x", "never")
+    assert (p.weight_cache, p.keep_modules, p.log_path) == (True, (), "/tmp/x")
+    q = dataclasses.replace(p, export_timeout=5, reconvert_limit=2)
+    assert (q.capture.export_timeout, q.capture.keep_modules, q.runtime.reconvert_limit, q.runtime.weight_cache) == \
+        (5, (), 2, True)
+    r = Policy(capture=CaptureOptions(export_timeout=1), keep_modules="none", runtime=RuntimeOptions(hand_low=True))
+    assert (r.capture.export_timeout, r.capture.keep_modules, r.runtime.hand_low) == (1, (), True)
+    assert pickle.loads(pickle.dumps(p)) == p and p != q
+    core = {f.name for f in dataclasses.fields(Policy)} - set(RECORDS)
+    for name, record in RECORDS.items():
+        mine = {f.name for f in dataclasses.fields(record)}
+        assert not mine & core and all("env" in f.metadata for f in dataclasses.fields(record)), name
+    assert len({f.name for f in OPTION_FIELDS}) == len(OPTION_FIELDS)
+    with pytest.raises(PolicyError, match="capture=.*give an ampfx.policy.options.CaptureOptions"):
+        Policy(capture={"keep_modules": ()})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weight_cach'"):
+        Policy(weight_cach=True)
+    with pytest.raises(PolicyError, match="reconvert_limit=-1"):
+        Policy(reconvert_limit=-1)
+    with pytest.raises(AttributeError, match="no attribute 'nothere'"):
+        p.nothere  # noqa: B018

@@ -96,7 +96,7 @@ def capture(module: nn.Module, policy: Policy, inputs: ExampleInputs | None, tra
                                              "training mode would drop what modules of the class of "
                                              f"{_few(frozenset(p or '<this module>' for p in drops))} do"])
     try:
-        exported = export.capture(module, inputs, policy.export_timeout, sizes, drops)
+        exported = export.capture(module, inputs, policy.capture.export_timeout, sizes, drops)
     except export.ExportFailed as e:
         return _with_leaves(fx_capture, run, [*steps, *e.steps])
     past = export.changes_past_sizes(module, inputs, exported)

@@ -71,7 +71,7 @@ class AmpTracer(fx.Tracer):
         super().__init__(autowrap_functions=functions)
         self.policy = policy
         self.user_functions = functions
-        self.leaf_paths = set(leaf_paths) | {m for m in policy.leaf_modules if isinstance(m, str)} | set(kept) | named
+        self.leaf_paths = set(leaf_paths) | {m for m in policy.capture.leaf_modules if isinstance(m, str)} | set(kept) | named
         self.failed_path: str | None = None
         self.into_wrapped = into_wrapped
         self.whole = whole  # torch.fx.wrap-ped functions (qualified names) kept whole even with into_wrapped

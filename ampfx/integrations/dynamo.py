@@ -91,7 +91,7 @@ class Backend:
         resolved = from_env(policy_of("backend", dtype, policy, options), self.environ,
                             dtype_given=dtype is not None or policy is not None)
         _check_no_modules(resolved)
-        self.dtype, self.log_path = resolved.dtype, resolved.log_path
+        self.dtype, self.log_path = resolved.dtype, resolved.log.log_path
         # each graph's conversion saves nothing: the backend saves every graph's report in one, after each graph
         self.environ.pop("AMPFX_LOG_PATH", None)
         options = {k: v for k, v in options.items() if k != "log_path"}

@@ -36,6 +36,7 @@ the precedence chain).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -45,52 +46,13 @@ import torch
 
 from .. import ops
 from ..ops import custom_ops
-from . import fp8, policy_file
+from . import fp8, module_match, policy_file
+from .options import RECORDS, CaptureOptions, LogOptions, RuntimeOptions
+from .options import env as _env
 from ..errors import PolicyError
 from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, glob_regex, import_object, is_glob, parse_dtype, resolve_op
 from ..ops import LISTS, Category
 from ..report.records import Rule
-
-def _module_entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
-    """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see :mod:`ampfx.policy.module_match`);
-    a bad entry is a :class:`PolicyError`.
-
-    >>> _module_entries("head"), _module_entries((torch.nn.LayerNorm, " enc.* "))
-    (('head',), (<class 'torch.nn.modules.normalization.LayerNorm'>, 'enc.*'))
-    >>> _module_entries("none", "keep_modules")
-    ()
-    """
-    entries = (value,) if isinstance(value, (str, type)) or callable(value) else value
-    if name == "keep_modules" and isinstance(entries, Iterable) and not isinstance(entries, (str, bytes)) and \
-            [e.strip().lower() for e in entries if isinstance(e, str)] == ["none"] and len(tuple(entries)) == 1:
-        return ()  # keep_modules="none", as AMPFX_KEEP_MODULES=none: no module kept
-    if not isinstance(entries, Iterable):
-        raise PolicyError(f"{name}={value!r}: give module names, globs, module classes or predicates, e.g. "
-                          "('head', 'encoder.layers.*.attn', nn.LayerNorm)")
-    out = []
-    for entry in entries:
-        if isinstance(entry, str):
-            if not entry.strip():
-                raise PolicyError(f"{name}={value!r}: an empty name names the whole model; name submodules "
-                                  "(e.g. 'head')" + ("" if name == "keep_modules" else ", or do not convert the model"))
-            out.append(entry.strip())
-            if is_glob(entry):
-                glob_regex(entry, name)  # a glob that is no pattern is an error now, not when it is resolved
-        elif isinstance(entry, type):
-            if not issubclass(entry, torch.nn.Module):
-                raise PolicyError(f"{name}: {entry.__name__} is a class but not an nn.Module; give module "
-                                  "classes (nn.LayerNorm), names, globs or predicates")
-            out.append(entry)
-        elif isinstance(entry, torch.nn.Module):  # callable, but not a predicate
-            raise PolicyError(f"{name}: a module object ({type(entry).__name__}) is not an entry; give its name "
-                              f"in the model (as model.named_modules() lists it, e.g. 'head'), a glob, or its class")
-        elif callable(entry):
-            out.append(entry)
-        else:
-            raise PolicyError(f"{name}: {entry!r} is neither a module name, a glob, a module class nor a "
-                              "predicate (module, fqn) -> bool")
-    return tuple(out)
-
 
 def _tuned_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """``tuned`` as ``((key, reason), ...)``: a mapping or pairs; a key is a node's
@@ -122,18 +84,7 @@ more than this (relative, on the batches) stays in the low dtype. Current scalin
 about 0.03-0.05 on ordinary activations (e4m3 keeps 3 mantissa bits); outliers that push most of a tensor's
 values into FP8's subnormals or to zero go past 0.1 (docs/fp8.md)."""
 
-EXPORT_TIMEOUT = 60.0
-"""Seconds ``torch.export`` may take on one module (``Policy.export_timeout``). Most models export in
-0.2-10 s; a few spend minutes in export's symbolic size analysis, and a capture that slow takes the
-next rung instead (the report's capture steps say so)."""
-
-RECONVERT_LIMIT = 8
-"""How many conversions made again at call time one converted graph keeps (``Policy.reconvert_limit``):
-torch.compile's recompile limit is 8 too. A value that changes at every call (a counter a graph reads)
-reaches it fast, and the error names it."""
-
-_BOOLS = ("keep_output_dtype", "probe", "disable", "float32_stream", "float32_operands", "exact_values", "weight_cache",
-          "hand_low")
+_BOOLS = ("keep_output_dtype", "probe", "float32_stream", "float32_operands", "exact_values")
 
 
 def _check_fields(p: "Policy") -> None:
@@ -156,25 +107,11 @@ def _check_fields(p: "Policy") -> None:
     if error is not None and (isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error < math.inf):
         raise PolicyError(f"fp8_error_threshold={error!r}: use a relative error >= 0 (default {FP8_ERROR_THRESHOLD:g}), "
                           "or 0 / None for no FP8 check in calibration")
-    timeout = p.export_timeout
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout < math.inf):
-        raise PolicyError(f"export_timeout={timeout!r}: use seconds >= 0 (default {EXPORT_TIMEOUT:g}), or 0 / None "
-                          "for no limit")
-    limit = p.reconvert_limit
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise PolicyError(f"reconvert_limit={limit!r}: use an integer >= 0 (default {RECONVERT_LIMIT}; 0 raises at "
-                          "the first change instead of converting again)")
     margin = p.calibration_margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
     if p.module_filter_fn is not None and not callable(p.module_filter_fn):
         raise PolicyError(f"module_filter_fn={p.module_filter_fn!r}: give a function (module, fqn) -> bool, or None")
-    if p.log_path is not None and not isinstance(p.log_path, (str, os.PathLike)):
-        raise PolicyError(f"log_path={p.log_path!r}: give a directory path (str or pathlib.Path), or None")
-    for leaf in p.leaf_modules:
-        if not isinstance(leaf, (str, type)):
-            raise PolicyError(f"leaf_modules: {leaf!r} is neither a module name nor a module type")
 
 
 def _set_fp8(p: "Policy") -> None:
@@ -188,7 +125,7 @@ def _set_fp8(p: "Policy") -> None:
         object.__setattr__(p, "fp8_roofline", "none" if roofline is None else
                            roofline.name if roofline in fp8.ROOFLINES.values() else roofline)
     for name in ("fp8_modules", "fp8_skip_modules"):
-        object.__setattr__(p, name, _module_entries(getattr(p, name), name))
+        object.__setattr__(p, name, module_match.entries(getattr(p, name), name))
     if p.fp8_modules and p.fp8_skip_modules:
         both = [e for e in p.fp8_modules if e in p.fp8_skip_modules]
         if both:
@@ -215,22 +152,23 @@ def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
                       "leave the FP8 options out")
 
 
-def _env(var: str, kind: str, help: str, **more: Any) -> dict[str, Any]:
-    """A Policy field's environment variable: its name, how its value is read (:data:`ENV_KINDS`) and its help
-    text (``ampfx lists`` and docs/policy.md show it). The one place an option's variable is defined. ``more``:
-    ``example``, a value the variable takes; ``needs``, the other fields (with a value) without which setting this
-    one is an error."""
-    return {"env": var, "kind": kind, "help": help, **more}
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Policy:
-    """How to convert: the low dtype, list edits, modules kept float32.
+    """How to convert: the low dtype, list edits, modules kept float32 (the numerics core), and beside it the
+    capture, runtime and log options as records of their own (:mod:`ampfx.policy.options`).
 
     List edits take op names, torch callables or module types; strings are
     resolved through :func:`resolve_op` and stored as canonical names.
     ``module_filter_fn(module, fqn) -> bool`` is the one escape hatch: return
     ``False`` to keep a module (and everything traced inside it) float32.
+
+    Every option is given by its own name, a record's too, and read so:
+
+    >>> p = Policy("bf16", weight_cache=True, keep_modules="none")
+    >>> p.runtime.weight_cache, p.weight_cache, p.capture.keep_modules
+    (True, True, ())
+    >>> dataclasses.replace(p, export_timeout=5).capture
+    CaptureOptions(leaf_modules=(), keep_modules=(), export_timeout=5)
     """
 
     dtype: torch.dtype | str = torch.bfloat16
@@ -246,15 +184,6 @@ class Policy:
     fp32_modules: tuple = field(default=(), metadata=_env(
         "AMPFX_FP32_MODULES", "append", "comma-separated modules kept float32: names (head), globs (encoder.layers.*.attn) "
         "or module classes (LayerNorm, mypkg.blocks.Attn)"))
-    leaf_modules: tuple = field(default=(), metadata=_env(
-        "AMPFX_LEAF_MODULES", "append_leaves", "comma-separated module names or module types traced as opaque leaves"))
-    #: modules kept as real module boundaries, each converted on its own (its forward runs: hooks, FSDP2's
-    #: fully_shard, checkpoint wrappers and torch.compile see it): "auto" (repeated blocks, modules carrying hooks
-    #: or wrappers: ampfx.policy.module_match.auto_kept), names, globs, classes, predicates; () keeps none
-    keep_modules: tuple = field(default=("auto",), metadata=_env(
-        "AMPFX_KEEP_MODULES", "keep", "comma-separated modules kept as module boundaries, each converted on its own "
-        "(replaces the default 'auto': repeated blocks and modules carrying hooks or wrappers); names, globs, classes, "
-        "'auto'; 'none' keeps none"))
     keep_output_dtype: bool = True
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
     reduction_threshold: int = field(default=65536, metadata=_env(
@@ -273,31 +202,6 @@ class Policy:
         f"the output or a gradient by more than this relative error (default {SENSITIVITY_THRESHOLD:g}; 0 or off: no "
         "precision check)", example="0.05"))
     probe: bool = True
-    #: seconds torch.export may take to capture one module (its tries together) before the capture takes
-    #: the next rung (a torch.fx graph with leaves, or the module's own Python with its children converted);
-    #: None or 0: no limit
-    export_timeout: float | None = field(default=EXPORT_TIMEOUT, metadata=_env(
-        "AMPFX_EXPORT_TIMEOUT", "number_or_off", "seconds torch.export may take on one module before the capture "
-        f"takes the next rung (default {EXPORT_TIMEOUT:g}; off: no limit)", example="60"))
-    #: after conversion, how many times a converted graph is converted again at a call because a value it
-    #: fixed while tracing changed (an attribute, a module's mode, a global, hooks; ampfx.runtime.fixed): each time
-    #: costs a conversion; past it the call raises StaleModelError naming the value. 0: raise at once
-    reconvert_limit: int = field(default=RECONVERT_LIMIT, metadata=_env(
-        "AMPFX_RECONVERT_LIMIT", "int", "how many times a converted graph is converted again at a call when a value "
-        f"it fixed changed (default {RECONVERT_LIMIT}; 0: raise StaleModelError at the first change)"))
-    #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
-    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held between
-    #: steps). Off by default: it pays only with gradient accumulation or recompute over large weights
-    weight_cache: bool = field(default=False, metadata=_env(
-        "AMPFX_WEIGHT_CACHE", "bool", "1 to keep low copies of the weights in training mode, made again only when a "
-        "weight changes, instead of casting them at every forward (default 0; pays with gradient accumulation over "
-        "large weights)"))
-    #: children of a module that keeps its Python (its control flow could not be captured) hand each other low
-    #: values through its Python where it only moves them (ampfx.runtime.handing). Off by default: its per-op
-    #: interception of the parent's Python costs more step time than the casts it saves (docs/benchmarks.md)
-    hand_low: bool = field(default=False, metadata=_env(
-        "AMPFX_HAND_LOW", "bool", "1 to let converted children of a module that keeps its Python hand each other "
-        "low values through it (fewer casts, but every op of that Python is intercepted; default 0)"))
     #: FP8 GEMMs on top of the low-precision plan (ampfx.passes.fp8): a recipe's name ("tensorwise", "rowwise",
     #: "rowwise_with_gw_hp"), an ampfx.policy.fp8.Recipe, or None (no FP8)
     fp8: Any = field(default=None, metadata=_env(
@@ -335,17 +239,56 @@ class Policy:
         "(rule fidelity:exact; default 1)"))
     #: nodes ampfx.tools.tune keeps float32: (node key, reason) pairs (Decision.key: "module:node"; rule "tune")
     tuned: tuple[tuple[str, str], ...] = ()
-    log_path: str | None = field(default=None, metadata=_env(
-        "AMPFX_LOG_PATH", "path", "directory where the report is saved at convert()"))
-    disable: bool = field(default=False, metadata=_env(
-        "AMPFX_DISABLE", "bool", "1 to return an unconverted copy (the report says so)"))
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = field(default=None, compare=False)
+    #: how the model becomes graphs, what the converted module does at call time, the report's place
+    #: (ampfx.policy.options: each option also given and read by its own name)
+    capture: CaptureOptions = field(default_factory=CaptureOptions, metadata={"record": True})
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions, metadata={"record": True})
+    log: LogOptions = field(default_factory=LogOptions, metadata={"record": True})
     #: where each list entry came from: ((field, op name), rule) pairs; Rule.ARGUMENT unless an env var
     origins: tuple[tuple[tuple[str, str], Rule], ...] = field(default=(), metadata={"internal": True})
     #: the AMPFX_* environment values that were read, for the log
     env: tuple[tuple[str, str], ...] = field(default=(), metadata={"internal": True})
     #: user functions / module types named in lists: (object, qualified name)
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False, metadata={"internal": True})
+
+    def __init__(self, dtype: torch.dtype | str = torch.bfloat16, **options: Any) -> None:
+        set_ = object.__setattr__
+        for name, record in RECORDS.items():  # a record given whole, then its options given by name on top
+            base = options.pop(name, None)
+            if base is None:
+                base = record()
+            elif not isinstance(base, record):
+                raise PolicyError(f"{name}={base!r}: give an ampfx.policy.options.{record.__name__}, or its options by "
+                                  f"name ({', '.join(f.name for f in dataclasses.fields(record))})")
+            mine = {k: options.pop(k) for k in [k for k in options if OWNER.get(k) == name]}
+            set_(self, name, dataclasses.replace(base, **mine) if mine else base)
+        for f in dataclasses.fields(self):
+            if f.name in RECORDS:
+                continue
+            if f.name in options:
+                set_(self, f.name, options.pop(f.name))
+            elif f.name == "dtype":
+                set_(self, "dtype", dtype)
+            else:
+                set_(self, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        if options:
+            name = next(iter(options))
+            raise TypeError(f"Policy() got an unexpected keyword argument {name!r}")
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        """An option of a record read by its own name (``policy.weight_cache`` is ``policy.runtime.weight_cache``)."""
+        owner = OWNER.get(name)
+        if owner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, owner), name)
+
+    @classmethod
+    def option_fields(cls) -> tuple[dataclasses.Field, ...]:
+        """Every option a policy holds, flat: the numerics core's fields, then each record's (:data:`RECORDS`), as
+        environment variables, policy files, ``ampfx lists`` and the report walk them."""
+        return OPTION_FIELDS
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -365,13 +308,9 @@ class Policy:
                     if name not in names:
                         names.append(name)
                 set_(self, fname, tuple(names))
-        set_(self, "fp32_modules", _module_entries(self.fp32_modules))
-        set_(self, "keep_modules", _module_entries(self.keep_modules, "keep_modules"))
+        set_(self, "fp32_modules", module_match.entries(self.fp32_modules))
         set_(self, "tuned", _tuned_pairs(self.tuned))
         _set_fp8(self)
-        if isinstance(self.leaf_modules, (str, type)):
-            set_(self, "leaf_modules", (self.leaf_modules,))
-        set_(self, "leaf_modules", tuple(self.leaf_modules))
         _check_fields(self)
         set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))
         self.lists()  # validates: no op on two lists, removals name listed ops
@@ -427,14 +366,12 @@ class Policy:
 
     def category_of(self, name: str) -> tuple[Category, Rule, str] | None:
         """``(category, source, reason)`` for a canonical op name, or ``None`` if unlisted."""
-        return self._lists_cached().get(name)
+        return self._effective.get(name)
 
-    def _lists_cached(self) -> dict[str, tuple[Category, Rule, str]]:
-        cache = self.__dict__.get("_lists")
-        if cache is None:
-            cache = self.lists()
-            object.__setattr__(self, "_lists", cache)
-        return cache
+    @functools.cached_property
+    def _effective(self) -> dict[str, tuple[Category, Rule, str]]:
+        """:meth:`lists`, made once (a policy is frozen)."""
+        return self.lists()
 
     def op_name(self, key: Any) -> str | None:
         """The name a node's target has under this policy (user ops included)."""
@@ -474,7 +411,7 @@ class Policy:
         names that overload, else ``"ns::op"``. A call of the op without overload (``torch.ops.ns.op(x)``
         under ``torch.fx``) runs an overload only torch's dispatch picks: when the lists give some
         overload another list than the op's, which one is unknown, and that is an error."""
-        listed = self._lists_cached()
+        listed = self._effective
         if ref.overload is not None:
             return ref.name if ref.name in listed else ref.packet
         overloads = ref.overloads()
@@ -497,7 +434,7 @@ class Policy:
         for obj, _ in self.user_ops:
             if isinstance(obj, type) and issubclass(module_type, obj):
                 return True
-        return any(isinstance(t, type) and issubclass(module_type, t) for t in self.leaf_modules)
+        return any(isinstance(t, type) and issubclass(module_type, t) for t in self.capture.leaf_modules)
 
 
 @dataclass(frozen=True)
@@ -537,13 +474,21 @@ class Resolved:
 
 
 
+OWNER: dict[str, str] = {f.name: name for name, record in RECORDS.items() for f in dataclasses.fields(record)}
+"""The record (:data:`RECORDS`' key) each of the records' options sits in, by the option's name."""
+OPTION_FIELDS: tuple[dataclasses.Field, ...] = (
+    *(f for f in dataclasses.fields(Policy) if f.name not in RECORDS),
+    *(f for record in RECORDS.values() for f in dataclasses.fields(record)))
+"""Every option of a :class:`Policy`, flat (:meth:`Policy.option_fields`)."""
+
+
 # ---------------------------------------------------------------------- environment
 _LIST_VARS = {f"{ENV_PREFIX}{LIST_NAMES[c].upper()}_{a.upper()}": f"{LIST_NAMES[c]}_{a}"
               for c in LISTS for a in ("add", "remove")}
-INTERNAL: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy) if f.metadata.get("internal"))
+INTERNAL: tuple[str, ...] = tuple(f.name for f in OPTION_FIELDS if f.metadata.get("internal"))
 """Policy fields ampfx fills itself (where list entries came from, the environment read, user objects named):
 never an option, never saved in a policy file."""
-ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in dataclasses.fields(Policy) if "env" in f.metadata}
+ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in OPTION_FIELDS if "env" in f.metadata}
 """Each Policy field's environment variable (the field's metadata: :func:`_env`), by variable name."""
 
 ENV_VARS: dict[str, str] = {

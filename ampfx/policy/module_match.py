@@ -268,3 +268,44 @@ def _nn_classes() -> list[str]:
 
 def _close(word: str, options: list[str]) -> str:
     return did_you_mean(word, options, cutoff=0.5)
+
+
+def entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:
+    """``fp32_modules`` (or ``keep_modules``: ``name``) as a tuple of entries (see this module);
+    a bad entry is a :class:`PolicyError`.
+
+    >>> entries("head"), entries((nn.LayerNorm, " enc.* "))
+    (('head',), (<class 'torch.nn.modules.normalization.LayerNorm'>, 'enc.*'))
+    >>> entries("none", "keep_modules")
+    ()
+    """
+    entries = (value,) if isinstance(value, (str, type)) or callable(value) else value
+    if name == "keep_modules" and isinstance(entries, Iterable) and not isinstance(entries, (str, bytes)) and \
+            [e.strip().lower() for e in entries if isinstance(e, str)] == ["none"] and len(tuple(entries)) == 1:
+        return ()  # keep_modules="none", as AMPFX_KEEP_MODULES=none: no module kept
+    if not isinstance(entries, Iterable):
+        raise PolicyError(f"{name}={value!r}: give module names, globs, module classes or predicates, e.g. "
+                          "('head', 'encoder.layers.*.attn', nn.LayerNorm)")
+    out = []
+    for entry in entries:
+        if isinstance(entry, str):
+            if not entry.strip():
+                raise PolicyError(f"{name}={value!r}: an empty name names the whole model; name submodules "
+                                  "(e.g. 'head')" + ("" if name == "keep_modules" else ", or do not convert the model"))
+            out.append(entry.strip())
+            if is_glob(entry):
+                glob_regex(entry, name)  # a glob that is no pattern is an error now, not when it is resolved
+        elif isinstance(entry, type):
+            if not issubclass(entry, nn.Module):
+                raise PolicyError(f"{name}: {entry.__name__} is a class but not an nn.Module; give module "
+                                  "classes (nn.LayerNorm), names, globs or predicates")
+            out.append(entry)
+        elif isinstance(entry, nn.Module):  # callable, but not a predicate
+            raise PolicyError(f"{name}: a module object ({type(entry).__name__}) is not an entry; give its name "
+                              f"in the model (as model.named_modules() lists it, e.g. 'head'), a glob, or its class")
+        elif callable(entry):
+            out.append(entry)
+        else:
+            raise PolicyError(f"{name}: {entry!r} is neither a module name, a glob, a module class nor a "
+                              "predicate (module, fqn) -> bool")
+    return tuple(out)

@@ -47,11 +47,11 @@ ADDITIVE = (*LIST_FIELDS, "fp32_modules", "leaf_modules", "tuned")
 """Fields whose entries a file adds to the call's, rather than replacing them."""
 def _not_saved(cls: type[Policy]) -> tuple[str, ...]:
     """Bookkeeping fields (``internal`` in their metadata: ampfx fills them), rebuilt when the file is read."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("internal"))
+    return tuple(f.name for f in cls.option_fields() if f.metadata.get("internal"))
 
 
 def _defaults(cls: type[Policy]) -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {f.name: f.default for f in cls.option_fields() if f.default is not dataclasses.MISSING}
 
 
 def _portable(value: Any, where: str) -> Any:
@@ -97,7 +97,7 @@ def as_json(policy: Policy) -> dict[str, Any]:
         _portable(policy.module_filter_fn, "module_filter_fn")
     defaults = _defaults(type(policy))
     out: dict[str, Any] = {"format": FORMAT, "dtype": dtype_name(policy.dtype)}
-    for f in dataclasses.fields(policy):
+    for f in policy.option_fields():
         value = getattr(policy, f.name)
         if f.name in ("dtype", "module_filter_fn", *_not_saved(type(policy))) or value == defaults.get(f.name):
             continue
@@ -137,7 +137,7 @@ def _fields(data: Any, path: str | os.PathLike, where: str, cls: type[Policy]) -
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise PolicyError(f"{where}: {str(path)!r} is not an ampfx policy file (format {found!r}, expected "
                           f"{FORMAT!r}); write one with Policy.save(path)")
-    known = [f.name for f in dataclasses.fields(cls) if f.name not in (*_not_saved(cls), "module_filter_fn")]
+    known = [f.name for f in cls.option_fields() if f.name not in (*_not_saved(cls), "module_filter_fn")]
     for key in data:
         if key != "format" and key not in known:
             raise PolicyError(f"{where}: {str(path)!r} sets {key!r}, which is not a Policy field."
