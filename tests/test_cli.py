@@ -41,6 +41,24 @@ def test_lists_show_entries_with_sources_and_env_overrides(capsys, monkeypatch):
     assert "gelu" in deny and "[env:AMPFX_DENYLIST_ADD]" in deny and "softmax" in deny
 
 
+def test_lists_show_every_option_with_its_variable_from_the_fields_metadata(capsys, monkeypatch):
+    """Every option a user sets (the numerics core's and each record's, walked from the fields: none listed by
+    hand) has its line in `ampfx lists`, with its value and the variable that sets it."""
+    from ampfx.policy import INTERNAL, Policy
+
+    monkeypatch.setenv("AMPFX_WEIGHT_CACHE", "1")
+    assert main(["lists"]) == 0
+    out = capsys.readouterr().out
+    shown = {line.split()[0]: line.split()[1:] for line in out[out.index("options"):].splitlines()[1:]
+             if line.startswith("  ")}
+    for f in Policy.option_fields():
+        if f.name in INTERNAL or f.name.endswith(("_add", "_remove")):
+            continue
+        assert f.name in shown, f.name
+        assert shown[f.name][-1] == f.metadata.get("env", "-"), f.name
+    assert shown["weight_cache"][0] == "True" and shown["keep_modules"][0] == "('auto',)"
+
+
 def test_explain_prints_the_table_and_json(capsys, tmp_path):
     assert main(["explain", "tests/support/models.py:MLP", "--input", "4,12", "--dtype", "fp16",
                  "--out", str(tmp_path), "--html", str(tmp_path / "mlp.html")]) == 0

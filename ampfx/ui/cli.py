@@ -197,6 +197,16 @@ def cmd_lists(args: argparse.Namespace) -> int:
         for name, (c, source, reason) in sorted(lists.items()):
             if c is cat:
                 print(f"  {name:<34} [{source}] {reason}")
+    print("options (each with the variable that sets it; - : in code or a policy file only):")
+    for f in policy.option_fields():  # every option, from the fields' metadata
+        if f.metadata.get("internal") or f.name.endswith(("_add", "_remove")):
+            continue
+        value = getattr(policy, f.name)
+        if callable(value):  # a predicate
+            value = getattr(value, "__qualname__", type(value).__name__)
+        elif hasattr(value, "spec"):  # an FP8 recipe of one's own
+            value = value.name
+        print(f"  {f.name:<34} {str(value):<24} {f.metadata.get('env', '-')}")
     if policy.env:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in policy.env))
     return 0
