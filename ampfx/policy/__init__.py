@@ -50,7 +50,7 @@ from . import fp8, module_match, policy_file
 from .options import RECORDS, CaptureOptions, LogOptions, RuntimeOptions
 from .options import env as _env
 from ..errors import PolicyError
-from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, glob_regex, import_object, is_glob, parse_dtype, resolve_op
+from .names import ENV_PREFIX, LIST_NAMES, did_you_mean, import_object, parse_dtype, resolve_op
 from ..ops import LISTS, Category
 from ..report.records import Rule
 
