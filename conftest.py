@@ -23,3 +23,17 @@ def _no_ampfx_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("AMPFX_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _every_gemm_low():
+    """The tests' models are tiny: on a CPU every GEMM of theirs is under the device's break-even
+    (``ampfx.ops.gemm_cost``) and would stay float32, so the table is empty while they run (every GEMM low, on
+    every device; before any fixture of a wider scope converts); the tests of that rule set it or
+    ``gemm_min_flops``. Processes the tests start clear it too (tests/distributed/harness.py)."""
+    from ampfx.ops import gemm_cost
+
+    saved = dict(gemm_cost.BREAK_EVEN)
+    gemm_cost.BREAK_EVEN.clear()
+    yield
+    gemm_cost.BREAK_EVEN.update(saved)

@@ -3,7 +3,8 @@
 Counted by ``ampfx.count_casts`` (dtype-changing ``aten._to_copy``, forward + backward), with the loss
 inside the autocast region as PyTorch's recipe writes it, as ``tests/test_convert.py`` counts them. Prints
 the Markdown table of docs/benchmarks.md; ``tests/test_docs.py`` runs this script and checks that the page
-holds its output.
+holds its output. Every GEMM is low (``gemm_min_flops=0``): these models are tiny, and on a CPU ampfx would
+keep each of their GEMMs float32 by default (under the device's break-even) and cast nothing.
 
     python benchmarks/casts.py
 """
@@ -29,7 +30,7 @@ ROWS = [  # (tests/support/models.py name, label, dtype)
 def counts(name: str, dtype: torch.dtype) -> tuple[int, int]:
     """(ampfx, autocast) casts in one training step of ``build(name)``."""
     model, inputs, loss = build(name)
-    amp = ampfx.convert(model, dtype, example_inputs=inputs)
+    amp = ampfx.convert(model, dtype, example_inputs=inputs, gemm_min_flops=0)
 
     def ours():
         loss(amp(*inputs)).backward()

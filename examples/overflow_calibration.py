@@ -4,6 +4,9 @@ Plain conversion and torch.autocast both produce inf; ampfx.tools.debug names th
 conversion with a few calibration batches keeps that layer float32 and gives
 loss-scale advice, and the float16 forward/backward is finite and close to FP32.
 
+The models are tiny: each conversion passes ``gemm_min_flops=0``, which lowers every GEMM (on a CPU ampfx
+would keep GEMMs this small float32, where bfloat16 is slower: docs/concepts.md#small-gemms).
+
     python examples/overflow_calibration.py
 """
 from __future__ import annotations
@@ -38,10 +41,11 @@ def main() -> dict:
     model, batches = Hot(), [torch.randn(32, 16) for _ in range(4)]
     x = batches[0]
     ref = model(x)
-    plain = ampfx.convert(model, torch.float16, example_inputs=(x,))
+    plain = ampfx.convert(model, torch.float16, example_inputs=(x,), gemm_min_flops=0)
     with torch.autocast("cpu", torch.float16):
         auto = model(x)
-    calibrated = ampfx.convert(model, torch.float16, calibrate=batches[1:], calibrate_loss=loss_fn)
+    calibrated = ampfx.convert(model, torch.float16, calibrate=batches[1:], calibrate_loss=loss_fn,
+                               gemm_min_flops=0)
     out = calibrated(x)
     loss_fn(out).backward()
     results = {

@@ -1,5 +1,8 @@
 """Train two small models on scikit-learn's digits three ways: FP32, ampfx bf16, ampfx fp16.
 
+The models are tiny: each conversion passes ``gemm_min_flops=0``, which lowers every GEMM (on a CPU ampfx
+would keep GEMMs this small float32, where bfloat16 is slower: docs/concepts.md#small-gemms).
+
 What it shows:
 
 * ``ampfx.convert(model, dtype, example_inputs=(xb,))`` returns a
@@ -158,7 +161,7 @@ def cast_counts(init: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> dict[str
     (a step updates BatchNorm statistics and gradients)."""
     counts = {"fp32": {"ampfx": step_casts(copy.deepcopy(init), xb, yb), "autocast": None}}
     for name, dtype in DTYPES.items():
-        amp = ampfx.convert(copy.deepcopy(init), dtype, example_inputs=(xb,))
+        amp = ampfx.convert(copy.deepcopy(init), dtype, example_inputs=(xb,), gemm_min_flops=0)
         counts[name] = {"ampfx": step_casts(amp, xb, yb),
                         "autocast": step_casts(copy.deepcopy(init), xb, yb, autocast=dtype)}
     return counts
@@ -173,7 +176,7 @@ def run_mode(init: nn.Module, mode: str, data, epochs: int) -> dict:
     if mode == "fp32":
         net, scaler, summary = model, None, None
     else:
-        net = ampfx.convert(model, DTYPES[mode], example_inputs=(x_train[:BATCH],))
+        net = ampfx.convert(model, DTYPES[mode], example_inputs=(x_train[:BATCH],), gemm_min_flops=0)
         scaler = torch.amp.GradScaler("cpu") if mode == "fp16" else None
         summary = net.ampfx_report.summary()
     loss = train(net, model.parameters(), (x_train, y_train), epochs, scaler)

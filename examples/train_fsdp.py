@@ -4,6 +4,9 @@ The recipe (docs/scale.md): build -> ampfx.convert -> checkpoint each block -> f
 then the root -> optimizer. ampfx keeps the repeated blocks as real modules (``amp.blocks[i]``), so
 the wrappers see them. The same steps run in one process too, and the two loss curves must agree.
 
+The models are tiny: each conversion passes ``gemm_min_flops=0``, which lowers every GEMM (on a CPU ampfx
+would keep GEMMs this small float32, where bfloat16 is slower: docs/concepts.md#small-gemms).
+
     torchrun --nproc-per-node 2 examples/train_fsdp.py     # torchrun starts the ranks
     python examples/train_fsdp.py [--steps 5] [--gather low|mp|float32]   # spawns 2 ranks itself (gloo, CPU)
 
@@ -75,7 +78,7 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def converted() -> nn.Module:
     torch.manual_seed(0)
-    return ampfx.convert(GPT(), "bf16", example_inputs=(batches(1)[0][0][:2],))
+    return ampfx.convert(GPT(), "bf16", example_inputs=(batches(1)[0][0][:2],), gemm_min_flops=0)
 
 
 def train(model: nn.Module, data: list, part: slice) -> list[float]:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, fp8, gemms, pad, paint, reductions,
-               sensitivity, shapes, transforms, tuned, unpack, writes)
+from . import (autocast, boundary, calibrate, casts, classify, dtype_reads, fp8, gemm_cost, gemms, pad, paint,
+               reductions, sensitivity, shapes, transforms, tuned, unpack, writes)
 from .context import PassContext
 
 ANALYSES: list[tuple[str, Callable[..., Any]]] = [
@@ -34,6 +34,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     dtype_reads.fold_dtype_reads,  # x.dtype read by the model's code: the model's dtype, a constant (needs shapes)
     classify.classify,  # category per node from the tables, policy, module names, probes
     reductions.decide_reductions,  # reductions by size: small ones follow their inputs, large ones float32
+    gemm_cost.keep_small_gemms,  # GEMMs below the device's break-even for the low dtype: float32 (needs shapes)
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
     tuned.keep_tuned,  # nodes ampfx.tools.tune kept float32 (Policy.tuned): float32 (no-op without them)
     paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups

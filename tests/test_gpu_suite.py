@@ -1,4 +1,5 @@
 """benchmarks/gpu.py starts and prints its tables on tiny sizes (the CPU smoke mode CI runs; no GPU needed)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    # tiny sizes: every GEMM low, as on a GPU (on a CPU each would be under the break-even and stay float32)
+    env = {**os.environ, "AMPFX_GEMM_MIN_FLOPS": "0"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_smoke_mode_prints_every_run_of_every_model_and_the_gemm_table():

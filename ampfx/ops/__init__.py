@@ -79,7 +79,11 @@ class OpEntry:
     ``result`` says what a ``PASS`` op returns (:class:`Result`; ``None``:
     unknown until run). ``gemm`` is the operand layout
     the padding pass needs: ``"linear"`` (x[..., K], weight[N, K], bias[N]),
-    ``"matmul"`` (a[..., M, K], b[..., K, N]) or ``"addmm"`` (c, a, b).
+    ``"matmul"`` (a[..., M, K], b[..., K, N]) or ``"addmm"`` (c, a, b). ``flops``: how
+    :mod:`ampfx.passes.gemm_cost` counts the forward's operations of an op with no ``gemm`` layout:
+    ``"conv"`` (weight[C_out, C_in / groups, *kernel]), ``"conv_transpose"``, ``"convolution"`` (ATen's, with
+    its ``transposed`` flag), ``"attention"`` (query, key, value), ``"attention_module"``
+    (``nn.MultiheadAttention``) or ``"rnn"`` (a recurrent module: each weight matrix once per step and batch row).
     ``promotes``: the kernel takes mixed float dtypes and computes in the
     widest (PyTorch's type promotion, an exact upcast), so a float32 op needs
     no cast of a low input when another input is a float32 tensor with at
@@ -135,6 +139,7 @@ class OpEntry:
     result: Result | None = None
     probe: str | None = None
     gemm: str | None = None
+    flops: str | None = None
     promotes: bool = False
     view: bool = False
     select: bool = False
@@ -231,25 +236,26 @@ _op("einsum", A, _GEMM + " (einsum contracts like a batched matmul)", fns=[torch
 _CONV = "convolution: tensor-core friendly, low-precision inputs with float32 accumulation"
 for _d in (1, 2, 3):
     _op(f"conv{_d}d", A, _CONV, fns=_torch_fns(f"conv{_d}d"), modules=_mods(f"Conv{_d}d", f"LazyConv{_d}d"), aten=[f"conv{_d}d"],
-        probe="conv")
+        probe="conv", flops="conv")
     _op(f"conv_transpose{_d}d", A, _CONV, fns=_torch_fns(f"conv_transpose{_d}d"),
         modules=_mods(f"ConvTranspose{_d}d", f"LazyConvTranspose{_d}d"), aten=[f"conv_transpose{_d}d"],
-        probe="conv_transpose")
-_op("convolution", A, _CONV, aten=["convolution", "_convolution"], probe="conv")
+        probe="conv_transpose", flops="conv_transpose")
+_op("convolution", A, _CONV, aten=["convolution", "_convolution"], probe="conv", flops="convolution")
 _op("scaled_dot_product_attention", A,
     "fused attention: GEMMs inside, the kernel keeps softmax statistics in float32",
     fns=[F.scaled_dot_product_attention], aten=["scaled_dot_product_attention"],
-    probe="scaled_dot_product_attention")
+    probe="scaled_dot_product_attention", flops="attention")
 _op("multi_head_attention", A,
     "projections and attention are GEMMs; runs as one leaf with low-precision copies of its weights",
-    fns=[F.multi_head_attention_forward], modules=_mods("MultiheadAttention"), probe="multi_head_attention")
+    fns=[F.multi_head_attention_forward], modules=_mods("MultiheadAttention"), probe="multi_head_attention",
+    flops="attention_module")
 _RNN = "recurrent cell: its gates are GEMMs; runs as a leaf with low-precision copies of its weights"
-_op("lstm", A, _RNN, modules=_mods("LSTM"), aten=["lstm"], probe="lstm")
-_op("gru", A, _RNN, modules=_mods("GRU"), aten=["gru"], probe="gru")
-_op("rnn", A, _RNN, modules=_mods("RNN"), aten=["rnn_tanh", "rnn_relu"], probe="rnn")
-_op("lstm_cell", A, _RNN, modules=_mods("LSTMCell"), aten=["lstm_cell"], probe="lstm_cell")
-_op("gru_cell", A, _RNN, modules=_mods("GRUCell"), aten=["gru_cell"], probe="gru_cell")
-_op("rnn_cell", A, _RNN, modules=_mods("RNNCell"), aten=["rnn_tanh_cell", "rnn_relu_cell"], probe="rnn_cell")
+_op("lstm", A, _RNN, modules=_mods("LSTM"), aten=["lstm"], probe="lstm", flops="rnn")
+_op("gru", A, _RNN, modules=_mods("GRU"), aten=["gru"], probe="gru", flops="rnn")
+_op("rnn", A, _RNN, modules=_mods("RNN"), aten=["rnn_tanh", "rnn_relu"], probe="rnn", flops="rnn")
+_op("lstm_cell", A, _RNN, modules=_mods("LSTMCell"), aten=["lstm_cell"], probe="lstm_cell", flops="rnn")
+_op("gru_cell", A, _RNN, modules=_mods("GRUCell"), aten=["gru_cell"], probe="gru_cell", flops="rnn")
+_op("rnn_cell", A, _RNN, modules=_mods("RNNCell"), aten=["rnn_tanh_cell", "rnn_relu_cell"], probe="rnn_cell", flops="rnn")
 
 # --------------------------------------------------------------------------- CLEAR
 _NEUTRAL = "numerically neutral: moves or selects values without arithmetic"

@@ -93,6 +93,10 @@ def _check_fields(p: "Policy") -> None:
         raise PolicyError(f"pad={p.pad!r}: use 'auto', 'always' or 'never'")
     if p.pad_multiple is not None and (not isinstance(p.pad_multiple, int) or p.pad_multiple < 2):
         raise PolicyError(f"pad_multiple={p.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
+    if p.gemm_min_flops is not None and (isinstance(p.gemm_min_flops, bool) or not isinstance(p.gemm_min_flops, int)
+                                         or p.gemm_min_flops < 0):
+        raise PolicyError(f"gemm_min_flops={p.gemm_min_flops!r}: use a whole number of FLOPs >= 0 (0: every GEMM "
+                          "low), or None / 'auto' for the device's break-even")
     if not isinstance(p.reduction_threshold, int) or p.reduction_threshold < 1:
         raise PolicyError(f"reduction_threshold={p.reduction_threshold!r}: use a positive integer")
     for name in _BOOLS:
@@ -188,6 +192,12 @@ class Policy:
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
     reduction_threshold: int = field(default=65536, metadata=_env(
         "AMPFX_REDUCTION_THRESHOLD", "int", "reductions over more elements than this stay float32 (default 65536)"))
+    #: GEMMs whose forward FLOPs are under this stay float32 (rule cost:small-gemm); None: the device's break-even
+    #: (ampfx.ops.gemm_cost: 2**24 on CPUs, 0 elsewhere); 0: every GEMM low
+    gemm_min_flops: int | None = field(default=None, metadata=_env(
+        "AMPFX_GEMM_MIN_FLOPS", "int_or_auto", "GEMMs under this many forward FLOPs stay float32, where the low dtype "
+        "is slower (default auto: the device's break-even, 16777216 on CPUs, 0 elsewhere; 0: every GEMM low)",
+        example="0", none="auto"))
     #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
     pad: str = field(default="auto", metadata=_env(
         "AMPFX_PAD", "word", "GEMM padding to multiples of 8: auto (CUDA only, default), always, never"))
@@ -310,6 +320,8 @@ class Policy:
                 set_(self, fname, tuple(names))
         set_(self, "fp32_modules", module_match.entries(self.fp32_modules))
         set_(self, "tuned", _tuned_pairs(self.tuned))
+        if isinstance(self.gemm_min_flops, str) and self.gemm_min_flops.strip().lower() == "auto":
+            set_(self, "gemm_min_flops", None)  # the device's break-even, as AMPFX_GEMM_MIN_FLOPS=auto
         _set_fp8(self)
         _check_fields(self)
         set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))
@@ -515,6 +527,8 @@ def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
         return _bool_env(var, value, f.default)
     if kind == "int":
         return _int_env(var, value)
+    if kind == "int_or_auto":
+        return None if value.strip().lower() in ("", "auto") else _int_env(var, value)
     if kind == "number_or_off":
         return _number_or_off(var, value, f.metadata["example"])
     if kind == "word":
@@ -533,8 +547,8 @@ def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
     raise AssertionError(f"{f.name}: unknown environment kind {kind!r}")
 
 
-ENV_KINDS = ("bool", "int", "number_or_off", "word", "path", "append", "keep", "append_leaves")
-"""How a field's variable is read: a flag, a whole number, a number or ``off``, a lower-cased word, a path
+ENV_KINDS = ("bool", "int", "int_or_auto", "number_or_off", "word", "path", "append", "keep", "append_leaves")
+"""How a field's variable is read: a flag, a whole number, a whole number or ``auto``, a number or ``off``, a lower-cased word, a path
 (empty: none), names added to the field's, names replacing it (``none``: none), leaf names or classes added."""
 
 

@@ -42,7 +42,7 @@ def env(var: str, kind: str, help: str, **more: Any) -> dict[str, Any]:
     """A Policy field's environment variable: its name, how its value is read (:data:`ampfx.policy.ENV_KINDS`) and
     its help text (``ampfx lists`` and docs/policy.md show it). The one place an option's variable is defined.
     ``more``: ``example``, a value the variable takes; ``needs``, the other fields (with a value) without which
-    setting this one is an error."""
+    setting this one is an error; ``none``, what the field's ``None`` stands for (``ampfx lists`` shows it)."""
     return {"env": var, "kind": kind, "help": help, **more}
 
 

@@ -181,6 +181,7 @@ class Report:
         unlisted = Counter(r.op for r in self.fp32() if r.rule is Rule.UNLISTED)
         if unlisted:
             lines.append("  not in any list (float32): " + ", ".join(f"{op} {n}" for op, n in unlisted.most_common()))
+        lines += self._small_gemm_lines()
         lines += self._inside_lines()
         lines += self._gemm_lines()
         lines += self.fp8_lines()
@@ -224,6 +225,24 @@ class Report:
         why = ", ".join(f"{rule} {n}" for rule, n in sorted(off.items(), key=lambda kv: (-kv[1], kv[0])))
         return [f"  FP8 ({rows[0].fp8.recipe}): {len(on)}/{len(rows)} GEMM nodes, {share}"
                 + (f"; not FP8: {why}" if why else ""), *_fp8_calibration_line(rows)]
+
+    def _small_gemm_lines(self) -> list[str]:
+        """The summary's line for the GEMM nodes kept float32 as under the device's break-even (rule
+        ``cost:small-gemm``), with that break-even and the switch that lowers them; nothing where there are none.
+
+        >>> import torch, ampfx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> amp = ampfx.convert(m, "bf16", example_inputs=torch.randn(8, 16), gemm_min_flops=10_000)
+        >>> print(amp.ampfx_report._small_gemm_lines()[0])
+          small GEMMs: 2 GEMM nodes stay float32, under 10,000 FLOPs a call, the break-even of bfloat16 GEMMs set by gemm_min_flops (float32 is faster there; gemm_min_flops=0 / AMPFX_GEMM_MIN_FLOPS=0 lowers them)
+        """
+        small = [r for r in self.records if r.rule is Rule.COST_SMALL_GEMM]
+        if not small:
+            return []
+        threshold, where = small[0].reason.split(" FLOPs a call, under ", 1)[-1].split(": float32")[0].split(", ", 1)
+        return [f"  small GEMMs: {len(small)} GEMM node{'s' if len(small) > 1 else ''} stay{'' if len(small) > 1 else 's'} "
+                f"float32, under {threshold} FLOPs a call, {where} "
+                "(float32 is faster there; gemm_min_flops=0 / AMPFX_GEMM_MIN_FLOPS=0 lowers them)"]
 
     def _gemm_lines(self) -> list[str]:
         """The summary's line for GEMMs that do not run in the low dtype inside nodes whose op is not a GEMM

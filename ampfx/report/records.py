@@ -144,6 +144,9 @@ class Rule(str, enum.Enum):
     SHAPE_LARGE_REDUCTION = "shape:large-reduction", _about("a reduction over more than reduction_threshold elements")
     SHAPE_SIZE_UNKNOWN = "shape:size-unknown", _about(
         "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32")
+    COST_SMALL_GEMM = "cost:small-gemm", _about(
+        "a GEMM whose forward floating-point operations are under the device's break-even for the low dtype "
+        "(Policy.gemm_min_flops): float32 is faster there and needs no casts", word="small GEMM")
     CALIBRATION_OVERFLOW = "calibration:overflow", _about(
         "calibration saw this node's output or gradient exceed the low dtype's range")
     CALIBRATION_SENSITIVE = "calibration:sensitive", _about(

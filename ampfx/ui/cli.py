@@ -206,6 +206,8 @@ def cmd_lists(args: argparse.Namespace) -> int:
             value = getattr(value, "__qualname__", type(value).__name__)
         elif hasattr(value, "spec"):  # an FP8 recipe of one's own
             value = value.name
+        elif value is None and "none" in f.metadata:  # what None stands for (gemm_min_flops: the device's)
+            value = f.metadata["none"]
         print(f"  {f.name:<34} {str(value):<24} {f.metadata.get('env', '-')}")
     if policy.env:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in policy.env))

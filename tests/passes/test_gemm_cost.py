@@ -1,0 +1,186 @@
+"""``passes/gemm_cost.py``: GEMMs whose forward FLOPs are under the device's break-even for the low dtype stay
+float32 (rule ``cost:small-gemm``); larger ones, unknown sizes and list edits are left as they are."""
+import sympy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampfx
+from ampfx import Category
+from ampfx.ops import gemm_cost as table
+from ampfx.passes import gemm_cost
+
+from .helpers import node, rec, run
+
+COST = dict(upto=gemm_cost.keep_small_gemms)
+
+
+class Mixed(nn.Module):
+    """A small linear (2*8*16*16 = 4,096 FLOPs), a large one (2*8*16*512 = 131,072), a convolution
+    (2*(2*4*6*6)*(3*3*3) = 15,552), a batched product (2*(2*8*16)*16 = 8,192) and attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.small, self.large = nn.Linear(16, 16), nn.Linear(16, 512)
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, img, q):
+        a = self.small(x)
+        b = self.large(x)
+        c = self.conv(img)
+        d = torch.matmul(x.unsqueeze(0).expand(2, 8, 16), a.t())
+        e = F.scaled_dot_product_attention(q, q, q)
+        return a, b, c, d, e
+
+
+INPUTS = (torch.randn(8, 16), torch.randn(2, 3, 8, 8), torch.randn(1, 2, 4, 8))
+
+
+def test_flops_are_counted_from_the_weights_and_operands():
+    """2 * numel(output) * K: a linear's K is its weight's in_features, a convolution's C_in / groups times its
+    kernel, a product's its first operand's last size; attention 2 * L * S * (E + Ev) per batch and head."""
+    gm, _ = run(Mixed(), INPUTS, **COST)
+    got = {n: int(gemm_cost.flops(node(gm, n), gm)) for n in ("small", "large", "conv", "matmul",
+                                                              "scaled_dot_product_attention")}
+    assert got == {"small": 4096, "large": 131072, "conv": 15552, "matmul": 2 * 2 * 8 * 8 * 16,
+                   "scaled_dot_product_attention": 2 * 2 * 4 * 4 * 16}
+
+
+def test_a_gemm_under_the_break_even_stays_float32_and_says_why():
+    """With gemm_min_flops=10,000: the small linear, the product and attention are DENY float32 (rule
+    cost:small-gemm, their FLOPs and the break-even in the reason); the large linear and the convolution stay on
+    the allow list."""
+    gm, _ = run(Mixed(), INPUTS, gemm_min_flops=10_000, **COST)
+    small = rec(gm, "small")
+    assert (small.category, small.dtype, small.rule) == (Category.DENY, torch.float32, "cost:small-gemm")
+    assert "4,096 FLOPs a call, under 10,000" in small.reason and "gemm_min_flops" in small.reason
+    assert rec(gm, "matmul").rule == rec(gm, "scaled_dot_product_attention").rule == "cost:small-gemm"
+    assert [(rec(gm, n).category, rec(gm, n).rule) for n in ("large", "conv")] == [(Category.ALLOW, "table")] * 2
+
+
+def test_the_break_even_comes_from_the_device_and_zero_lowers_every_gemm(monkeypatch):
+    """Not given, the break-even is the device type's table entry (a CPU's here, none for cuda); 0 lowers every
+    GEMM whatever the device."""
+    monkeypatch.setattr(table, "BREAK_EVEN", {"cpu": 20_000})
+    gm, _ = run(Mixed(), INPUTS, **COST)
+    assert [rec(gm, n).rule for n in ("small", "conv", "large")] == ["cost:small-gemm", "cost:small-gemm", "table"]
+    assert "the break-even of bfloat16 GEMMs on cpu" in rec(gm, "small").reason
+    gm, _ = run(Mixed(), INPUTS, device="cuda:0", **COST)
+    assert rec(gm, "small").rule == "table"
+    gm, _ = run(Mixed(), INPUTS, gemm_min_flops=0, **COST)
+    assert rec(gm, "small").rule == "table"
+
+
+def test_unknown_sizes_and_symbolic_ranges_are_left_alone():
+    """Without example inputs nothing is known; a symbolic size whose range reaches the break-even is not decided
+    by it (a batch of at least 2 rows: 2*16*16*batch)."""
+    gm, _ = run(Mixed(), gemm_min_flops=10**9, **COST)
+    assert rec(gm, "small").rule == "table"
+    gm, _ = run(lambda x, w: F.linear(x, w), (torch.randn(8, 16), torch.randn(16, 16)), dynamic_dims={0: "batch"},
+                gemm_min_flops=4097, **COST)
+    f = gemm_cost.flops(node(gm, "linear"), gm)
+    assert isinstance(f, sympy.Expr) and not f.is_number
+    assert rec(gm, "linear").rule == "table"  # 512*batch reaches 4,097 for a large batch
+
+
+def test_convert_keeps_small_gemms_float32_and_the_numbers_are_float32s():
+    """Through convert: a model of small layers on a CPU with the break-even given keeps every GEMM float32,
+    inserts no casts, and returns what the float32 model returns."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,), gemm_min_flops=10**6)
+    assert len(amp.ampfx_report.casts) == 0
+    assert {r.rule for r in amp.ampfx_report.records if r.op == "linear"} == {"cost:small-gemm"}
+    torch.testing.assert_close(amp(x), model(x))
+    assert "small GEMM" in amp.ampfx_report.summary()
+
+
+def test_a_recurrent_module_counts_each_weight_matrix_once_per_step_and_row():
+    """nn.GRU(8, 16, num_layers=2) over 5 steps of 3 rows: 2 * 15 * (3*16*8 + 3*16*16 + 3*16*16 + 3*16*16)."""
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(8, 16, num_layers=2)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    gm, _ = run(Recurrent(), (torch.randn(5, 3, 8),), gemm_min_flops=10**9, **COST)
+    rnn = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert int(gemm_cost.flops(rnn, gm)) == 2 * 15 * (3 * 16 * 8 + 3 * 3 * 16 * 16)
+    assert rec(gm, rnn.name).rule == "cost:small-gemm"
+
+
+def test_the_break_even_is_read_from_the_environment_and_a_bad_one_is_refused():
+    """AMPFX_GEMM_MIN_FLOPS takes a whole number (underscores and commas allowed) or auto (the device's), and so
+    does gemm_min_flops; a negative, fractional or boolean one, or another word, is an error naming the option."""
+    import pytest
+
+    from ampfx.errors import PolicyError
+    from ampfx.policy import Policy, from_env
+
+    assert from_env(Policy(), {"AMPFX_GEMM_MIN_FLOPS": "1_000"}).gemm_min_flops == 1000
+    assert from_env(Policy(gemm_min_flops=5), {"AMPFX_GEMM_MIN_FLOPS": "auto"}).gemm_min_flops is None
+    with pytest.raises(PolicyError, match="AMPFX_GEMM_MIN_FLOPS='lots'"):
+        from_env(Policy(), {"AMPFX_GEMM_MIN_FLOPS": "lots"})
+    assert Policy(gemm_min_flops="auto").gemm_min_flops is None
+    for bad in (-1, 1.5, True, "lots"):
+        with pytest.raises(PolicyError, match="gemm_min_flops="):
+            Policy(gemm_min_flops=bad)
+
+
+def test_a_bounded_symbolic_count_is_decided_by_its_bound_and_written_with_it():
+    """A linear over at most 4 rows of a dynamic batch (``x[:min(batch, 4)]``): at most 2*4*16*16 = 2,048
+    FLOPs, under the break-even for every batch; the reason writes the expression and its bound."""
+    class Capped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x[:torch.sym_min(x.shape[0], 4)])
+
+    amp = ampfx.convert(Capped(), "bf16", example_inputs=(torch.randn(8, 16),), dynamic_dims={0: "batch"},
+                        gemm_min_flops=10_000)
+    d = next(r for r in amp.ampfx_report.records if r.op == "linear")
+    assert d.rule == "cost:small-gemm" and "(at most 2,048)" in d.reason, d.reason
+
+
+def test_under_fp8_the_device_break_even_is_not_applied_and_forced_fp8_linears_are_never_kept():
+    """fp8= plans for its roofline's GPU: no CPU break-even (every linear low, FP8 decided as before); with a
+    break-even given, a linear fp8_modules names still stays low (FP8 rides on it) while the others go float32."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    x = torch.randn(16, 32)
+    table.BREAK_EVEN["cpu"] = 10**9
+    try:
+        amp = ampfx.convert(model, "bf16", example_inputs=(x,), fp8="tensorwise", fp8_roofline="none")
+    finally:
+        del table.BREAK_EVEN["cpu"]
+    assert {r.rule for r in amp.ampfx_report.records if r.op == "linear"} == {"table"}
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,), fp8="tensorwise", fp8_roofline="none",
+                        fp8_modules=("2",), gemm_min_flops=10**9)
+    rules = {r.module: (r.rule, r.fp8.rule if r.fp8 else None) for r in amp.ampfx_report.records if r.op == "linear"}
+    assert rules["2"] == ("table", "fp8:forced") and rules["0"][0] == rules["4"][0] == "cost:small-gemm"
+
+
+def test_attention_modules_transposed_convolutions_keyword_operands_and_projections_are_counted():
+    """nn.MultiheadAttention from its projections and attention; ConvTranspose2d from its input; torch.mm with
+    its operands by keyword; an LSTM with proj_size counts its projection matrices too."""
+    class Many(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.up = nn.ConvTranspose2d(4, 2, 3)
+            self.lstm = nn.LSTM(8, 16, proj_size=4)
+
+        def forward(self, x, img, a, b):
+            return self.attn(x, x, x, need_weights=False)[0], self.up(img), torch.mm(input=a, mat2=b), self.lstm(x)[0]
+
+    inputs = (torch.randn(2, 5, 8), torch.randn(1, 4, 6, 6), torch.randn(3, 7), torch.randn(7, 2))
+    gm, _ = run(Many(), inputs, **COST)
+    got = {n.target: int(gemm_cost.flops(n, gm)) for n in gm.graph.nodes if n.op == "call_module"}
+    got["mm"] = int(gemm_cost.flops(node(gm, "mm"), gm))
+    tokens = 2 * 5
+    assert got == {"attn": 2 * (tokens * 3 * 8 * 8 + tokens * 8 * 8) + 4 * tokens * 5 * 8,
+                   "up": 2 * (4 * 6 * 6) * (2 * 3 * 3), "mm": 2 * 3 * 2 * 7,
+                   "lstm": 2 * tokens * (4 * 16 * 8 + 4 * 16 * 4 + 4 * 16)}
