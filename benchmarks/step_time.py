@@ -16,6 +16,11 @@ Needs the models lane's environment (torchvision, timm, transformers; diffusers 
     bash scripts/test-models.sh --co -q       # makes .venv-models once
     .venv-models/bin/python benchmarks/step_time.py [--models a,b] [--dtype bf16] [--reps 11] [--compile]
 
+Each row also says how many GEMM nodes ampfx kept float32 as under the device's break-even (rule
+``cost:small-gemm``: on a CPU, most GEMMs of these small models); ``--all-low`` adds a fourth run interleaved with
+the others, ampfx with every GEMM low (``gemm_min_flops=0``), to tell what that rule brings from what the runtime
+costs.
+
 The summary line says what the step-time goal asks: the median ratio, the models above 1.05x, and those captured
 whole (one graph) above 1.0x.
 """
@@ -200,7 +205,7 @@ def _aten_seconds(prof) -> float:
     return total
 
 
-def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
+def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -212,7 +217,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
     base.train()
     r = {"model": name, "family": MODELS.get(name, ""), "dtype": dt, "compiled": compiled}
     runs = {}
-    for tool in ("float32", "autocast", "ampfx") + (("backend",) if compiled else ()):
+    tools = ("float32", "autocast", "ampfx") + (("all_low",) if all_low else ()) + (("backend",) if compiled else ())
+    for tool in tools:
         model = copy.deepcopy(base)
         run = model
         if tool == "ampfx":
@@ -220,6 +226,11 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
             run = ampfx.convert(model, dtype, example_inputs=inp)
             r["convert_s"] = round(time.perf_counter() - t0, 2)
             r["capture"] = [(p.path, p.method) for p in run.ampfx_report.parts]
+            r["small_gemms"] = sum(1 for d in run.ampfx_report.records if d.rule == "cost:small-gemm")
+            r["gemm_nodes"] = sum(1 for d in run.ampfx_report.records
+                                  if d.op in ampfx.ops.ENTRIES and ampfx.ops.ENTRIES[d.op].category is ampfx.Category.ALLOW)
+        elif tool == "all_low":  # every GEMM low, whatever its size (the plan before the break-even rule)
+            run = ampfx.convert(model, dtype, example_inputs=inp, gemm_min_flops=0)
         if compiled:  # the backend: torch.compile(model, backend="ampfx"), each graph dynamo captures converted
             run = torch.compile(run, backend=ampfx.backend(dtype) if tool == "backend" else "inductor")
         runs[tool] = training_step(run, model, inp, spec, dtype if tool == "autocast" else None)
@@ -239,6 +250,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool) -> dict:
             wall = time.perf_counter() - t0
         r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
     r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
+    if all_low:
+        r["all_low_ratio"] = r["all_low_ms"] / r["autocast_ms"]
     if compiled:
         r["backend_ratio"] = r["backend_ms"] / r["autocast_ms"]
     return r
@@ -257,11 +270,13 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time each tool under torch.compile, and ampfx "
                         "as the compile backend (torch.compile(model, backend=ampfx.backend(dtype)))")
     parser.add_argument("--compiled-only", action="store_true", help="--compile without the eager rows")
+    parser.add_argument("--all-low", action="store_true", help="also time ampfx with every GEMM low "
+                        "(gemm_min_flops=0), interleaved with the others")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "COMPILED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         try:
-            res = run_case(args.one[0], args.dtype, args.reps, args.one[1] == "1")
+            res = run_case(args.one[0], args.dtype, args.reps, args.one[1] == "1", args.all_low)
         except Exception:  # noqa: BLE001 - reported as the row's error
             res = {"model": args.one[0], "error": traceback.format_exc()[-1500:]}
         print("RESULT " + json.dumps(res, default=str))
@@ -274,7 +289,8 @@ def main() -> None:
     for compiled in modes:
         for name in args.models.split(","):
             p = subprocess.run([sys.executable, __file__, "--one", name, str(int(compiled)), "--dtype", args.dtype,
-                                "--reps", str(args.reps)], capture_output=True, text=True, timeout=3600)
+                                "--reps", str(args.reps)] + (["--all-low"] if args.all_low else []),
+                               capture_output=True, text=True, timeout=3600)
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(line[-1][7:]) if line else {"model": name, "error": p.stderr[-1500:]}
             res["compiled"] = compiled
@@ -287,6 +303,8 @@ def main() -> None:
                   f"autocast {res['autocast_ms']:8.2f}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
                   f"{res['ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
                   f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}"
+                  f"  small GEMMs float32 {res.get('small_gemms', 0)} of {res.get('gemm_nodes', 0)}"
+                  + (f"  every GEMM low {res['all_low_ms']:8.2f} ({res['all_low_ratio']:.2f}x)" if args.all_low else "")
                   + (f"  backend {res['backend_ms']:8.2f} ({res['backend_ratio']:.2f}x)" if compiled else ""),
                   flush=True)
     for compiled in modes:
@@ -300,7 +318,9 @@ def main() -> None:
               f"{statistics.median(ratios):.2f}x, above 1.05x: {above or 'none'}; captured whole above 1.0x: "
               f"{whole_above or 'none'}"
               + (f"; the ampfx backend: median {statistics.median(r['backend_ratio'] for r in done):.2f}x"
-                 if compiled else ""))
+                 if compiled else "")
+              + (f"; every GEMM low: median {statistics.median(r['all_low_ratio'] for r in done):.2f}x"
+                 if args.all_low else ""))
     Path("/tmp/step_time.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
