@@ -1,12 +1,17 @@
-"""Where a low-precision GEMM starts to pay on this machine (not a test): the figure behind ``gemm_min_flops``.
+"""Where a low-precision GEMM starts to pay on this machine (not a test): the figures behind ``gemm_min_flops``
+and ``gemm_min_rows``.
 
-For linear layers and convolutions of many sizes, one training step of the layer alone (forward and backward,
-with the casts of its input and weight that the low dtype needs) in float32 and in the low dtype, one CPU thread
-(or the GPU, ``--device cuda``), median of repeats. Prints each size's forward FLOPs and the ratio low / float32,
-then the smallest FLOP count from which every measured size at or above it runs faster low: compare it with
-``ampfx.ops.gemm_cost.BREAK_EVEN`` for this device type, and set ``AMPFX_GEMM_MIN_FLOPS`` to it if it differs.
+First, for linear layers and convolutions of many sizes, one training step of the layer alone (forward and
+backward, with the casts of its input and weight that the low dtype needs) in float32 and in the low dtype, one CPU
+thread (or the GPU, ``--device cuda``), median of repeats: each size's forward FLOPs and the ratio low / float32,
+then the smallest FLOP count from which every measured size at or above it runs faster low. Then, the rows: two
+MLP blocks (layer norm, linear d -> 4d, GELU, linear 4d -> d, residual) run forward and backward through
+``ampfx.convert`` with every GEMM low and with every GEMM float32, over widths and rows (the rows each weight is
+used for in a call): where the weight's casts outweigh the arithmetic saved. Compare both with
+``ampfx.ops.gemm_cost.BREAK_EVEN`` for this device type, and set ``AMPFX_GEMM_MIN_FLOPS`` /
+``AMPFX_GEMM_MIN_ROWS`` if they differ.
 
-    python benchmarks/gemm_break_even.py [--dtype bf16] [--device cpu]
+    python benchmarks/gemm_break_even.py [--dtype bf16] [--device cpu]     # with ampfx installed
 """
 from __future__ import annotations
 
@@ -68,6 +73,36 @@ def cases(device: str):
                conv, x, w, torch.randn(2, c, hw, hw, device=device))
 
 
+def rows_table(low, device: str) -> None:
+    """Two MLP blocks' training step, every GEMM low against every GEMM float32, by width and rows."""
+    import torch.nn as nn
+
+    import ampfx
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    print("two MLP blocks, forward and backward, every GEMM low against every GEMM float32:")
+    for d, rows in [(768, 8), (768, 16), (768, 32), (768, 64), (256, 64), (512, 64), (1024, 32), (1024, 128)]:
+        model = nn.Sequential(Block(d), Block(d)).to(device)
+        x = torch.randn(rows, d, device=device)
+        times = []
+        for flops in (0, 10 ** 18):  # every GEMM low; every GEMM float32
+            amp = ampfx.convert(model, low, example_inputs=(x,), gemm_min_flops=flops)
+
+            def step(amp=amp):
+                model.zero_grad(set_to_none=True)
+                amp(x).pow(2).mean().backward()
+            times.append(_median_us(step, device))
+        print(f"  d={d:5d} rows={rows:5d} fc1 {2 * rows * d * 4 * d:>15,d} FLOPs  low/float32 {times[0] / times[1]:5.2f}x",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -91,6 +126,7 @@ def main() -> None:
     point = min(above) if above else None
     print(f"smallest FLOP count from which every measured size runs faster in {args.dtype}: "
           + (f"{point:,}" if point is not None else "none (slower at every size measured)"))
+    rows_table(low, args.device)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,33 @@
 """Pass: keep float32 the GEMMs too small for the low dtype to pay on the device.
 
-A low-precision GEMM is faster than a float32 one only past a size: below it the call's fixed cost (on CPUs,
-oneDNN's bfloat16 path costs about 30 us a call where a small float32 GEMM takes a few) and the casts around it
-cost more than the arithmetic saved. For each GEMM node the op table puts on the allow list (a list edit or a
-module rule wins over this pass) whose forward floating-point operations are known from the example inputs,
-with ``F`` those operations and ``T`` the break-even (``Policy.gemm_min_flops``, or the device's:
-:func:`ampfx.ops.gemm_cost.threshold`):
+A low-precision GEMM is faster than a float32 one only past a size. Two costs come first: the call's own (on
+CPUs, oneDNN's bfloat16 call costs about 30 us where a small float32 GEMM takes a few), and casting its weight,
+forward and back, which the arithmetic saved repays only when the weight is used for enough rows. For each GEMM
+node the op table puts on the allow list (a list edit or a module rule wins over this pass) whose work is known
+from the example inputs (:func:`work`: ``F`` forward operations, ``W`` weight elements cast), against the
+break-even ``(T, R)`` (``Policy.gemm_min_flops``, ``Policy.gemm_min_rows``, else the device's:
+:func:`ampfx.ops.gemm_cost.limits`):
 
-- ``F < T``: DENY, float32, rule ``cost:small-gemm``; float32 flows on through the infer and clear ops after it
-  as for any float32 node, so a run of small layers has no casts between them;
-- ``F >= T``, ``F`` unknown (no ``example_inputs``, a symbolic size whose range reaches ``T``, an op whose
-  operations are not counted here: einsum, ``mv``, ``bilinear``), ``T == 0``, or a linear ``fp8_modules`` names
-  (FP8 rides on the low dtype): unchanged.
+- ``F < T``, or a weight used for fewer rows than ``R`` (``F / 2W < R``): DENY, float32, rule
+  ``cost:small-gemm``, the reason says which; float32 flows on through the infer and clear ops after it as for
+  any float32 node, so a run of small layers has no casts between them;
+- otherwise, where the work is unknown (no ``example_inputs``, a symbolic size whose range reaches the
+  break-even, an op not counted here: einsum, ``mv``, ``bilinear``), where a check's break-even is 0 (none; a
+  given ``gemm_min_flops=0`` turns both off), or for a linear ``fp8_modules`` names (FP8 rides on the low dtype):
+  unchanged.
 
-``F`` is counted on the example inputs' sizes and fixed with the plan: give example inputs of the size the model
-trains on (a GEMM under the break-even at batch 2 may be far above it at batch 512), or ``dynamic_dims``, under
-which a GEMM whose count grows with a dynamic size is never kept float32 by this rule (its range is unbounded).
+The work is counted on the example inputs' sizes and fixed with the plan: give example inputs of the size the
+model trains on (a GEMM under the break-even at batch 2 may be far above it at batch 512), or ``dynamic_dims``,
+under which a GEMM whose count grows with a dynamic size is not kept float32 by it (its range is unbounded).
 
 ``F`` counts the forward's multiply-adds twice (:data:`COUNTS`): ``2 * numel(output) * K`` with ``K`` the
 contracted size (a linear's or a product's last input size, a convolution's input channels per group times its
 kernel size; a transposed convolution from its input), attention ``2 * L * S * (E + Ev)`` per batch and head,
 ``nn.MultiheadAttention`` its projections and attention, a recurrent module (``nn.LSTM``, ``nn.GRU``, a cell)
-``2`` times its steps and rows times its weight matrices' sizes.
+``2`` times its steps and rows times its weight matrices' sizes. ``W`` is the weight's elements (a linear's,
+a convolution's, a product's parameter operand's, the attention module's projections', the recurrent matrices');
+the rows count only the operations that read the weight (not attention's own products); products of two
+activations have no weight and are decided by ``F`` alone.
 
 Before: ``linear = F.linear(x, w, b)`` on x float32[32, 64], w float32[64, 64]: Decision(category=ALLOW,
         rule='table')
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -42,7 +48,7 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, numel, out_infos, record
 from ..ops import Category, gemm_cost
-from ..report.records import Decision, Rule
+from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
 from ..policy.decide import matched_at
 from .nodes import attr_of, operand_shape
@@ -77,13 +83,31 @@ def _weight(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
     return _shape(node, gm, 1, "weight")
 
 
-def _linear(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
+class Work(NamedTuple):
+    """What one call of a GEMM node does: its forward's floating-point operations, how many weight elements it
+    casts (``None``: no weight, a product of two activations), and of those operations the ones that read the
+    weight (``None``: all of them; attention's own products read none)."""
+
+    flops: Any
+    weights: Any = None
+    weight_flops: Any = None
+
+    @property
+    def rows(self) -> Any:
+        """How many rows each weight element is used for in one call (``None`` without a weight)."""
+        if not self.weights:
+            return None
+        used = self.flops if self.weight_flops is None else self.weight_flops
+        return sympy.cancel(sympy.sympify(used) / (2 * sympy.sympify(self.weights)))
+
+
+def _linear(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
     """``2 * numel(out) * K``, K the weight's in-features (weight[N, K])."""
     w = _weight(node, gm)
-    return 2 * sympy.sympify(numel(out)) * w[-1] if w and len(w) == 2 else None
+    return Work(2 * sympy.sympify(numel(out)) * w[-1], _prod(w)) if w and len(w) == 2 else None
 
 
-def _conv(node: fx.Node, gm: fx.GraphModule, out: Any, transposed: bool = False) -> Any:
+def _conv(node: fx.Node, gm: fx.GraphModule, out: Any, transposed: bool = False) -> Work | None:
     """A convolution: ``2 * numel(out) * C_in / groups * kernel`` (weight[C_out, C_in / groups, *kernel]); a
     transposed one multiplies each input element by ``C_out / groups * kernel`` (weight[C_in, C_out / groups,
     *kernel]): ``2 * numel(input) * prod(weight[1:])``."""
@@ -91,41 +115,58 @@ def _conv(node: fx.Node, gm: fx.GraphModule, out: Any, transposed: bool = False)
     if not w or len(w) < 3:
         return None
     if not transposed:
-        return 2 * sympy.sympify(numel(out)) * _prod(w[1:])
+        return Work(2 * sympy.sympify(numel(out)) * _prod(w[1:]), _prod(w))
     x = _shape(node, gm, 0, "input")
-    return 2 * _prod(x) * _prod(w[1:]) if x else None
+    return Work(2 * _prod(x) * _prod(w[1:]), _prod(w)) if x else None
 
 
-def _convolution(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
+def _convolution(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
     """ATen's ``convolution(input, weight, bias, stride, padding, dilation, transposed, ...)``."""
     transposed = _arg(node, 6, "transposed")
     return _conv(node, gm, out, transposed) if isinstance(transposed, bool) else None
 
 
+def _parameter(arg: Any, gm: fx.GraphModule) -> Any:
+    """The elements of ``arg`` where it is a parameter or buffer the graph reads (through the casts ampfx
+    inserted), else ``None``: a product of two activations has no weight."""
+    src = arg
+    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
+        src = src.args[0]
+    if not (isinstance(src, fx.Node) and src.op == "get_attr"):
+        return None
+    obj = attr_of(gm, str(src.target))
+    return obj.numel() if isinstance(obj, torch.Tensor) else None
+
+
 def _product(first: int, *names: str) -> Any:
-    """A matrix product whose first multiplied operand is argument ``first`` (``names`` by keyword):
-    ``2 * numel(out) * K``, K that operand's last size."""
-    def count(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
+    """A matrix product whose first multiplied operand is argument ``first`` (``names`` by keyword, the second
+    operand right after it): ``2 * numel(out) * K``, K that operand's last size; its weight, the second operand
+    where that is a parameter (``x @ W``, Hugging Face's ``Conv1D``: ``addmm(b, x, W)``)."""
+    def count(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
         if node.op == "call_module":
             return None
         a = _shape(node, gm, first, *names)
-        return 2 * sympy.sympify(numel(out)) * a[-1] if a else None
+        if not a:
+            return None
+        second = _arg(node, first + 1, "other", "mat2", "batch2")
+        return Work(2 * sympy.sympify(numel(out)) * a[-1], _parameter(second, gm))
     return count
 
 
-def _attention(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
-    """``scaled_dot_product_attention(query, key, value)``: ``2 * L * S * (E + Ev)`` per batch and head."""
+def _attention(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
+    """``scaled_dot_product_attention(query, key, value)``: ``2 * L * S * (E + Ev)`` per batch and head; no
+    weight."""
     if node.op == "call_module":
         return None
     q, k, v = (_shape(node, gm, i, name) for i, name in enumerate(("query", "key", "value")))
     if not (q and k and v and len(k) >= 2):
         return None
-    return 2 * _prod(q[:-1]) * k[-2] * (sympy.sympify(q[-1]) + v[-1])
+    return Work(2 * _prod(q[:-1]) * k[-2] * (sympy.sympify(q[-1]) + v[-1]))
 
 
-def _attention_module(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
+def _attention_module(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
     """``nn.MultiheadAttention(query, key, value)``: its projections (each weight once per token it reads) and
-    the two products of attention (``2 * 2 * L * S * E`` per batch)."""
+    the two products of attention (``2 * 2 * L * S * E`` per batch); its weights, the projections'."""
     module = _module(node, gm)
     e = getattr(module, "embed_dim", None)
     q, k, v = (_shape(node, gm, i, name) for i, name in enumerate(("query", "key", "value")))
@@ -136,14 +177,14 @@ def _attention_module(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
     rows = {name: _prod(shape[:-1]) for name, shape in (("q", q), ("k", k), ("v", v))}
     out_w = module.out_proj.weight.numel()
     if getattr(module, "in_proj_weight", None) is not None:
-        projections = rows["q"] * e * e + rows["k"] * e * e + rows["v"] * e * e
+        sizes = (e * e, e * e, e * e)
     else:
-        projections = (rows["q"] * module.q_proj_weight.numel() + rows["k"] * module.k_proj_weight.numel()
-                       + rows["v"] * module.v_proj_weight.numel())
-    return 2 * (projections + rows["q"] * out_w) + 4 * rows["q"] * s * e
+        sizes = (module.q_proj_weight.numel(), module.k_proj_weight.numel(), module.v_proj_weight.numel())
+    projections = 2 * (rows["q"] * sizes[0] + rows["k"] * sizes[1] + rows["v"] * sizes[2] + rows["q"] * out_w)
+    return Work(projections + 4 * rows["q"] * s * e, sum(sizes) + out_w, projections)
 
 
-def _recurrent(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
+def _recurrent(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
     """A recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, a cell): ``2 * steps * rows * sum(numel(W))`` over
     its input-to-hidden, hidden-to-hidden and projection matrices (every layer and direction), steps times rows
     being its input's size without the feature dimension."""
@@ -154,7 +195,7 @@ def _recurrent(node: fx.Node, gm: fx.GraphModule, out: Any) -> Any:
         return None
     weights = sum(p.numel() for name, p in module.named_parameters(recurse=False)
                   if name.startswith(("weight_ih", "weight_hh", "weight_hr")))
-    return 2 * _prod(x[:-1]) * weights if weights else None
+    return Work(2 * _prod(x[:-1]) * weights, weights) if weights else None
 
 
 COUNTS = {"linear": _linear, "matmul": _product(0, "input"), "addmm": _product(1, "mat1", "batch1"), "conv": _conv,
@@ -165,21 +206,60 @@ COUNTS = {"linear": _linear, "matmul": _product(0, "input"), "addmm": _product(1
 ``OpEntry.flops``): each ``count(node, gm, out)``, ``out`` the metadata of its first output."""
 
 
-def flops(node: fx.Node, gm: fx.GraphModule) -> Any:
-    """The forward floating-point operations of a GEMM node (an int or a sympy expression), ``None`` where
-    unknown (see the module docstring)."""
+def work(node: fx.Node, gm: fx.GraphModule) -> Work | None:
+    """What one call of a GEMM node does (its counts ints or sympy expressions), ``None`` where unknown (see the
+    module docstring)."""
     entry = ops.ENTRIES[record(node).op]
     count = COUNTS.get(entry.gemm or entry.flops)
     out = out_infos(node)
     return count(node, gm, out[0]) if count is not None and out else None
 
 
+def flops(node: fx.Node, gm: fx.GraphModule) -> Any:
+    """The forward floating-point operations of a GEMM node, ``None`` where unknown."""
+    done = work(node, gm)
+    return None if done is None else done.flops
+
+
+def _shown(value: Any, upper: Any) -> str:
+    """A count as the reason writes it: the number (rounded to one decimal where not whole), or the expression and
+    its bound."""
+    value = sympy.sympify(value)
+    if not value.is_number:
+        try:
+            return f"{value} (at most {_shown(int(upper), upper)})"
+        except (TypeError, ValueError, OverflowError, AttributeError):  # unbounded (torch's int_oo)
+            return str(value)
+    return f"{int(value):,}" if value == int(value) else f"{float(value):,.1f}"
+
+
+def _why(d: Decision, done: Work, limits: gemm_cost.BreakEven, ctx: PassContext, where: dict[str, str]) -> str | None:
+    """Why the node stays float32, ``None`` where it pays low: its operations, or the rows its weight is used
+    for, under the break-even (each bounded over every value of its symbols)."""
+    low = str(ctx.policy.dtype).replace("torch.", "")
+    upper = ctx.symbols.bounds(sympy.sympify(done.flops))[1]
+    if limits.flops and upper < limits.flops:
+        return (f"{d.op}: {_shown(done.flops, upper)} FLOPs a call, under {limits.flops:,}, the break-even of {low} "
+                f"GEMMs {where['flops']}: float32 is faster and needs no casts (counted on the example inputs' sizes)")
+    rows = done.rows
+    if not (limits.rows and rows is not None):
+        return None
+    most = ctx.symbols.bounds(rows)[1]
+    if most >= limits.rows:
+        return None
+    weights = sympy.sympify(done.weights)
+    return (f"{d.op}: each of its {_shown(weights, ctx.symbols.bounds(weights)[1])} weight elements used for "
+            f"{_shown(rows, most)} rows a call, under {limits.rows:,}, the break-even of {low} GEMMs {where['rows']}: "
+            "casting the weight each way costs more than the arithmetic saved, float32 is faster (counted on the "
+            "example inputs' sizes)")
+
+
 def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Keep float32 the GEMM nodes below the device's break-even (see the module docstring)."""
-    threshold, where = gemm_cost.threshold(ctx.policy.gemm_min_flops, ctx.device, ctx.policy.fp8)
-    if not threshold or not ctx.has_shapes:
+    limits, where = gemm_cost.limits(ctx.policy.gemm_min_flops, ctx.policy.gemm_min_rows, ctx.device,
+                                     ctx.policy.fp8)  # where: what each figure comes from, for the reasons
+    if limits == gemm_cost.NONE or not ctx.has_shapes:
         return
-    low = str(ctx.policy.dtype).replace("torch.", "")
     for node in gm.graph.nodes:
         d = record(node)
         if not (isinstance(d, Decision) and d.category is Category.ALLOW and d.rule is Rule.TABLE):
@@ -188,14 +268,8 @@ def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if matched_at(ctx.resolved.fp8_forced, d.module):
             continue  # fp8_modules asks for FP8 here, which rides on the low dtype
-        f = flops(node, gm)
-        if f is None:
-            continue
-        upper = ctx.symbols.bounds(sympy.sympify(f))[1]
-        if upper >= threshold:
-            continue
-        count = f"{int(f):,}" if sympy.sympify(f).is_number else f"{f} (at most {int(upper):,})"
-        node.meta[RECORD] = dataclasses.replace(
-            d, category=Category.DENY, dtype=torch.float32, rule=Rule.COST_SMALL_GEMM,
-            reason=f"{d.op}: {count} FLOPs a call, under {threshold:,}, the break-even of {low} GEMMs {where}: "
-                   "float32 is faster and needs no casts (counted on the example inputs' sizes)")
+        done = work(node, gm)
+        why = _why(d, done, limits, ctx, where) if done is not None else None
+        if why is not None:
+            node.meta[RECORD] = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32,
+                                                    rule=Rule.COST_SMALL_GEMM, reason=why)

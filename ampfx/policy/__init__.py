@@ -93,10 +93,11 @@ def _check_fields(p: "Policy") -> None:
         raise PolicyError(f"pad={p.pad!r}: use 'auto', 'always' or 'never'")
     if p.pad_multiple is not None and (not isinstance(p.pad_multiple, int) or p.pad_multiple < 2):
         raise PolicyError(f"pad_multiple={p.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
-    if p.gemm_min_flops is not None and (isinstance(p.gemm_min_flops, bool) or not isinstance(p.gemm_min_flops, int)
-                                         or p.gemm_min_flops < 0):
-        raise PolicyError(f"gemm_min_flops={p.gemm_min_flops!r}: use a whole number of FLOPs >= 0 (0: every GEMM "
-                          "low), or None / 'auto' for the device's break-even")
+    for name, what in (("gemm_min_flops", "FLOPs"), ("gemm_min_rows", "rows")):
+        value = getattr(p, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise PolicyError(f"{name}={value!r}: use a whole number of {what} >= 0 (0: no such check), or None / "
+                              "'auto' for the device's break-even")
     if not isinstance(p.reduction_threshold, int) or p.reduction_threshold < 1:
         raise PolicyError(f"reduction_threshold={p.reduction_threshold!r}: use a positive integer")
     for name in _BOOLS:
@@ -193,11 +194,19 @@ class Policy:
     reduction_threshold: int = field(default=65536, metadata=_env(
         "AMPFX_REDUCTION_THRESHOLD", "int", "reductions over more elements than this stay float32 (default 65536)"))
     #: GEMMs whose forward FLOPs are under this stay float32 (rule cost:small-gemm); None: the device's break-even
-    #: (ampfx.ops.gemm_cost: 2**24 on CPUs, 0 elsewhere); 0: every GEMM low
+    #: (ampfx.ops.gemm_cost: 2**24 on CPUs, 0 elsewhere); 0: every GEMM low (gemm_min_rows is not checked either)
     gemm_min_flops: int | None = field(default=None, metadata=_env(
         "AMPFX_GEMM_MIN_FLOPS", "int_or_auto", "GEMMs under this many forward FLOPs stay float32, where the low dtype "
-        "is slower (default auto: the device's break-even, 16777216 on CPUs, 0 elsewhere; 0: every GEMM low)",
+        "is slower (default auto: the device's break-even, 16777216 on CPUs, 0 elsewhere; 0: every GEMM low, "
+        "gemm_min_rows too)",
         example="0", none="auto"))
+    #: weight GEMMs whose weight is used for fewer rows than this in one call stay float32 (rule cost:small-gemm):
+    #: casting the weight each way costs more than the arithmetic saved; None: the device's (64 on CPUs, 0
+    #: elsewhere); 0: no such check (gemm_min_flops=0 turns both off)
+    gemm_min_rows: int | None = field(default=None, metadata=_env(
+        "AMPFX_GEMM_MIN_ROWS", "int_or_auto", "GEMMs whose weight is used for fewer rows (tokens, pixels times batch) "
+        "than this in one call stay float32 (default auto: the device's break-even, 64 on CPUs, 0 elsewhere; 0: no "
+        "such check)", example="0", none="auto"))
     #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
     pad: str = field(default="auto", metadata=_env(
         "AMPFX_PAD", "word", "GEMM padding to multiples of 8: auto (CUDA only, default), always, never"))
@@ -320,8 +329,9 @@ class Policy:
                 set_(self, fname, tuple(names))
         set_(self, "fp32_modules", module_match.entries(self.fp32_modules))
         set_(self, "tuned", _tuned_pairs(self.tuned))
-        if isinstance(self.gemm_min_flops, str) and self.gemm_min_flops.strip().lower() == "auto":
-            set_(self, "gemm_min_flops", None)  # the device's break-even, as AMPFX_GEMM_MIN_FLOPS=auto
+        for name in ("gemm_min_flops", "gemm_min_rows"):  # "auto": the device's break-even, as in the variables
+            if isinstance(getattr(self, name), str) and getattr(self, name).strip().lower() == "auto":
+                set_(self, name, None)
         _set_fp8(self)
         _check_fields(self)
         set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))

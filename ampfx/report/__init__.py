@@ -228,21 +228,21 @@ class Report:
 
     def _small_gemm_lines(self) -> list[str]:
         """The summary's line for the GEMM nodes kept float32 as under the device's break-even (rule
-        ``cost:small-gemm``), with that break-even and the switch that lowers them; nothing where there are none.
+        ``cost:small-gemm``), with the switch that lowers them; nothing where there are none.
 
         >>> import torch, ampfx
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         >>> amp = ampfx.convert(m, "bf16", example_inputs=torch.randn(8, 16), gemm_min_flops=10_000)
         >>> print(amp.ampfx_report._small_gemm_lines()[0])
-          small GEMMs: 2 GEMM nodes stay float32, under 10,000 FLOPs a call, the break-even of bfloat16 GEMMs set by gemm_min_flops (float32 is faster there; gemm_min_flops=0 / AMPFX_GEMM_MIN_FLOPS=0 lowers them)
+          small GEMMs: 2 GEMM nodes stay float32, under the break-even of bfloat16 GEMMs (float32 is faster there; each reason says why; gemm_min_flops=0 / AMPFX_GEMM_MIN_FLOPS=0 lowers them)
         """
         small = [r for r in self.records if r.rule is Rule.COST_SMALL_GEMM]
         if not small:
             return []
-        threshold, where = small[0].reason.split(" FLOPs a call, under ", 1)[-1].split(": float32")[0].split(", ", 1)
-        return [f"  small GEMMs: {len(small)} GEMM node{'s' if len(small) > 1 else ''} stay{'' if len(small) > 1 else 's'} "
-                f"float32, under {threshold} FLOPs a call, {where} "
-                "(float32 is faster there; gemm_min_flops=0 / AMPFX_GEMM_MIN_FLOPS=0 lowers them)"]
+        n = len(small)
+        return [f"  small GEMMs: {n} GEMM node{'s stay' if n > 1 else ' stays'} float32, under the break-even of "
+                f"{dtype_name(self.dtype)} GEMMs (float32 is faster there; each reason says why; gemm_min_flops=0 / "
+                "AMPFX_GEMM_MIN_FLOPS=0 lowers them)"]
 
     def _gemm_lines(self) -> list[str]:
         """The summary's line for GEMMs that do not run in the low dtype inside nodes whose op is not a GEMM

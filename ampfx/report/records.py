@@ -145,8 +145,9 @@ class Rule(str, enum.Enum):
     SHAPE_SIZE_UNKNOWN = "shape:size-unknown", _about(
         "a reduction whose size is unknown (no example_inputs, or a symbolic range): float32")
     COST_SMALL_GEMM = "cost:small-gemm", _about(
-        "a GEMM whose forward floating-point operations are under the device's break-even for the low dtype "
-        "(Policy.gemm_min_flops): float32 is faster there and needs no casts", word="small GEMM")
+        "a GEMM whose forward floating-point operations are under the device's break-even for the low dtype, or whose "
+        "weight is used for fewer rows a call (Policy.gemm_min_flops, gemm_min_rows): float32 is faster there and "
+        "needs no casts", word="small GEMM")
     CALIBRATION_OVERFLOW = "calibration:overflow", _about(
         "calibration saw this node's output or gradient exceed the low dtype's range")
     CALIBRATION_SENSITIVE = "calibration:sensitive", _about(

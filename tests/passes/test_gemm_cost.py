@@ -61,7 +61,7 @@ def test_a_gemm_under_the_break_even_stays_float32_and_says_why():
 def test_the_break_even_comes_from_the_device_and_zero_lowers_every_gemm(monkeypatch):
     """Not given, the break-even is the device type's table entry (a CPU's here, none for cuda); 0 lowers every
     GEMM whatever the device."""
-    monkeypatch.setattr(table, "BREAK_EVEN", {"cpu": 20_000})
+    monkeypatch.setattr(table, "BREAK_EVEN", {"cpu": table.BreakEven(20_000, 0)})
     gm, _ = run(Mixed(), INPUTS, **COST)
     assert [rec(gm, n).rule for n in ("small", "conv", "large")] == ["cost:small-gemm", "cost:small-gemm", "table"]
     assert "the break-even of bfloat16 GEMMs on cpu" in rec(gm, "small").reason
@@ -151,7 +151,7 @@ def test_under_fp8_the_device_break_even_is_not_applied_and_forced_fp8_linears_a
     break-even given, a linear fp8_modules names still stays low (FP8 rides on it) while the others go float32."""
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     x = torch.randn(16, 32)
-    table.BREAK_EVEN["cpu"] = 10**9
+    table.BREAK_EVEN["cpu"] = table.BreakEven(10**9, 0)
     try:
         amp = ampfx.convert(model, "bf16", example_inputs=(x,), fp8="tensorwise", fp8_roofline="none")
     finally:
@@ -184,3 +184,55 @@ def test_attention_modules_transposed_convolutions_keyword_operands_and_projecti
     assert got == {"attn": 2 * (tokens * 3 * 8 * 8 + tokens * 8 * 8) + 4 * tokens * 5 * 8,
                    "up": 2 * (4 * 6 * 6) * (2 * 3 * 3), "mm": 2 * 3 * 2 * 7,
                    "lstm": 2 * tokens * (4 * 16 * 8 + 4 * 16 * 4 + 4 * 16)}
+
+
+def test_a_weight_used_for_few_rows_stays_float32_and_a_product_of_activations_is_decided_by_its_flops():
+    """gemm_min_rows=16: the linear's weight (16x16) is used for 8 rows a call (F / 2W = 4,096 / 512), under 16:
+    float32, the reason gives the rows; the batched product has no weight and stays low; gemm_min_rows=0 turns the
+    check off, and gemm_min_flops=0 turns the whole rule off whatever the rows."""
+    gm, _ = run(Mixed(), INPUTS, gemm_min_flops=1, gemm_min_rows=16, **COST)
+    small = rec(gm, "small")
+    assert small.rule == "cost:small-gemm" and "used for 8 rows a call, under 16" in small.reason, small.reason
+    assert rec(gm, "matmul").rule == "table"
+    assert rec(gm, "large").rule == "cost:small-gemm"  # 512x16 weight, also 8 rows
+    gm, _ = run(Mixed(), INPUTS, gemm_min_flops=1, gemm_min_rows=0, **COST)
+    assert rec(gm, "small").rule == "table"
+    gm, _ = run(Mixed(), INPUTS, gemm_min_flops=0, gemm_min_rows=16, **COST)
+    assert rec(gm, "small").rule == "table"
+
+
+def test_a_product_with_a_parameter_counts_its_rows_and_symbolic_weights_are_written_with_their_bound():
+    """``addmm(b, x, W)`` with W a parameter (Hugging Face's Conv1D) has a weight: 8 rows, under 16, float32 like
+    the same linear; attention's own products are not counted as rows of its module's weights; a weight whose
+    size is symbolic is written as its expression."""
+    class Conv1D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.zeros(32))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight)
+
+    gm, _ = run(Conv1D(), (torch.randn(8, 16),), gemm_min_flops=1, gemm_min_rows=16, **COST)
+    assert "used for 8 rows a call" in rec(gm, "addmm").reason
+    attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    gm, _ = run(Attend(), (torch.randn(2, 40, 8),), **COST)
+    mha = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert gemm_cost.work(mha, gm).rows == 80  # its 2 x 40 tokens, whatever the sequence length
+    class Linear(nn.Module):
+        def forward(self, x, w):
+            return F.linear(x, w)
+
+    amp = ampfx.convert(Linear(), "bf16", example_inputs=(torch.randn(8, 16), torch.randn(32, 16)),
+                        dynamic_dims={1: "k"}, gemm_min_flops=1, gemm_min_rows=16)
+    d = next(r for r in amp.ampfx_report.records if r.op == "linear")
+    assert d.rule == "cost:small-gemm" and "weight elements used for 8 rows" in d.reason and "k" in d.reason, d.reason
