@@ -48,9 +48,9 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, numel, out_infos, record
 from ..ops import Category, gemm_cost
+from ..policy.decide import matched_at
 from ..report.records import CastInfo, Decision, Rule
 from .context import PassContext
-from ..policy.decide import matched_at
 from .nodes import attr_of, operand_shape
 
 
