@@ -49,9 +49,9 @@ from .. import ops
 from ..meta import RECORD, numel, out_infos, record
 from ..ops import Category, gemm_cost
 from ..policy.decide import matched_at
-from ..report.records import CastInfo, Decision, Rule
+from ..report.records import Decision, Rule
 from .context import PassContext
-from .nodes import attr_of, operand_shape
+from .nodes import attr_of, operand_shape, uncast
 
 
 def _prod(sizes: Any) -> Any:
@@ -129,9 +129,7 @@ def _convolution(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
 def _parameter(arg: Any, gm: fx.GraphModule) -> Any:
     """The elements of ``arg`` where it is a parameter or buffer the graph reads (through the casts ampfx
     inserted), else ``None``: a product of two activations has no weight."""
-    src = arg
-    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
-        src = src.args[0]
+    src = uncast(arg)
     if not (isinstance(src, fx.Node) and src.op == "get_attr"):
         return None
     obj = attr_of(gm, str(src.target))

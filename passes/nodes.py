@@ -189,12 +189,17 @@ def is_linear_call(node: fx.Node) -> bool:
     return name in ops.ENTRIES and ops.ENTRIES[name].fp8 and linear_shaped(node)
 
 
+def uncast(arg: Any) -> Any:
+    """The value an operand reads before the casts ampfx inserted (a padded one too)."""
+    while isinstance(arg, fx.Node) and isinstance(record(arg), CastInfo) and arg.args:
+        arg = arg.args[0]
+    return arg
+
+
 def operand_shape(arg: Any, gm: fx.GraphModule) -> tuple | None:
     """An operand's sizes before conversion: a parameter's own, or from shape propagation, through the casts ampfx
     inserted (a padded one too); ``None`` where unknown."""
-    src = arg
-    while isinstance(src, fx.Node) and isinstance(record(src), CastInfo) and src.args:
-        src = src.args[0]
+    src = uncast(arg)
     if not isinstance(src, fx.Node):
         return None
     if src.op == "get_attr":
