@@ -73,7 +73,8 @@ class Fp8Stats:
     """What calibration saw of a linear layer's GEMM run in FP8 (``fp8=``; maxima over all batches): the largest
     magnitudes of its input and weight, the relative difference of its FP8 output from its output in the low dtype,
     the share of the input's nonzero values that quantise to zero, and under delayed scaling the share of a batch's
-    input values past the largest amax of the batches before it (those saturate; 0 under current scaling)."""
+    input values past the largest amax of the batches before it (a call with such values is scaled by its own amax
+    rather than the history's; 0 under current scaling)."""
 
     amax_input: float = 0.0
     amax_weight: float = 0.0
@@ -125,7 +126,7 @@ def record(gm: fx.GraphModule, batches: Iterable[Any], loss_fn: Callable[[Any], 
                 before = eight.get(n, {}).get("amax_input")
                 for key, value in (_fp8_stats(args, low, spec) or {}).items():
                     note(n, key, value, eight)
-                if delayed and before is not None and n in eight:  # scaled by the batches before: past it saturates
+                if delayed and before is not None and n in eight:  # past the batches before: scaled by its own amax
                     note(n, "saturated", float((args[0].detach().abs() > before).float().mean()), eight)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():

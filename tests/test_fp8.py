@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 import warnings
 
@@ -484,14 +485,14 @@ def test_delayed_scaling_keeps_an_amax_history_per_fp8_linear_that_copies_pickle
     assert isinstance(history, AmaxHistory) and not history.values.any()  # converting recorded nothing
     amp(x).float().square().mean().backward()
     recorded = lambda h: int((h.values != 0).sum())  # noqa: E731
-    assert recorded(history) == 3
+    assert recorded(history) == 2  # input and output gradient
     for other in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
         theirs = getattr(other, calls[0].args[4].target)
         assert theirs is not history and torch.equal(theirs.values, history.values)
         other(x).float().square().mean().backward()
-        assert recorded(theirs) == 6 and recorded(history) == 3
+        assert recorded(theirs) == 4 and recorded(history) == 2
     torch.compile(amp, backend="aot_eager")(x).float().square().mean().backward()
-    assert recorded(history) == 6
+    assert recorded(history) == 4
 
     def train(fp8):
         torch.manual_seed(1)
@@ -519,7 +520,7 @@ def test_calibration_under_delayed_scaling_counts_the_input_values_that_saturate
     delayed = ampfx.convert(Mlp(), fp8=Recipe("delayed4", rowwise=False, amax_history=4), **options)
     hidden = {r.module: r.fp8 for r in _gemm_rows(delayed)}["hidden"]
     assert 0 < hidden.saturated < 1
-    assert "delayed scaling saturates up to" in delayed.ampfx_report.fp8_lines()[1]
+    assert "of an input past its history (scaled by its own amax)" in delayed.ampfx_report.fp8_lines()[1]
     current = ampfx.convert(Mlp(), **options, fp8="tensorwise")
     assert {r.module: r.fp8 for r in _gemm_rows(current)}["hidden"].saturated == 0
 
@@ -542,7 +543,7 @@ def test_delayed_scaling_compiled_first_checkpointed_and_evaluated_records_as_it
     compiled = torch.compile(amp, backend="aot_eager")
     for i in range(3):
         compiled(x * (i + 1)).float().square().mean().backward()
-    assert int((history(amp).values != 0).sum()) == 9 and not history(amp).values.requires_grad
+    assert int((history(amp).values != 0).sum()) == 6 and not history(amp).values.requires_grad
 
     torch.manual_seed(0)
     plain, again = Mlp(), Mlp()
@@ -580,3 +581,126 @@ def test_calibration_reads_a_bias_given_by_keyword():
     amp = ampfx.convert(Biased(), example_inputs=(batches[0],), calibrate=batches, **EVERY_SIZE)
     linear = next(r.fp8 for r in _gemm_rows(amp) if r.fp8 is not None and r.fp8.rule is Fp8Rule.FP8)
     assert linear.error < 0.01
+
+
+class Deep(nn.Module):
+    """Six linears: the four in the middle run in FP8 (the first and last stay in the low dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = F.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+def _relative(y, want):
+    return float((y.detach().float() - want.detach()).norm() / want.detach().norm())
+
+
+def _delayed_deep(seed=0):
+    from ampfx.policy.fp8 import Recipe
+    torch.manual_seed(seed)
+    model = Deep()
+    options = dict(fp8=Recipe("delayed8", rowwise=False, amax_history=8), fp8_roofline="none", keep_modules="none")
+    amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(16, 32),), **options)
+    assert len(_fp8_calls(amp)) == 4
+    return model, amp, options
+
+
+def _steps(amp, model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x in batches:
+        opt.zero_grad()
+        amp(x).float().square().mean().backward()
+        opt.step()
+
+
+def test_delayed_scaling_after_load_state_dict_of_larger_weights_matches_a_fresh_conversion():
+    """Rule: weights written after training steps (load_state_dict of a checkpoint whose weights are larger) are
+    scaled by their own values at the next call, and inputs that grew past the history are scaled by their own
+    amax: evaluation under no_grad is as close to float32 as a fresh conversion of the loaded weights."""
+    model, amp, options = _delayed_deep()
+    _steps(amp, model, [torch.randn(16, 32) for _ in range(3)])
+    checkpoint = {k: v * 8 for k, v in model.state_dict().items()}
+    amp.load_state_dict(checkpoint)
+    amp.eval()
+    reference, fresh_model = Deep(), Deep()
+    reference.load_state_dict(checkpoint)
+    fresh_model.load_state_dict(checkpoint)
+    fresh = ampfx.convert(fresh_model.eval(), "bf16", example_inputs=(torch.randn(16, 32),), **options)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        want = reference.eval()(x)
+        ours, theirs = _relative(amp(x), want), _relative(fresh(x), want)
+        again = _relative(amp(x), want)
+    assert ours < 0.1 and ours <= theirs * 1.5 + 0.01 and again == ours
+
+
+def test_delayed_scaling_after_an_in_place_reinitialisation_matches_a_fresh_conversion():
+    """Rule: a layer re-initialised in place under no_grad (nn.init) after training steps is scaled by its new
+    values at the next training call: its output is as close to float32 as a fresh conversion's."""
+    model, amp, options = _delayed_deep()
+    _steps(amp, model, [torch.randn(16, 32) for _ in range(3)])
+    with torch.no_grad():
+        nn.init.normal_(model.layers[2].weight, std=1.0)  # ten times its initial spread
+    reference = copy.deepcopy(model)
+    fresh_model = copy.deepcopy(model)
+    fresh = ampfx.convert(fresh_model, "bf16", example_inputs=(torch.randn(16, 32),), **options)
+    x = torch.randn(16, 32)
+    want = reference(x)
+    ours, theirs = _relative(amp(x), want), _relative(fresh(x), want)
+    assert ours < 0.1 and ours <= theirs * 1.5 + 0.01
+
+
+def test_delayed_scaling_under_checkpointing_with_two_forwards_before_one_backward():
+    """Rule: with activation checkpointing, two forwards (two views of a batch) before one backward give the
+    gradients and history of the same steps without checkpointing: each recompute scales as its own forward did."""
+    from torch.utils.checkpoint import checkpoint
+    plain_model, plain, _ = _delayed_deep()
+    ckpt_model, ckpt, _ = _delayed_deep()
+    history = lambda amp: [v.values for k, v in sorted(vars(amp).items()) if k.startswith("_ampfx_fp8_amax")]  # noqa: E731
+    torch.manual_seed(3)
+    for step in range(3):
+        a, b = torch.randn(16, 32) * (step + 1), torch.randn(16, 32) * (3 - step)
+        (plain(a).float().square().mean() + plain(b).float().square().mean()).backward()
+        (checkpoint(ckpt, a, use_reentrant=False).float().square().mean()
+         + checkpoint(ckpt, b, use_reentrant=False).float().square().mean()).backward()
+        for p, q in zip(plain_model.parameters(), ckpt_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    assert all(torch.equal(h, k) for h, k in zip(history(plain), history(ckpt)))
+
+
+def test_delayed_scaling_shows_an_overflow_and_the_bad_batch_does_not_poison_the_history():
+    """Rule: a corrupt batch (a finite row of 1e25) gives a non-finite loss, as float32 does, where saturation would
+    give a finite one; its amax does not enter the history (its gradients are not finite), so the clean steps after
+    it equal those of a run that never saw it."""
+    torch.manual_seed(4)
+    batches = [torch.randn(16, 32) for _ in range(8)]
+    bad = batches[3].clone()
+    bad[0] = 1e25
+    reference = Deep()
+    losses = {}
+    for name, with_bad in (("clean", False), ("bad", True)):
+        model, amp, _ = _delayed_deep(seed=5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        seen = []
+        for i, x in enumerate(batches):
+            if with_bad and i == 4:
+                reference.load_state_dict(model.state_dict())
+                assert not torch.isfinite(reference(bad).float().square().mean())  # float32: not finite
+                opt.zero_grad()
+                loss = amp(bad).float().square().mean()
+                assert not torch.isfinite(loss)
+                loss.backward()  # as with GradScaler: the backward runs, the step is skipped
+                assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.zero_grad()
+            loss = amp(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            seen.append(loss.item())
+        losses[name] = seen
+    assert all(math.isfinite(v) for v in losses["bad"])
+    assert losses["bad"] == losses["clean"]

@@ -79,10 +79,11 @@ def test_shapes_the_gpu_kernel_refuses_are_computed_from_the_dequantised_operand
     assert _kernel_takes(torch.empty(16, 32), rows, torch.empty(32, 16), torch.bfloat16)
 
 
-def test_delayed_scaling_scales_by_the_amax_of_the_calls_before_and_saturates_past_it():
-    """Rule: under delayed scaling the first call equals current scaling; later calls scale input, weight and output
-    gradient by the largest amax of the calls before them (recorded, newest first), so a call whose input grew
-    saturates where current scaling would not; forward and gradients equal float32 of operands quantised so."""
+def test_delayed_scaling_scales_by_the_calls_before_never_clips_and_weights_by_their_own():
+    """Rule: under delayed scaling the first call equals current scaling; later calls scale the input and output
+    gradient by the largest amax of the training calls before them, or by their own where larger (a value past the
+    history is never clipped); the weight is scaled by its own amax at every call; a call records its input's and
+    gradient's amax when its backward runs; forward and gradients equal float32 of operands quantised so."""
     from ampfx.policy.fp8 import Recipe
     from ampfx.runtime.fp8 import AmaxHistory
     torch.manual_seed(2)
@@ -90,21 +91,44 @@ def test_delayed_scaling_scales_by_the_amax_of_the_calls_before_and_saturates_pa
     w = torch.randn(16, 32, requires_grad=True)
     x, g = torch.randn(6, 32), torch.randn(6, 16)
     history = AmaxHistory(4)
-    torch.testing.assert_close(linear(x, w, None, delayed, history), linear(x, w, None, current), rtol=0, atol=0)
-    assert history.values[:2, 0].tolist() == [x.abs().max().item(), w.detach().abs().max().item()]
+    first = linear(x.requires_grad_(), w, None, delayed, history)
+    torch.testing.assert_close(first, linear(x.detach(), w.detach(), None, current), rtol=0, atol=0)
+    assert not history.values.any()  # recorded when the backward runs
+    first.backward(g)
+    assert history.values[:, 0].tolist() == [x.abs().max().item(), g.abs().max().item()]
 
-    big = (x * 4).requires_grad_()  # grew past the range the history gives: saturates
-    y = linear(big, w, None, delayed, history)
-    y.backward(g)
-    ax, aw = x.abs().max(), w.detach().abs().max()
-    assert history.values[0, :2].tolist() == [big.abs().max().item(), ax.item()]
-    assert history.values[2, 0].item() == g.abs().max().item()  # the backward recorded the gradient's
-    want_y = _dq(*quantize(big.detach(), E4M3, None, amax=ax)) @ _dq(*quantize(w.detach(), E4M3, None, amax=aw)).t()
-    torch.testing.assert_close(y, want_y, rtol=0, atol=0)
-    assert not torch.allclose(y, linear(big.detach(), w.detach(), None, current), atol=1e-3)
-    assert quantize(big.detach(), E4M3, None, amax=ax)[0].float().abs().max() == 448  # saturated
-    want_gx = _dq(*quantize(g, E5M2, None)) @ _dq(*quantize(w.detach(), E4M3, None, amax=aw))  # no gradient before
-    torch.testing.assert_close(big.grad, want_gx, rtol=0, atol=0)
+    ax = x.detach().abs().max()
+    small = (x.detach() / 4).requires_grad_()  # smaller than the history: scaled by the history's amax
+    y = linear(small, w, None, delayed, history)
+    want = _dq(*quantize(small.detach(), E4M3, None, amax=ax)) @ _dq(*quantize(w.detach(), E4M3, None)).t()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    y.backward(g / 8)
+    want_gx = _dq(*quantize(g / 8, E5M2, None, amax=g.abs().max())) @ _dq(*quantize(w.detach(), E4M3, None))
+    torch.testing.assert_close(small.grad, want_gx, rtol=0, atol=0)
+
+    big = (x.detach() * 1e6).requires_grad_()  # past the history: scaled by its own amax, nothing clipped
+    torch.testing.assert_close(linear(big, w, None, delayed, history), linear(big.detach(), w.detach(), None, current),
+                               rtol=0, atol=0)
+    with torch.no_grad():
+        w.mul_(1e4)  # a weight written: scaled by its new values at once
+    torch.testing.assert_close(linear(x.detach(), w, None, delayed, history),
+                               linear(x.detach(), w.detach(), None, current), rtol=0, atol=0)
+
+
+def test_delayed_scaling_learns_nothing_from_a_step_whose_gradients_are_not_finite():
+    """Rule: a call whose input or output gradient has a non-finite amax records nothing (the step GradScaler
+    would skip), and one whose backward never runs records nothing."""
+    from ampfx.policy.fp8 import Recipe
+    from ampfx.runtime.fp8 import AmaxHistory
+    delayed = Recipe("delayed4", rowwise=False, amax_history=4)
+    w = torch.randn(16, 32, requires_grad=True)
+    history = AmaxHistory(4)
+    linear(torch.randn(6, 32), w, None, delayed, history).backward(torch.full((6, 16), float("nan")))
+    linear(torch.randn(6, 32), w, None, delayed, history)  # no backward
+    assert not history.values.any()
+    x = torch.randn(6, 32)
+    linear(x, w, None, delayed, history).backward(torch.ones(6, 16))
+    assert history.values[:, 0].tolist() == [x.abs().max().item(), 1.0] and not history.values[:, 1:].any()
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -33,8 +33,8 @@ class Recipe:
     dtypes of the forward operands and of the gradients (by name: ``"float8_e4m3fn"``, ``"float8_e5m2"``);
     ``power_of_2_scales``: each scale rounded up to a power of two (exact to multiply by); ``amax_history``: 0 for
     current scaling (each call scales by its operands' own amax), N for delayed scaling (tensorwise only): each call
-    scales by the largest amax of the layer's last N calls, and values past the range that gives saturate
-    (:class:`ampfx.runtime.fp8.AmaxHistory`).
+    scales its input and output gradient by the largest amax of the layer's last N training calls, or by its own
+    where that is larger (nothing is clipped), and its weight by its own (:class:`ampfx.runtime.fp8.AmaxHistory`).
 
     >>> Recipe("delayed", rowwise=False, amax_history=16).amax_history
     16

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ from typing import Any, Iterable
 
 import torch
 
+from ..errors import PathError
 from ..ops import ENTRIES, Category
+from ..paths import check_writable
 from .html import render
 from .records import COMPUTE, dtype_name, Rule, Decision, CastInfo, Part, AutocastDiff, computes_in
 
@@ -339,8 +342,19 @@ class Report:
         ``steps/<graph>/NN_<step>.py``, ``<graph>`` ``root`` for the model's), and ``report.html``,
         the graph as a picture (:meth:`html`). ``graph_before*.py`` / ``graph_after*.py`` and
         ``steps/*/*.py`` files left by an earlier save are removed first; nothing else in
-        ``directory`` is touched."""
-        out = Path(directory)
+        ``directory`` is touched. A directory that cannot be written (or made) is a
+        :class:`~ampfx.errors.PathError` naming it, raised before anything is written."""
+        what = f"Report.save({str(directory)!r})" if isinstance(directory, (str, os.PathLike)) else \
+            f"Report.save({directory!r})"
+        out = check_writable(directory, what, directory=True)
+        try:
+            self._write(out)
+        except OSError as e:
+            raise PathError(f"{what}: cannot write the report there ({e.strerror or e})") from None
+        return out
+
+    def _write(self, out: Path) -> None:
+        """:meth:`save`'s files, written in ``out``."""
         out.mkdir(parents=True, exist_ok=True)
         for stale in [*out.glob("graph_before*.py"), *out.glob("graph_after*.py"), *out.glob("steps/*/*.py")]:
             stale.unlink()  # an older report's parts: only the files save() itself writes
@@ -364,7 +378,6 @@ class Report:
             for i, (step, code) in enumerate(steps):
                 (folder / f"{i:02d}_{step}.py").write_text(code)
         (out / "report.html").write_text(self.html(), encoding="utf-8")
-        return out
 
     def html(self) -> str:
         """One self-contained HTML page showing the rewritten graph: nodes coloured
@@ -429,5 +442,5 @@ def _fp8_calibration_line(rows: list[Any]) -> list[str]:
     return [f"  FP8 in calibration ({len(seen)} of {len(rows)} GEMM nodes): output error against the low dtype "
             f"{min(r.fp8.error for r in seen):.3g}-{worst.fp8.error:.3g} (largest {worst.node}), amax input <= "
             f"{most('amax_input')}, weight <= {most('amax_weight')}, output gradient <= {most('amax_grad')}"
-            + (f"; delayed scaling saturates up to {most('saturated')} of an input"
+            + (f"; delayed scaling: up to {most('saturated')} of an input past its history (scaled by its own amax)"
                if any(r.fp8.saturated for r in seen) else "")]

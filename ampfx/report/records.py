@@ -265,7 +265,8 @@ class Fp8Decision:
     each call's scales are made (tensorwise: ``amax / 448`` for the e4m3 operands, ``amax / 57344`` for the e5m2
     gradient); ``error``, the relative difference of the FP8 output from the low dtype's (``|y_fp8 - y| / |y|``);
     ``underflow``, the share of the input's nonzero values that quantise to zero; ``saturated``, under delayed
-    scaling, the largest share of a batch's input values past the amax of the batches before it."""
+    scaling, the largest share of a batch's input values past the amax of the batches before it (where delayed
+    scaling would clip them; ampfx scales such a call by its own amax)."""
 
     recipe: str
     rule: Fp8Rule

@@ -77,46 +77,87 @@ def _kernel_takes(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, out_d
 
 
 class AmaxHistory:
-    """Delayed scaling's state for one FP8 linear layer (a recipe with ``amax_history``): the amax of its input,
-    weight and output gradient over its last ``length`` calls with gradients, a row each, newest first. Each call
-    scales an operand by the largest amax of the calls before it (the first call by its own), then records its
-    own. A call without gradients (evaluation) reads the history and records nothing; activation checkpointing's
-    recompute, inside the backward, scales as the forward it repeats did and records nothing. The converted graph
-    module holds one per FP8 linear (copied and pickled with it); its values follow the operands to their device
-    at an eager call.
+    """Delayed scaling's state for one FP8 linear layer (a recipe with ``amax_history``): the amax of its input and
+    of its output gradient over its last ``length`` training calls, a row each, newest first.
+
+    - **What a call is scaled by.** An input or output gradient is scaled by the largest amax of the calls before
+      it, or by its own where that is larger: a value past the history's range is never clipped to it, so an
+      overflow shows as it does in float32 (an infinite loss), never as a finite, wrong one. The first call scales
+      by its own amax. The weight is scaled by its own amax at every call (current scaling, as torchao and
+      Transformer Engine practise for weights): a weight written in any way (an optimizer step,
+      ``load_state_dict``, ``nn.init``, ``.data``) is scaled by its new values at the next call.
+    - **What is recorded.** A call's amaxes enter the history when its backward runs, and only when they and the
+      gradients it computes are finite (a step whose gradients are not finite, the step ``GradScaler`` skips,
+      teaches it nothing; neither does a call whose loss never reaches ``backward()``). Calls without gradients (evaluation) read it and record nothing.
+    - **Checkpointing.** Activation checkpointing's recompute, inside the backward, scales as the forward it
+      repeats did, whatever ran between them (two forwards before one backward): each training forward leaves
+      its input's amax and the scale it used among ``pending``, which the recompute finds by that amax (the
+      recompute reads the same values) and the backward clears.
+
+    The converted graph module holds one per FP8 linear (copied and pickled with it); its tensors follow the
+    operands to their device at an eager call.
 
     >>> h = AmaxHistory(2)
-    >>> [float(h.amax(0, torch.tensor([v]))) for v in (3.0, 1.0, 2.0, 0.5)]
-    [3.0, 3.0, 3.0, 2.0]
+    >>> [float(h.scale_amax(0, torch.tensor([v]), record=False, recompute=False)[0]) for v in (3.0, 1.0)]
+    [3.0, 1.0]
+    >>> h.commit(torch.tensor(3.0), torch.tensor(5.0))   # a backward: input amax 3, gradient amax 5
+    >>> [float(h.scale_amax(0, torch.tensor([v]), record=False, recompute=False)[0]) for v in (1.0, 4.0)]
+    [3.0, 4.0]
+    >>> h.commit(torch.tensor(float("inf")), torch.tensor(1.0))   # not finite: not recorded
+    >>> h.values.tolist()
+    [[3.0, 0.0], [5.0, 0.0]]
     """
 
-    INPUT, WEIGHT, GRAD = 0, 1, 2
+    INPUT, GRAD = 0, 1
+    PENDING = 32
+    """How many training forwards' scales are kept for a recompute (those whose backward never ran drop out)."""
 
     def __init__(self, length: int) -> None:
         self.length = length
-        # one column more than the history: a recompute reads the columns the forward it repeats read
-        self.values = torch.zeros(3, length + 1)
+        self.values = torch.zeros(2, length)
+        self.pending = torch.full((2, self.PENDING), -1.0)  # row 0: a forward's input amax, row 1: what it used
 
-    def amax(self, row: int, x: torch.Tensor, record: bool = True, recompute: bool = False) -> torch.Tensor:
-        """The amax to scale ``x`` by (row ``row``: :attr:`INPUT`, :attr:`WEIGHT`, :attr:`GRAD`); ``x``'s own is
-        recorded with ``record``; ``recompute``: the call repeats the forward that recorded last (read what it
-        read)."""
+    def _follow(self, like: torch.Tensor) -> None:
+        if self.values.device != like.device and not is_compiling():
+            self.values, self.pending = self.values.to(like.device), self.pending.to(like.device)
+
+    def scale_amax(self, row: int, x: torch.Tensor, record: bool,
+                   recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(used, current)``: the amax to scale ``x`` by (row ``row``: :attr:`INPUT` or :attr:`GRAD`) and ``x``'s
+        own. ``record``: a training forward (its scale kept for a recompute); ``recompute``: a checkpointed
+        forward run again inside the backward (the scale its forward used, where it is kept)."""
         with torch.no_grad():
             current = x.detach().abs().amax().float()
-            if self.values.device != current.device and not is_compiling():
-                self.values = self.values.to(current.device)
-            values = self.values
-            past = (values[row, 1:] if recompute else values[row, :-1]).max()
-            used = torch.where(past > 0, past, current)
-            if record and not recompute:
-                values[row].copy_(torch.roll(values[row], 1))
-                values[row, 0] = current
-        return used
+            self._follow(current)
+            used = torch.maximum(self.values[row].max(), current)
+            if row == self.INPUT and recompute:
+                hit = self.pending[0] == current
+                used = torch.where(hit.any(), self.pending[1][hit.int().argmax()], used)
+            elif row == self.INPUT and record:
+                self.pending.copy_(torch.roll(self.pending, 1, dims=1))
+                self.pending[0, 0], self.pending[1, 0] = current, used
+        return used, current
+
+    def commit(self, input_amax: torch.Tensor, grad_amax: torch.Tensor, *grads: torch.Tensor | None) -> None:
+        """A training call's backward: record its input's and output gradient's amax where both are finite, and so
+        are the gradients ``grads`` it computed, and drop its forward's kept scale."""
+        with torch.no_grad():
+            self._follow(input_amax)
+            ok = torch.isfinite(input_amax) & torch.isfinite(grad_amax)
+            for g in grads:
+                if g is not None:
+                    ok = ok & torch.isfinite(g).all()
+            for row, value in ((self.INPUT, input_amax), (self.GRAD, grad_amax)):
+                shifted = torch.cat([value.reshape(1).to(self.values.dtype), self.values[row, :-1]])
+                self.values[row].copy_(torch.where(ok, shifted, self.values[row]))
+            hit = self.pending[0] == input_amax
+            first = hit & (hit.cumsum(0) == 1)
+            self.pending[0].masked_fill_(first, -1.0)
 
     @staticmethod
     def call() -> tuple[bool, bool]:
-        """``(record, recompute)`` for a forward called now: it records when gradients are on, and is a recompute
-        inside the backward (activation checkpointing)."""
+        """``(record, recompute)`` for a forward called now: it is a training forward when gradients are on, and a
+        recompute inside the backward (activation checkpointing)."""
         recompute = torch._C._current_graph_task_id() != -1
         return torch.is_grad_enabled() and not recompute, recompute
 
@@ -132,13 +173,14 @@ class _Linear(torch.autograd.Function):
                 call: tuple[bool, bool]) -> torch.Tensor:
         rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
         forward, p2 = getattr(torch, recipe.forward), recipe.power_of_2_scales
-        ax = aw = None
+        ax = aw = seen = None
         if history is not None:  # delayed scaling: the backward quantises x and w as this forward does
-            ax, aw = history.amax(AmaxHistory.INPUT, x, *call), history.amax(AmaxHistory.WEIGHT, w, *call)
+            ax, seen = history.scale_amax(AmaxHistory.INPUT, x, *call)
+            aw = w.detach().abs().amax().float()  # the weight: its own amax at every call
         qx, sx = quantize(x, forward, rows, p2, ax)
         qw, sw = quantize(w, forward, rows, p2, aw)
         ctx.save_for_backward(x, w)
-        ctx.recipe, ctx.history, ctx.amax = recipe, history, (ax, aw)
+        ctx.recipe, ctx.history, ctx.amax, ctx.seen = recipe, history, (ax, aw), seen
         return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
 
     @staticmethod
@@ -148,7 +190,9 @@ class _Linear(torch.autograd.Function):
         forward, backward = getattr(torch, recipe.forward), getattr(torch, recipe.backward)
         p2 = recipe.power_of_2_scales
         ax, aw = ctx.amax
-        ag = ctx.history.amax(AmaxHistory.GRAD, g) if ctx.history is not None else None
+        ag = seen_g = None
+        if ctx.history is not None:
+            ag, seen_g = ctx.history.scale_amax(AmaxHistory.GRAD, g, record=False, recompute=False)
         gx = gw = None
         if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: scaled along N
             qg, sg = quantize(g, backward, 1 if recipe.rowwise else None, p2, ag)
@@ -161,6 +205,8 @@ class _Linear(torch.autograd.Function):
                 qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2, ag)
                 qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2, ax)
                 gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
+        if ctx.history is not None:
+            ctx.history.commit(ctx.seen, seen_g, gx, gw)
         return gx, gw, None, None, None
 
 
