@@ -7,9 +7,22 @@ signals between the capture stages (a capture that failed takes the next rung) a
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+import sys
+import warnings
+from typing import Any, Iterable, Mapping
 
-from typing import Any
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line that called ampfx (the first frame outside ampfx, its passes
+    and the wrappers of its decorators), however deep inside a conversion it is said."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] in _THROUGH:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_THROUGH = ("ampfx", "contextlib", "functools")
+"""The modules :func:`warn_user` looks through: ampfx's and the wrappers of its decorators."""
 
 
 class PolicyError(ValueError):
@@ -54,6 +67,18 @@ class BakedValueError(GuardError):
     changed attribute (within ``reconvert_limit``); otherwise it raises this."""
 
 
+class PlanSizeError(BakedValueError):
+    """A call whose sizes cross a size-dependent dtype decision of the graph (:class:`ampfx.runtime.guards.Scale`):
+    planned again for them, as for a value the graph holds (within ``reconvert_limit``); where it cannot be, the
+    plan runs as it is (its numbers are right, only its speed was planned for other sizes)."""
+
+
+class PathError(ArgumentError, OSError):
+    """A path given to ampfx to write to (``Report.save``'s directory, ``log_path`` / ``AMPFX_LOG_PATH``, a plot's
+    file, an ``ampfx`` command's ``--out``) where nothing can be written: the message names the argument, the path
+    and what stands in the way. An :class:`ArgumentError` and an ``OSError``, so ``except OSError`` still works."""
+
+
 class ExampleInputsError(ValueError):
     """The model itself does not run on the ``example_inputs`` given to :func:`ampfx.convert`."""
 
@@ -95,6 +120,14 @@ class CLIError(Exception):
     """A bad command-line argument of the ``ampfx`` command; the message names it."""
 
 
+ENTRY_ERRORS = (PolicyError, UninitializedModelError)
+"""The user's mistakes a public entry point (:func:`ampfx.convert`, :func:`ampfx.tune`, :func:`ampfx.compare`,
+``Policy(...)``) finds before any work: a bad argument, option, policy file or ``AMPFX_*`` variable. The entry
+point raises them again from its own frame, without the frames inside ampfx that found them
+(``raise e.with_traceback(None) from None``): the traceback a script shows ends at the call the user wrote, the
+message first, as torch raises its own configuration errors."""
+
+
 # ---------------------------------------------------------------------- internal: between capture stages
 class RootUntraceable(RuntimeError):
     """The root module's own ``forward`` cannot be traced (:mod:`ampfx.capture.tracer`); ``steps`` says what
@@ -133,12 +166,18 @@ class NotReproduced(ValueError):
     """The captured graph does not run on the module's example inputs (:mod:`ampfx.rewrite`)."""
 
 
-def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6,
+                 written: Mapping[str, str] | None = None) -> str:
     """`` Did you mean 'x' or 'y'?`` for up to three close matches of ``word``, else ``""``: the
-    suffix every "unknown name" message of ampfx ends with.
+    suffix every "unknown name" message of ampfx ends with. ``written`` maps an option to what is
+    suggested for it (a class's short name to the name an entry writes), where that differs.
 
     >>> did_you_mean("softmx", ["softmax", "linear", "gelu"])
     " Did you mean 'softmax'?"
+    >>> did_you_mean("Blok", ["Block", "head"], written={"Block": "mypkg.Block"})
+    " Did you mean 'mypkg.Block'?"
     """
+    written = written or {}
     hits = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
+    hits = list(dict.fromkeys(written.get(h, h) for h in hits))
     return f" Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""

@@ -39,6 +39,7 @@ from .policy import module_match
 from .capture import export
 from .errors import ArgumentError, PolicyError, UninitializedModelError
 from .inputs import ExampleInputs
+from .paths import check_writable
 from .policy.names import did_you_mean, parse_dtype
 from .policy import INTERNAL, Policy, Resolved, from_env
 
@@ -130,6 +131,8 @@ def build(model: nn.Module, asked: Asked, *, caller: str = "convert",
                             "(like os.environ), or leave it out to read os.environ")
     dtype_given = dtype is not None or policy is not None  # else AMPFX_POLICY_FILE's dtype is taken
     policy = from_env(policy_of(caller, dtype, policy, given), environ, dtype_given=dtype_given)
+    if policy.log.log_path:  # the report is saved there at the end: a place that cannot take it fails first
+        check_writable(policy.log.log_path, log_path_name(policy), directory=True)
     resolved = resolve(model, policy)
     _check_initialised(model)
     if policy.log.disable:
@@ -148,6 +151,13 @@ def build(model: nn.Module, asked: Asked, *, caller: str = "convert",
     if dynamic_dims is not None and inputs is not None:
         guarding.check_dynamic_dims(dynamic_dims, inputs)
     return Request(policy, inputs, tracer, dynamic_dims, calib, resolved, mode)
+
+
+def log_path_name(policy: Policy) -> str:
+    """How a message names ``policy``'s report directory: the variable that set it (``AMPFX_LOG_PATH='run1/'``) or
+    the option (``log_path='run1/'``)."""
+    path = policy.log.log_path
+    return f"{'AMPFX_LOG_PATH' if dict(policy.env).get('AMPFX_LOG_PATH') else 'log_path'}={str(path)!r}"
 
 
 def resolve(model: nn.Module, policy: Policy) -> Resolved:

@@ -176,7 +176,7 @@ def test_bad_fp8_options_are_errors_naming_them(options, message):
 
 def test_a_misspelt_recipe_in_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv("AMPFX_FP8", "rowwize")
-    with pytest.raises(PolicyError, match=r"Did you mean 'rowwise'.*AMPFX_FP8=rowwize"):
+    with pytest.raises(PolicyError, match=r"AMPFX_FP8='rowwize': use tensorwise, rowwise.*Did you mean 'rowwise'"):
         ampfx.convert(Mlp())
 
 

@@ -161,7 +161,7 @@ def test_pad_env_and_errors():
     m, x = Head(), torch.randn(2, 602)
     rep = ampfx.convert(m, "bf16", example_inputs=(x,), environ={"AMPFX_PAD": "always", "AMPFX_PAD_MULTIPLE": "16"})
     assert "K=602 padded to 608, N=41 padded to 48" in rec(rep.ampfx_report, "linear")[0].reason
-    with pytest.raises(PolicyError, match="AMPFX_PAD=sometimes"):
+    with pytest.raises(PolicyError, match="AMPFX_PAD='sometimes'"):
         ampfx.convert(m, "bf16", environ={"AMPFX_PAD": "sometimes"})
     with pytest.raises(PolicyError, match="AMPFX_REDUCTION_THRESHOLD='lots'"):
         ampfx.convert(m, "bf16", environ={"AMPFX_REDUCTION_THRESHOLD": "lots"})

@@ -84,6 +84,9 @@ more than this (relative, on the batches) stays in the low dtype. Current scalin
 about 0.03-0.05 on ordinary activations (e4m3 keeps 3 mantissa bits); outliers that push most of a tensor's
 values into FP8's subnormals or to zero go past 0.1 (docs/fp8.md)."""
 
+GEMM_SOURCES = ("measure", "table")
+"""The words ``gemm_min_flops`` takes besides a number and ``auto``: where the device's break-even comes from."""
+
 _BOOLS = ("keep_output_dtype", "probe", "float32_stream", "float32_operands", "exact_values")
 
 
@@ -95,9 +98,13 @@ def _check_fields(p: "Policy") -> None:
         raise PolicyError(f"pad_multiple={p.pad_multiple!r}: use an integer >= 2 (8 for 16-bit types)")
     for name, what in (("gemm_min_flops", "FLOPs"), ("gemm_min_rows", "rows")):
         value = getattr(p, name)
+        if name == "gemm_min_flops" and value in GEMM_SOURCES:
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise PolicyError(f"{name}={value!r}: use a whole number of {what} >= 0 (0: no such check), or None / "
-                              "'auto' for the device's break-even")
+            words = ", or 'auto' for the device's break-even" + (
+                " ('measure': measured on any device; 'table': the datasheet's, nothing measured)"
+                if name == "gemm_min_flops" else "")
+            raise PolicyError(f"{name}={value!r}: use a whole number of {what} >= 0 (0: no such check){words}")
     if not isinstance(p.reduction_threshold, int) or p.reduction_threshold < 1:
         raise PolicyError(f"reduction_threshold={p.reduction_threshold!r}: use a positive integer")
     for name in _BOOLS:
@@ -107,11 +114,11 @@ def _check_fields(p: "Policy") -> None:
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or not 0 <= threshold < math.inf):
         raise PolicyError(f"sensitivity_threshold={threshold!r}: use a relative error >= 0 (default "
-                          f"{SENSITIVITY_THRESHOLD:g}), or 0 / None to turn the precision check of calibration off")
+                          f"{SENSITIVITY_THRESHOLD:g}), or 0 to turn the precision check of calibration off")
     error = p.fp8_error_threshold
     if error is not None and (isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error < math.inf):
         raise PolicyError(f"fp8_error_threshold={error!r}: use a relative error >= 0 (default {FP8_ERROR_THRESHOLD:g}), "
-                          "or 0 / None for no FP8 check in calibration")
+                          "or 0 for no FP8 check in calibration")
     margin = p.calibration_margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise PolicyError(f"calibration_margin={margin!r}: use a positive number (default 2.0)")
@@ -138,6 +145,9 @@ def _set_fp8(p: "Policy") -> None:
 
 
 _FP8_OPTIONS = ("fp8_roofline", "fp8_modules", "fp8_skip_modules", "fp8_error_threshold")
+_FP8_WORDS = (*fp8.RECIPES, "off")
+_ROOFLINE_WORDS = (*fp8.ROOFLINES, "none")
+"""What ``AMPFX_FP8`` and ``AMPFX_FP8_ROOFLINE`` take (inside :class:`Policy` the name ``fp8`` is its field)."""
 
 
 def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
@@ -150,8 +160,14 @@ def check_fp8_options(p: "Policy", where: str = "") -> "Policy":
     given = [name for name in _FP8_OPTIONS if getattr(p, name) != defaults[name]]
     if not given:
         return p
-    if "AMPFX_FP8" in dict(p.env):
+    env = dict(p.env)
+    if "AMPFX_FP8" in env:
         return dataclasses.replace(p, **{name: defaults[name] for name in given})
+    variables = {name: OPTION_VARS[name] for name in given if OPTION_VARS[name] in env}
+    if len(variables) == len(given):  # all set by the environment: said in its words (a script or the command)
+        said = ", ".join(f"{var}={env[var]}" for var in variables.values())
+        raise PolicyError(f"{said} without AMPFX_FP8: set AMPFX_FP8=tensorwise (or rowwise, rowwise_with_gw_hp), or "
+                          f"unset {' and '.join(variables.values())}")
     said = ", ".join(f"{name}={getattr(p, name)!r}" for name in given)
     raise PolicyError(f"{said} without fp8{where}: name an FP8 recipe (fp8='tensorwise', AMPFX_FP8=tensorwise), or "
                       "leave the FP8 options out")
@@ -193,13 +209,16 @@ class Policy:
     #: reductions over more elements than this compute and return float32 (see ampfx.passes.reductions)
     reduction_threshold: int = field(default=65536, metadata=_env(
         "AMPFX_REDUCTION_THRESHOLD", "int", "reductions over more elements than this stay float32 (default 65536)"))
-    #: GEMMs whose forward FLOPs are under this stay float32 (rule cost:small-gemm); None: the device's break-even
-    #: (ampfx.ops.gemm_cost: 2**24 on CPUs, 0 elsewhere); 0: every GEMM low (gemm_min_rows is not checked either)
-    gemm_min_flops: int | None = field(default=None, metadata=_env(
+    #: GEMMs whose forward FLOPs are under this stay float32 (rule cost:small-gemm); None: the device's break-even,
+    #: measured on CPUs (ampfx.ops.device_cost), the datasheet's elsewhere (ampfx.ops.gemm_cost: 0 on GPUs);
+    #: "measure": measured on any device; "table": the datasheet's, nothing measured; 0: every GEMM low
+    #: (gemm_min_rows is not checked either)
+    gemm_min_flops: int | str | None = field(default=None, metadata=_env(
         "AMPFX_GEMM_MIN_FLOPS", "int_or_auto", "GEMMs under this many forward FLOPs stay float32, where the low dtype "
-        "is slower (default auto: the device's break-even, 16777216 on CPUs, 0 elsewhere; 0: every GEMM low, "
-        "gemm_min_rows too)",
-        example="0", none="auto"))
+        "is slower (default auto: the device's break-even, measured on CPUs at first need and cached, the "
+        "datasheet's elsewhere; measure: measured on any device; table: the datasheet's, 16777216 on CPUs, nothing "
+        "measured; 0: every GEMM low, gemm_min_rows too)",
+        example="0", none="auto", words=("measure", "table")))
     #: weight GEMMs whose weight is used for fewer rows than this in one call stay float32 (rule cost:small-gemm):
     #: casting the weight each way costs more than the arithmetic saved; None: the device's (64 on CPUs, 0
     #: elsewhere); 0: no such check (gemm_min_flops=0 turns both off)
@@ -209,9 +228,10 @@ class Policy:
         "such check)", example="0", none="auto"))
     #: GEMM padding: "auto" (CUDA only), "always", "never"; ``pad_multiple`` None = 8 (16-bit types)
     pad: str = field(default="auto", metadata=_env(
-        "AMPFX_PAD", "word", "GEMM padding to multiples of 8: auto (CUDA only, default), always, never"))
+        "AMPFX_PAD", "word", "GEMM padding to multiples of 8: auto (CUDA only, default), always, never",
+        choices=("auto", "always", "never")))
     pad_multiple: int | None = field(default=None, metadata=_env(
-        "AMPFX_PAD_MULTIPLE", "int", "the multiple GEMM dimensions are padded to (default 8)"))
+        "AMPFX_PAD_MULTIPLE", "int", "the multiple GEMM dimensions are padded to (default 8)", example="8"))
     #: calibration keeps float32 the nodes whose values exceed the dtype's max divided by this
     calibration_margin: float = 2.0
     #: calibration keeps float32 the nodes whose rounding alone moves the output or a parameter gradient
@@ -225,12 +245,14 @@ class Policy:
     #: "rowwise_with_gw_hp"), an ampfx.policy.fp8.Recipe, or None (no FP8)
     fp8: Any = field(default=None, metadata=_env(
         "AMPFX_FP8", "word", "an FP8 recipe for the linear layers' GEMMs where they pay: tensorwise, rowwise, "
-        "rowwise_with_gw_hp; off (default): none", example="tensorwise"))
+        "rowwise_with_gw_hp; off (default): none", example="tensorwise", choices=_FP8_WORDS,
+        also=("none", "")))
     #: the target device whose peak rates and bandwidth decide where an FP8 GEMM pays (rule fp8:cost): None (not
     #: given: "h100"), "h100", "h200", "b200", an ampfx.policy.fp8.Roofline, or "none" (every size)
     fp8_roofline: Any = field(default=None, metadata=_env(
         "AMPFX_FP8_ROOFLINE", "word", "the device whose rates decide where an FP8 GEMM pays: h100 (the default), h200, "
-        "b200; none: every size", example="none", needs={"fp8": "tensorwise"}))
+        "b200; none: every size", example="none", needs={"fp8": "tensorwise"}, choices=_ROOFLINE_WORDS,
+        also=("off",)))
     #: modules whose linear layers run in FP8 whatever their size or position (rule fp8:forced)
     fp8_modules: tuple = field(default=(), metadata=_env(
         "AMPFX_FP8_MODULES", "append", "comma-separated modules whose linear layers run in FP8 whatever their size or "
@@ -272,6 +294,13 @@ class Policy:
     user_ops: tuple[tuple[Any, str], ...] = field(default=(), compare=False, metadata={"internal": True})
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16, **options: Any) -> None:
+        try:
+            self._set(dtype, options)
+        except PolicyError as e:  # the user's mistake, raised from here: the traceback ends at their call
+            raise e.with_traceback(None) from None
+
+    def _set(self, dtype: torch.dtype | str, options: dict[str, Any]) -> None:
+        """The fields of ``Policy(dtype, **options)``, set and checked."""
         set_ = object.__setattr__
         for name, record in RECORDS.items():  # a record given whole, then its options given by name on top
             base = options.pop(name, None)
@@ -332,6 +361,8 @@ class Policy:
         for name in ("gemm_min_flops", "gemm_min_rows"):  # "auto": the device's break-even, as in the variables
             if isinstance(getattr(self, name), str) and getattr(self, name).strip().lower() == "auto":
                 set_(self, name, None)
+            elif name == "gemm_min_flops" and isinstance(self.gemm_min_flops, str):
+                set_(self, name, self.gemm_min_flops.strip().lower())
         _set_fp8(self)
         _check_fields(self)
         set_(self, "user_ops", tuple((obj, name) for name, obj in user.items()))
@@ -512,12 +543,16 @@ INTERNAL: tuple[str, ...] = tuple(f.name for f in OPTION_FIELDS if f.metadata.ge
 never an option, never saved in a policy file."""
 ENV_FIELDS: dict[str, dataclasses.Field] = {f.metadata["env"]: f for f in OPTION_FIELDS if "env" in f.metadata}
 """Each Policy field's environment variable (the field's metadata: :func:`_env`), by variable name."""
+OPTION_VARS: dict[str, str] = {f.name: var for var, f in ENV_FIELDS.items()}
+"""Each field's environment variable, by field name."""
 
 ENV_VARS: dict[str, str] = {
     **{v: f"comma-separated op names added to / removed from the {f.split('_')[0]}" for v, f in _LIST_VARS.items()},
     "AMPFX_POLICY_FILE": "a policy file (Policy.save, ampfx.tools.tune) merged into convert()'s policy before the other "
                          "variables: list edits and tuned nodes added, unset fields taken from it",
     **{var: f.metadata["help"] for var, f in ENV_FIELDS.items()},
+    "AMPFX_CACHE_DIR": "the directory where the device tables measured for gemm_min_flops are cached (default "
+                       "$XDG_CACHE_HOME/ampfx, else ~/.cache/ampfx; `ampfx device` prints the table and its file)",
 }
 """Every ``AMPFX_*`` variable with its help text: the op lists', the policy file's, and the fields' own."""
 
@@ -536,13 +571,17 @@ def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
     if kind == "bool":
         return _bool_env(var, value, f.default)
     if kind == "int":
-        return _int_env(var, value)
+        return _int_env(var, value, f.metadata.get("example", f.default))
     if kind == "int_or_auto":
-        return None if value.strip().lower() in ("", "auto") else _int_env(var, value)
+        word = value.strip().lower()
+        if word in f.metadata.get("words", ()):
+            return word
+        return None if word in ("", "auto") else _int_env(var, value, f.metadata["example"], auto=True,
+                                                          words=f.metadata.get("words", ()))
     if kind == "number_or_off":
         return _number_or_off(var, value, f.metadata["example"])
     if kind == "word":
-        return value.strip().lower()
+        return _word_env(var, value, f)
     if kind == "path":
         return value or None
     if kind == "append":
@@ -562,11 +601,29 @@ ENV_KINDS = ("bool", "int", "int_or_auto", "number_or_off", "word", "path", "app
 (empty: none), names added to the field's, names replacing it (``none``: none), leaf names or classes added."""
 
 
-def _int_env(var: str, value: str) -> int:
+def _int_env(var: str, value: str, example: Any, *, auto: bool = False, words: tuple[str, ...] = ()) -> int:
     try:
         return int(value.replace("_", "").replace(",", ""))
     except ValueError:
-        raise PolicyError(f"{var}={value!r}: use a whole number, e.g. 65536") from None
+        others = ("auto",) * auto + tuple(words)
+        more = f", or {', '.join(others)}" if others else ""
+        raise PolicyError(f"{var}={value!r}: use a whole number, e.g. {example}{more}") from None
+
+
+def _word_env(var: str, value: str, f: dataclasses.Field) -> str:
+    """One of the words ``f``'s variable takes (its metadata's ``choices``, and the ``also`` it accepts unsaid), lower
+    case; a :class:`PolicyError` in the variable's own words otherwise (not the Python values of the field).
+
+    >>> _word_env("AMPFX_PAD", "sometimes", ENV_FIELDS["AMPFX_PAD"])
+    Traceback (most recent call last):
+    ...
+    ampfx.errors.PolicyError: AMPFX_PAD='sometimes': use auto, always or never.
+    """
+    word, choices = value.strip().lower(), f.metadata.get("choices")
+    if choices is None or word in choices or word in f.metadata.get("also", ()):
+        return word
+    said = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+    raise PolicyError(f"{var}={value!r}: use {said}.{did_you_mean(word, choices)}")
 
 
 def _number_or_off(var: str, value: str, example: str) -> float | None:
@@ -630,4 +687,24 @@ def from_env(base: Policy, environ: Mapping[str, str] | None = None, *, dtype_gi
                                                      env=tuple(sorted(seen.items())), user_ops=base.user_ops,
                                                      **changes))
     except PolicyError as e:
-        raise PolicyError(f"{e} (environment: {', '.join(f'{k}={v}' for k, v in sorted(seen.items()))})") from None
+        raise _env_error(e, base, changes, seen) from None
+
+
+def _env_error(error: PolicyError, base: Policy, changes: Mapping[str, Any], seen: Mapping[str, str]) -> PolicyError:
+    """``error`` (the policy with the environment's ``changes`` on top of ``base`` failed) in the environment's words:
+    when one variable's value fails on its own, led by that variable (``AMPFX_PAD_MULTIPLE='1': use an integer >= 2``,
+    not the field's Python name); else, as the problem comes from the combination, ended by the variables read
+    (unless it names them already)."""
+    for var, f in ENV_FIELDS.items():
+        if var not in seen or f.name not in changes:
+            continue
+        try:
+            dataclasses.replace(base, **{f.name: changes[f.name]})
+        except PolicyError as alone:
+            text = str(alone)
+            if text.startswith(f"{f.name}=") and ": " in text:  # "pad_multiple=1: use ..." -> "use ..."
+                text = text.split(": ", 1)[1]
+            return PolicyError(f"{var}={seen[var]!r}: {text}")
+    if str(error).startswith(ENV_PREFIX):  # said in the variables' words already
+        return error
+    return PolicyError(f"{error} (environment: {', '.join(f'{k}={v}' for k, v in sorted(seen.items()))})")

@@ -99,7 +99,7 @@ def _hits(model: nn.Module, entry: Any, all_names: list[str], field: str) -> lis
         if cls is None:
             raise PolicyError(f"{field} / {var} names {entry!r}, which is neither a module of {owner} "
                               "nor a module class (a torch.nn class name such as 'LayerNorm', or an importable "
-                              f"'pkg.module.Class').{_close(entry, all_names + _nn_classes())}")
+                              f"'pkg.module.Class').{_close(entry, _spellings(model, all_names))}")
         entry = cls
     if isinstance(entry, type):
         hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
@@ -262,12 +262,26 @@ def filter_rejected(model: nn.Module, fn: Callable[[nn.Module, str], Any]) -> fr
     return frozenset(name for name, module in named if id(module) in rejected_ids)
 
 
-def _nn_classes() -> list[str]:
-    return [n for n in dir(nn) if isinstance(getattr(nn, n), type) and issubclass(getattr(nn, n), nn.Module)]
+def _spellings(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """What a misspelt entry is compared with, and what is suggested for it: the model's module paths, and the
+    classes its submodules are instances of (their bases too: ``LayerNorm`` keeps a subclass of it), written as an
+    entry names them (a ``torch.nn`` class by its name, another by its importable name, which its short name also
+    finds). Never a class no module of the model is an instance of: a suggestion must match something here."""
+    out = {n: n for n in names}
+    classes = (c for n, m in model.named_modules() if n for c in type(m).__mro__
+               if issubclass(c, nn.Module) and c is not nn.Module)
+    for cls in dict.fromkeys(classes):
+        written = cls.__name__ if getattr(nn, cls.__name__, None) is cls else ops.qualified_name(cls)
+        if "<" in written:  # defined inside a function: no name imports it
+            continue
+        out.setdefault(written, written)
+        out.setdefault(cls.__name__, written)
+    return out
 
 
-def _close(word: str, options: list[str]) -> str:
-    return did_you_mean(word, options, cutoff=0.5)
+def _close(word: str, options: list[str] | dict[str, str]) -> str:
+    """The suggestion for ``word`` among ``options`` (a dict: what is compared -> what is suggested)."""
+    return did_you_mean(word, options, cutoff=0.5, written=options if isinstance(options, dict) else None)
 
 
 def entries(value: Any, name: str = "fp32_modules") -> tuple[Any, ...]:

@@ -187,8 +187,10 @@ def merge(base: Policy, path: str, *, dtype_given: bool) -> Policy:
     saved = _read(path, where, type(base))
     loaded = _policy(saved, path, where, type(base))
     if loaded.dtype != base.dtype and dtype_given:
-        raise PolicyError(f"{where} was saved for {dtype_name(loaded.dtype)}, but convert() was given "
-                          f"{dtype_name(base.dtype)}: give one dtype (leave dtype out to use the file's)")
+        saved_for = dtype_name(loaded.dtype)
+        raise PolicyError(f"{where} was saved for {saved_for}, but convert() was given {dtype_name(base.dtype)}: give "
+                          f"{saved_for} (on the command line: --dtype {saved_for}), or leave convert()'s dtype out to "
+                          "use the file's")
     defaults = _defaults(type(base))
     changes: dict[str, Any] = {"dtype": loaded.dtype}
     origins = dict(base.origins)

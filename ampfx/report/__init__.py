@@ -188,7 +188,7 @@ class Report:
         lines += self._inside_lines()
         lines += self._gemm_lines()
         lines += self.fp8_lines()
-        lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling", "fp8="))]
+        lines += [f"  {note}" for note in self.notes if note.startswith(("inference mode", "loss scaling", "fp8=", "no GEMM runs"))]
         for reg in self.parts:
             if reg.method not in ("fx",) or reg.leaves or reg.functions:
                 where = reg.path or "<root>"
@@ -326,7 +326,7 @@ class Report:
             previous = top
             mark = (("≠ " if r.node in differs else "") + dtype_name(r.autocast),) if autocast else ()
             eight = ((r.fp8.rule if r.fp8 is not None else "",) if fp8 else ())
-            t.add_row(r.node, r.op, r.module or "", r.category.value, dtype_name(r.dtype), *mark, *eight, r.rule,
+            t.add_row(r.node, r.op, r.module or "", r.shown_category, dtype_name(r.dtype), *mark, *eight, r.rule,
                       r.reason, style=style.get(r.dtype, ""))
         buf = io.StringIO()
         Console(file=buf, width=width, force_terminal=bool(color), no_color=not color,

@@ -53,10 +53,10 @@ import torch
 import torch.nn as nn
 
 from ..api import convert
-from ..errors import ArgumentError, TuneError
+from ..errors import ENTRY_ERRORS, ArgumentError, TuneError
 from .numerics import sensitivity
 from ..policy import Policy
-from ..request import policy_of
+from ..request import Asked, build, policy_of
 from ..report.records import dtype_name
 from ..state import kept_buffers, kept_parameters, kept_rng
 
@@ -120,9 +120,13 @@ def tune(model: nn.Module, dtype: Any = None, *, example_inputs: Any, metric: Ca
     added to ``policy.tuned``). The result carries ``ampfx_tune`` (:class:`TuneResult`) and
     ``ampfx_policy`` (the :class:`~ampfx.policy.Policy` to save and load again).
     """
-    _check(model, metric, tolerance, candidates)
-    evaluations, seconds = _budget(budget)
-    base = policy_of("tune", dtype, policy, policy_options)  # the environment is read by each conversion
+    try:
+        _check(model, metric, tolerance, candidates)
+        evaluations, seconds = _budget(budget)
+        base = policy_of("tune", dtype, policy, policy_options)  # the environment is read by each conversion,
+        build(model, Asked(None, example_inputs, base), caller="tune", environ=environ)  # and checked here first
+    except ENTRY_ERRORS as e:  # the user's mistake, raised from here: the traceback ends at their call
+        raise e.with_traceback(None) from None
     return _Search(model, example_inputs, metric, float(tolerance), evaluations, seconds, loss_fn, int(candidates),
                    bool(progress), base, environ, started=time.monotonic()).run()
 

@@ -29,12 +29,16 @@ True
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from ..errors import ArgumentError, PathError
+from ..paths import check_writable
 from ..policy.names import parse_dtype
 from ..report.records import dtype_name
 
@@ -406,9 +410,36 @@ def _figure(**kw: Any) -> Any:
     return fig
 
 
-def _save(fig: Any, path: Any) -> Any:
+def check_figure_path(path: str | os.PathLike, what: str) -> None:
+    """Fail before any work when a figure cannot be written to ``path``: nothing can be written there
+    (:func:`ampfx.paths.check_writable`; folders still missing are made when the figure is saved), or matplotlib
+    writes no figure of its extension (without one, matplotlib's default format). ``what`` begins the message
+    (``"range_plot(path='x.txt')"``)."""
+    from matplotlib.figure import Figure
+
+    check_writable(path, what)
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix and suffix not in kinds:
+        raise ArgumentError(f"{what}: matplotlib writes no .{suffix} figure; give one of "
+                            f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
+def _checked(path: Any, caller: str) -> None:
+    """A plot's ``path`` (``None``: nothing written) checked before the figure is drawn."""
     if path is not None:
+        check_figure_path(path, f"{caller}(path={str(path) if isinstance(path, os.PathLike) else path!r})")
+
+
+def _save(fig: Any, path: Any, caller: str) -> Any:
+    """``fig`` written to ``path`` (its folders made first), when given."""
+    if path is None:
+        return fig
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise PathError(f"{caller}(path={str(path)!r}): cannot write the figure there ({e.strerror or e})") from None
     return fig
 
 
@@ -521,9 +552,11 @@ def range_plot(magnitudes: dict, dtype: Any = torch.float16, path: Any = None, *
     a box with the fractions. The gradient axis also outlines the histogram shifted
     by :func:`suggest_loss_scale`'s scale (when any gradient would flush to zero),
     and says how much would still flush. ``log_y`` draws the y axis
-    logarithmically (the guide's Figure 3). Saves a PNG to ``path`` if given.
+    logarithmically (the guide's Figure 3). Saves a PNG to ``path`` if given (its folders made; a path
+    nothing can be written to is a :class:`~ampfx.errors.PathError` before anything is drawn).
     Returns the Figure.
     """
+    _checked(path, "range_plot")
     r = dtype_range(dtype)
     lo, hi = _view([magnitudes["total"][k]["hist"] for k in KINDS], r)
     fig = _figure(figsize=(10, 7), layout="constrained")
@@ -533,7 +566,7 @@ def range_plot(magnitudes: dict, dtype: Any = torch.float16, path: Any = None, *
     _ticks(axes[-1], lo, hi)
     axes[-1].set_xlabel("|value| (log2 scale; the bar at $2^e$ counts values in $[2^e, 2^{e+1})$)")
     fig.suptitle(f"float32 magnitudes against the {r['name']} range ({len(magnitudes['gradients'])} sites)")
-    return _save(fig, path)
+    return _save(fig, path, "range_plot")
 
 
 def _panel(ax: Any, magnitudes: dict, kind: str, r: dict, view: tuple[int, int], log_y: bool) -> None:
@@ -571,8 +604,10 @@ def loss_scale_plot(scales: Sequence[float], skipped: Sequence | None = None, pa
     ``scales``: the scale each step used (see :func:`record_loss_scale`);
     ``skipped``: step indices or a boolean mask; ``suggested``: a constant scale
     to draw for comparison (e.g. :func:`suggest_loss_scale`). Saves a PNG to
-    ``path`` if given. Returns the Figure (one axes titled ``"GradScaler loss scale"``).
+    ``path`` if given (checked first, as :func:`range_plot` checks it). Returns the
+    Figure (one axes titled ``"GradScaler loss scale"``).
     """
+    _checked(path, "loss_scale_plot")
     scales = [float(s) for s in scales]
     steps = np.arange(len(scales))
     fig = _figure(figsize=(9, 3.6), layout="constrained")
@@ -591,4 +626,4 @@ def loss_scale_plot(scales: Sequence[float], skipped: Sequence | None = None, pa
     ax.set_ylabel("scale (log2)")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    return _save(fig, path)
+    return _save(fig, path, "loss_scale_plot")
