@@ -36,13 +36,15 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch.fx as fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .report.records import dtype_name
+
+if TYPE_CHECKING:
+    import sympy  # imported where a size is symbolic (numel): converting imports it, importing ampfx does not
 
 RECORD = "ampfx"
 TENSOR_META = "tensor_meta"
@@ -53,6 +55,9 @@ LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 AUTOCAST = "ampfx_autocast"
 AUTOCAST_HANDS = "ampfx_autocast_hands"
+COST_SCALE = "ampfx_cost_scale"
+"""A GEMM node's cost condition (``ampfx.passes.gemm_cost``): the factor of the example inputs' elements from which
+it pays in the low dtype (under 1: it does at the example's sizes); the call-time guard plans again across it."""
 
 
 def record(node: fx.Node) -> Any:
@@ -102,7 +107,7 @@ def tensor_meta(node: fx.Node) -> Any:
 def describe(info: TensorMetadata) -> str:
     """How the report writes a tensor: ``dtype[sizes]``.
 
-    >>> import torch
+    >>> import sympy, torch
     >>> batch = sympy.Symbol("batch", integer=True, positive=True)
     >>> describe(TensorMetadata((batch, 3), torch.float16, False, (3, 1), None, False, {}))
     'float16[batch, 3]'
@@ -113,13 +118,16 @@ def describe(info: TensorMetadata) -> str:
 def numel(info: TensorMetadata) -> int | sympy.Expr:
     """The number of elements: an int for static sizes, a sympy product for symbolic ones.
 
-    >>> import torch
+    >>> import sympy, torch
     >>> batch = sympy.Symbol("batch", integer=True, positive=True)
     >>> numel(TensorMetadata((batch, 3), torch.float16, False, (3, 1), None, False, {}))
     3*batch
     """
-    if any(isinstance(s, sympy.Expr) for s in info.shape):
-        return sympy.Mul(*info.shape)
+    if not all(isinstance(s, int) for s in info.shape):
+        import sympy
+
+        if any(isinstance(s, sympy.Expr) for s in info.shape):
+            return sympy.Mul(*info.shape)
     out = 1
     for s in info.shape:
         out *= int(s)

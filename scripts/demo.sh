@@ -4,5 +4,13 @@
 # Extra arguments go to `ampfx demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The arguments first, before the set-up: ampfx's parser needs only the standard library (no torch, no venv), so the
+# Python that creates the venv checks them (ampfx.ui.cli.check). A bad one is named at once (exit 2); --help prints
+# the help, the only thing the check writes to stdout, and nothing is set up.
+help=$("${PYTHON:-python3}" -c 'import sys; from ampfx.ui.cli import check; sys.exit(check(["demo", *sys.argv[1:]]))' "$@")
+if [ -n "$help" ]; then
+  printf '%s\n' "$help"
+  exit 0
+fi
 bash scripts/setup.sh >&2
 exec .venv/bin/ampfx demo "$@"

@@ -204,6 +204,8 @@ def test_a_region_whose_consumers_want_fp32_moves_to_fp32_when_it_needs_fewer_ca
     GEMM's bias is cast with its weight, as under autocast: two casts fewer a step, fewer bytes. (By
     default the fidelity step paints the product float32 first, rule ``fidelity:operand``, with the same
     casts; the cost step is checked with that rule off.)"""
+    import ampfx.tools.measure  # a submodule: ``import ampfx`` imports none
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()

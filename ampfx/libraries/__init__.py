@@ -8,8 +8,8 @@ it imports no library) provides:
 
 - ``TABLE``: entries with ``name``, ``category``, ``reason`` and
   ``qualnames``, registered in the op lists (:func:`ampfx.ops.register_library`)
-  when ampfx is imported, so policies and env variables can name them
-  (``AMPFX_DENYLIST_ADD=dgl.GATConv``);
+  when ampfx's first public name is used (``ampfx.convert``, ``ampfx.Policy``, ...), so policies
+  and env variables can name them (``AMPFX_DENYLIST_ADD=dgl.GATConv``);
 - ``refine(decision, module, facts)``: the library's decision for a leaf the
   lists decided (device rules, variants, overflow guards), given
   :class:`LeafFacts`;

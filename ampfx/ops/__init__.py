@@ -608,8 +608,9 @@ def register_library(entries: Iterable[tuple[str, Category, str, Iterable[str]]]
     """Add another library's ops to the tables: ``(canonical name, list, reason, qualified names)``
     each, the qualified names being the library's module types and functions that the op covers.
     Their tables live with their integration (data only: importing it imports no library), which
-    registers them when ampfx is imported (:mod:`ampfx.libraries`); this module imports none.
+    registers them when ampfx's first public name is used (:mod:`ampfx.libraries`); this module imports none.
 
+    >>> import ampfx.libraries  # what ampfx.convert, ampfx.Policy, ... import first
     >>> "dgl.GATConv" in ENTRIES and lookup_name("dgl.GATConv")
     'dgl.GATConv'
     """

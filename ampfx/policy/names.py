@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import ops
+from ..dtypes import LOW_DTYPES
 from ..ops import custom_ops
 from ..errors import PolicyError, did_you_mean
 from ..ops import Category
@@ -21,8 +22,7 @@ from ..ops import Category
 ENV_PREFIX = "AMPFX_"
 LIST_NAMES = {Category.ALLOW: "allowlist", Category.INFER: "inferlist", Category.CLEAR: "clearlist",
               Category.DENY: "denylist"}
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16}
+_DTYPES = {name: getattr(torch, dtype) for name, dtype in LOW_DTYPES.items()}
 
 
 def parse_dtype(value: Any, *, where: str = "dtype") -> torch.dtype:
