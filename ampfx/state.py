@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import random
 import sys
 import weakref
@@ -25,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .threads import set_elsewhere
 
 
 @contextlib.contextmanager
@@ -347,10 +350,23 @@ def one_thread(model: nn.Module, *tensors: torch.Tensor) -> Iterator[None]:
         yield
         return
     torch.set_num_threads(1)
+    token = CALLER_THREADS.set(threads)
     try:
         yield
     finally:
+        CALLER_THREADS.reset(token)
         torch.set_num_threads(threads)
+
+
+CALLER_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ampfx_caller_threads", default=None)
+"""Inside :func:`one_thread`, the intra-op threads the caller had (what a measurement of the device must use:
+:mod:`ampfx.ops.device_cost`); ``None`` outside."""
+
+
+def caller_threads() -> int:
+    """The intra-op threads the code converting runs its model with: the caller's, also inside :func:`one_thread`."""
+    inside = CALLER_THREADS.get()
+    return torch.get_num_threads() if inside is None else inside
 
 
 @contextlib.contextmanager
@@ -421,6 +437,8 @@ def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None
     changed in place (a cache a forward fills: a run during conversion must not leave it filled,
     or a later capture would take its contents for constants). Without ``bookkeeping``, nn.Module's
     own dicts (parameters, buffers, submodules, hooks) are left to the caller (a quarter of the cost).
+    An attribute another thread set meanwhile (``model.eval()`` while a conversion runs) stays as that thread
+    set it (:func:`ampfx.threads.set_elsewhere`).
 
     >>> net = torch.nn.Linear(2, 2)
     >>> net.cache = {}
@@ -437,11 +455,13 @@ def kept_attributes(model: nn.Module, bookkeeping: bool = True) -> Iterator[None
         yield
     finally:
         for m, before, contents in attrs:
-            for k in [k for k in m.__dict__ if k not in before and k not in skip]:
+            theirs = set_elsewhere(m)
+            for k in [k for k in m.__dict__ if k not in before and k not in skip and k not in theirs]:
                 del m.__dict__[k]
-            m.__dict__.update(before)
+            m.__dict__.update({k: v for k, v in before.items() if k not in theirs} if theirs else before)
             for k, v in contents.items():
-                refill(before[k], v)
+                if k not in theirs:
+                    refill(before[k], v)
 
 
 def _put_back(data: list[tuple[torch.Tensor, torch.Tensor, int]], saved: dict, cloned: bool) -> None:

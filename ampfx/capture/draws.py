@@ -61,6 +61,7 @@ import math
 import operator
 import random
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -138,8 +139,10 @@ class Drawing:
         self.draws: list[Draw] = []
         self.free: tuple[str, ...] = ()
         self._patched: list[tuple[Any, str, Any]] = []
+        self.thread: int | None = None  # the thread whose draws are seen (set by __enter__)
 
     def __enter__(self) -> Drawing:
+        self.thread = threading.get_ident()  # draws in other threads are theirs (ampfx.threads)
         homes = [(random, ("random",), "uniform")]
         numpy = sys.modules.get("numpy")
         if numpy is not None:
@@ -186,7 +189,7 @@ class Drawing:
         """``torch.rand``: one element drawn with concrete arguments becomes a :class:`DrawnTensor` and a node."""
         original = next(o for h, n, o in self._patched if h is torch and n == "rand")
         concrete = not any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs)))
-        if not concrete or {"generator", "out", "names"} & kwargs.keys():
+        if not concrete or {"generator", "out", "names"} & kwargs.keys() or threading.get_ident() != self.thread:
             return original(*args, **kwargs)
         device = torch.device(kwargs.get("device") or "cpu")
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
@@ -212,7 +215,7 @@ class Drawing:
 
         def draw(*args: Any, **kwargs: Any) -> Any:
             bounds = _bounds(args, kwargs) if between else (0.0, 1.0, False) if not args and not kwargs else None
-            if bounds is None:
+            if bounds is None or threading.get_ident() != self.thread:
                 return original(*args, **kwargs)
             with _kept_state(home):
                 value = original(*args, **kwargs)

@@ -63,6 +63,7 @@ from ..meta import USER_FLOAT32, node_module_path
 from ..policy.module_match import TRACED_PRE_HOOKS
 from ..runtime.guards import read_by_key
 from ..state import kept_attributes, kept_random, untouched, without_hooks
+from ..threads import converting
 from . import fold
 from .base import Capture, short
 from .fold import Folding
@@ -159,8 +160,12 @@ def stall_limit(model: nn.Module, active: bool) -> Iterator[None]:
     first = last = 0.0  # times from the first module's end: export's setup before it is not a module's time
     ends = 0  # module ends after the first
 
+    thread = threading.get_ident()
+
     def check(module: nn.Module, args: Any, output: Any) -> None:
         nonlocal first, last, ends
+        if threading.get_ident() != thread:  # a global hook: other threads' modules are not export's
+            return
         now = time.perf_counter()
         if not first:
             first = last = now
@@ -294,8 +299,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: Any, folds: Fo
     # torch's own draws run on fake tensors (a branch on one stops export); Python's and numpy's are real
     try:
         # kept_attributes: a cache filled with fake tensors is emptied again
-        with _folded(model, folds), kept_attributes(model, bookkeeping=False), torch.enable_grad(), _quiet(), \
-                Watch(model, export=True) as watch, kept_random(torch_too=False) as draws, _no_stack_traces():
+        with converting(), _folded(model, folds), kept_attributes(model, bookkeeping=False), torch.enable_grad(), \
+                _quiet(), Watch(model, export=True) as watch, kept_random(torch_too=False) as draws, _no_stack_traces():
             ep = fn(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Dropped:  # the watch stopped export where a forward did what the graph would not repeat
         pass

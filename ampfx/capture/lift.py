@@ -28,6 +28,7 @@ constant in the graph, and :mod:`ampfx.runtime.fixed` guards it.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch.fx as fx
@@ -86,13 +87,14 @@ class Lifting:
 
     def __enter__(self) -> Lifting:
         paths, every, reads, seen, lifting = self.paths, self.every, self.reads, self.seen, self
+        thread = threading.get_ident()  # reads in other threads are theirs (ampfx.threads)
 
         def getattribute(module: nn.Module, name: str) -> Any:
             value = _ORIGINAL(module, name)
             if name[0] == "_" or name == "training" or type(value) not in _PLAIN:
                 return value
             where = every.get(id(module))
-            if where is None or name not in _ORIGINAL(module, "__dict__"):
+            if where is None or name not in _ORIGINAL(module, "__dict__") or threading.get_ident() != thread:
                 return value
             if type(value) is float and -lifting.largest <= value <= lifting.largest and id(module) in paths:
                 tagged = Tagged(value)

@@ -21,8 +21,9 @@ for the classify pass.
 
 The context managers are seen by wrapping their ``__enter__`` / ``__exit__``
 (and ``Function.apply``) for the duration of the capture only, as ``torch.fx``
-itself wraps ``nn.Module.__call__`` while tracing: capture one model at a time
-per process.
+itself wraps ``nn.Module.__call__`` while tracing: one capture at a time per
+process (:mod:`ampfx.threads`), and a watch sees only the thread it was entered in
+(another thread's ``no_grad`` block is not the traced forward's).
 
 >>> import torch, torch.fx as fx
 >>> class Net(torch.nn.Module):
@@ -46,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -103,7 +105,15 @@ then): bookkeeping of torch.fx, never the model's computation."""
 
 def _internal(m: nn.Module) -> frozenset[str]:
     return _INTERNAL | _FX_OWN if isinstance(m, torch.fx.GraphModule) else _INTERNAL
-_ACTIVE: list[Watch] = []
+
+
+_ACTIVE: list[Watch] = []  # the watches entered and not yet left, in every thread (:func:`_watching`)
+
+
+def _watching() -> Watch | None:
+    """The innermost active :class:`Watch` entered in the calling thread."""
+    me = threading.get_ident()
+    return next((w for w in reversed(_ACTIVE) if w.thread == me), None)
 
 
 def _describe(cm: Any) -> Scope:
@@ -142,9 +152,11 @@ class Watch:
         self._paths: dict[int, str] = {}  # id of each watched module -> its path (under export)
         self._slots: dict[int, list[dict[str, Any]]] = {}  # its buffers as each of its running forwards began
         self.written: set[int] = set()  # ids of watched modules an attribute was set on (under export)
+        self.thread: int | None = None  # the thread it watches (set by __enter__)
 
     def __enter__(self) -> Watch:
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        self.thread = threading.get_ident()
         if self.root is not None:
             self._state = {path: _ModuleState.of(m) for path, m in self.root.named_modules()}
         with contextlib.ExitStack() as stack:  # a wrapping that fails undoes those made before it
@@ -170,6 +182,8 @@ class Watch:
                     self.python_state = self.python_state or not of_tensor
 
     def _note_buffers(self, module: nn.Module, args: Any) -> None:
+        if threading.get_ident() != self.thread:  # a global hook: another thread's module calls are not watched
+            return
         self._stop_at_written(module)
         if self._paths.get(id(module)):  # a submodule (the root's re-assigned buffers export keeps)
             self._slots.setdefault(id(module), []).append(dict(module._buffers))
@@ -198,7 +212,7 @@ class Watch:
         ``copy_`` for the root module only, and drops it for a submodule. Say so when that forward ends,
         instead of after tracing the rest of the model."""
         path = self._paths.get(id(module))
-        if path is None:
+        if path is None or threading.get_ident() != self.thread:
             return
         self._stop_at_written(module)
         self.written.discard(id(module))
@@ -296,16 +310,18 @@ def _wrapped_context(cls: type) -> Iterator[None]:
 
     def watched_enter(cm: Any) -> Any:
         out = enter(cm)
-        if _ACTIVE:
+        watch = _watching() if _ACTIVE else None
+        if watch is not None:
             scope = _describe(cm)
-            _ACTIVE[-1].enter(id(cm), scope)
-            if _ACTIVE[-1].export and isinstance(cm, EXPORT_DROPS) and getattr(cm, "mode", True):
-                _ACTIVE[-1].drop("", f"{scope.text}: {scope.kind.value}")
+            watch.enter(id(cm), scope)
+            if watch.export and isinstance(cm, EXPORT_DROPS) and getattr(cm, "mode", True):
+                watch.drop("", f"{scope.text}: {scope.kind.value}")
         return out
 
     def watched_exit(cm: Any, *exc: Any) -> Any:
-        if _ACTIVE:
-            _ACTIVE[-1].exit(id(cm))
+        watch = _watching() if _ACTIVE else None
+        if watch is not None:
+            watch.exit(id(cm))
         return exit_(cm, *exc)
 
     cls.__enter__, cls.__exit__ = watched_enter, watched_exit
@@ -353,7 +369,7 @@ def _noted_writes(watch: Watch) -> Iterator[None]:
     paths = watch._paths
 
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
-        if id(self) in paths:
+        if id(self) in paths and threading.get_ident() == watch.thread:
             watch.written.add(id(self))
         original(self, name, value)
 
@@ -371,7 +387,7 @@ def _wrapped_apply() -> Iterator[None]:
     original = function.__dict__["apply"]  # a classmethod (torch 2.13) or a C classmethod_descriptor (2.14)
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        watch = _ACTIVE[-1] if _ACTIVE else None
+        watch = _watching() if _ACTIVE else None
         scope = Scope(Kind.FUNCTION, f"torch.autograd.Function {cls.__qualname__}")
         if watch is None or _derivative_only(cls) or _op_autograd(cls):
             return original.__get__(None, cls)(*args, **kwargs)

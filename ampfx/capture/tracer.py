@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from .. import libraries, ops, runtime
 from ..errors import RootUntraceable
+from ..threads import converting
 from .fixing import reads_training
 from ..runtime.graph_module import OutputCodeGen
 from ..policy import Policy
@@ -87,8 +88,10 @@ class AmpTracer(fx.Tracer):
         """``fx.Tracer.trace``; user functions on a list are also kept whole when
         called as ``module.function`` (``autowrap_functions`` covers only globals).
         What the forward does that the graph drops is in ``self.watch.dropped`` after
-        (:mod:`ampfx.capture.semantics`), and the module attributes it changed are put back."""
+        (:mod:`ampfx.capture.semantics`), and the module attributes it changed are put back. One trace at a time
+        in the process; what it patches acts in its own thread only (:mod:`ampfx.threads`)."""
         with contextlib.ExitStack() as stack:
+            stack.enter_context(converting())
             for fn in self.user_functions:
                 home = sys.modules.get(fn.__module__)
                 if home is not None and getattr(home, fn.__name__, None) is fn:

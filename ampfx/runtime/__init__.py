@@ -21,6 +21,8 @@ import torch
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
+from ..threads import converting
+
 CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 if hasattr(torch.compiler, "is_compiling"):
@@ -216,26 +218,31 @@ class Retracer(torch.fx.Tracer):
     """The tracer unpickling re-traces a converted graph's code with (its ``_tracer_cls``): torch.func's calls
     (:data:`ampfx.ops.TRANSFORM_CALLS`, which torch.export writes for ``torch.vmap``) are recorded as they
     stand, never run while tracing (they refuse proxies, and one without arguments would close a level for
-    real)."""
+    real); in other threads they run. It traces as a conversion does: one at a time (:mod:`ampfx.threads`)."""
 
     def trace(self, root: Any, *args: Any, **kwargs: Any) -> Any:
+        with converting():
+            return self._trace(root, *args, **kwargs)
+
+    def _trace(self, root: Any, *args: Any, **kwargs: Any) -> Any:
         from .. import ops  # the tables import nothing of the runtime: no cycle
 
+        self._thread = threading.get_ident()
         # the code names them by their modules (torch._functorch.predispatch._vmap_increment_nesting): those
         # attributes record while this trace runs
         places = [(m, name, fn) for fn in ops.TRANSFORM_CALLS for m in (sys.modules.get(getattr(fn, "__module__", "")),
                   torch._C._functorch) if m is not None and getattr(m, getattr(fn, "__name__", ""), None) is fn
                   for name in (fn.__name__,)]
-        for m, name, fn in places:
-            setattr(m, name, functools.partial(self._record, fn))
         # higher-order ops (flat_apply: HF's mask index functions) refuse proxies too: each class's __call__
         # records a call given proxies
         hops = [c for c in _subclasses(torch._ops.HigherOrderOperator) if "__call__" in c.__dict__]
         calls = [c.__dict__["__call__"] for c in hops]
-        for cls, call in zip(hops, calls):
-            cls.__call__ = self._hop_recorder(call)
         self._live = []  # (holder's __dict__, name, value) of the attributes read as they are at each call
-        try:
+        try:  # every patch inside: the finally puts back each one, whatever raised where
+            for m, name, fn in places:
+                setattr(m, name, self._recorder(fn))
+            for cls, call in zip(hops, calls):
+                cls.__call__ = self._hop_recorder(call)
             return super().trace(root, *args, **kwargs)
         finally:
             for held, name, value in reversed(self._live):
@@ -263,6 +270,15 @@ class Retracer(torch.fx.Tracer):
             self._live.append((held, name, held.get(name, _ABSENT)))
             held[name] = self.create_proxy("get_attr", target, (), {})
         return out
+
+    def _recorder(self, fn: Any) -> Any:
+        """``fn``, recorded when this trace's thread calls it (run as it is in any other)."""
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                return fn(*args, **kwargs)
+            return self._record(fn, *args, **kwargs)
+        return recorded
 
     def _hop_recorder(self, call: Any) -> Any:
         def recorded(op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,10 @@ checks hold, or a new one made by the one convert-again callable (``reconvert``,
 as ``torch.compile`` keeps guarded cache entries with one recompile limit. Each step's object brings its own
 copy and pickle behaviour (its ``__deepcopy__`` / ``__reduce__``); the table says what a copy and a pickle keep.
 
+Threads: choosing among the entries there are takes no lock. Making one (or settling a structure change) holds
+the process-wide conversion lock (:func:`ampfx.threads.converting`) and first looks again: a thread that waited
+there runs the entry another thread made meanwhile, never a second one for the same values.
+
 >>> [step.field for step in CALL_STEPS]
 ['check', 'linked', 'fixed', 'guard', 'low', 'weights']
 """
@@ -22,6 +26,7 @@ import torch.nn as nn
 
 from .. import runtime
 from ..errors import BakedValueError, GuardError, StaleModelError, TrainingModeError
+from ..threads import converting
 
 log = logging.getLogger("ampfx.runtime.graph_module")  # the converted module's logger, named so in docs/guarantees.md
 
@@ -81,6 +86,7 @@ class Runtime:
     restructured: list[str] | None = None  # structure changes heard, settled at the next call
     stale: str | None = None  # why the next call raises StaleModelError
     rebind: tuple | None = None  # a pickle's: what `fixed` is bound to again when loaded
+    size_said: bool = False  # a call's sizes crossed the plan's and no plan could be made: logged once
 
     def __repr__(self) -> str:
         on = [s.field for s in CALL_STEPS if getattr(self, s.field) is not None]
@@ -125,8 +131,18 @@ class Runtime:
             if not stands_for(alt[1]):  # a loaded copy's other mode (a plain module): it follows its flags
                 copy_flags(gm, alt[1])
             return alt[1]
-        if fixed.holds():
+        if fixed.holds():  # the usual call: one check, no lock
             return None
+        entry = self._holding(gm, args, kwargs, checked=True)
+        return entry if entry is not _NONE else self._made(self._holding, gm, args, kwargs, fixed)
+
+    def _holding(self, gm: nn.Module, args: tuple, kwargs: dict, checked: bool = False) -> Any:
+        """The entry whose fixed values hold now: ``None`` for this graph (``checked``: they were just found not
+        to hold), the other training mode's conversion (made now if it waits for its first use), or one made
+        again; ``_NONE`` where none does."""
+        if not checked and self.fixed.holds():
+            return None
+        alt = self.alt
         if alt is not None and isinstance(alt[1], PendingMode) and gm.training == alt[0]:
             alt = (alt[0], self.other_mode(gm, (args, kwargs)))
         if alt is not None and not stands_for(alt[1]):  # a loaded copy's other mode follows its flags
@@ -136,47 +152,72 @@ class Runtime:
         for variant in self.variants:
             if _holds(variant, None, gm):
                 return variant
-        return self.convert_again(gm, fixed, args, kwargs)
+        return _NONE
+
+    @runtime.compile_disabled
+    def _made(self, holding: Callable[..., Any], gm: nn.Module, args: tuple, kwargs: dict, fixed: Any,
+              changes: list[str] | None = None) -> nn.Module | None:
+        """``holding(gm, args, kwargs)`` once more when this thread holds the conversion lock (another thread may
+        have made the entry while it waited), else a new entry (:meth:`convert_again`)."""
+        with converting():
+            entry = holding(gm, args, kwargs)
+            return self.convert_again(gm, fixed, args, kwargs, changes) if entry is _NONE else entry
 
     def _since_restructured(self, gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
         """The entry once the structure changed: one made since whose fixed values hold, or a new one."""
-        changes, self.restructured = self.restructured, None
-        if changes:  # what was made before the change traced the old structure
-            self.retired = len(self.variants)
+        if self.restructured:
+            made = self._restructure(gm, args, kwargs)
+            if made is not None:
+                return made
+        entry = self._made_since(gm, args, kwargs)
+        return entry if entry is not _NONE else self._made(self._made_since, gm, args, kwargs, self.fixed)
+
+    def _made_since(self, gm: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The entry made since the structure changed whose fixed values hold; ``_NONE`` where none does."""
+        return next((v for v in self.variants[self.retired or 0:] if _holds(v, None, gm)), _NONE)
+
+    @runtime.compile_disabled
+    def _restructure(self, gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module | None:
+        """Retire the entries made before the structure changes heard and make a new one, holding the conversion
+        lock; ``None`` where another thread settled those changes while this one waited."""
+        with converting():
+            changes, self.restructured = self.restructured, None
+            if not changes:
+                return None
+            self.retired = len(self.variants)  # what was made before the change traced the old structure
             return self.convert_again(gm, None, args, kwargs, changes)
-        for variant in self.variants[self.retired or 0:]:
-            if _holds(variant, None, gm):
-                return variant
-        return self.convert_again(gm, self.fixed, args, kwargs)
 
     @runtime.compile_disabled
     def other_mode(self, gm: nn.Module, call: tuple[tuple, dict] | None) -> nn.Module:
         """Make the other training mode's conversion that ``alt`` waits for (:class:`PendingMode`), keep it in its
         place and return it (a :class:`ModeUnavailable` where converting in that mode failed). ``call``: the
         arguments of the call that needs it (their device picks the inputs it is converted on)."""
-        training, pending = self.alt
         make = self.reconvert
         if make is None:  # not armed yet (a run during conversion): the model module's own Python, as it is
             return gm.__dict__["_ampfx_model"]
-        args, kwargs = pending.arguments(gm.__dict__["_ampfx_model"], call)
-        name = "train" if training else "eval"
-        log.info("ampfx: converting %s in %s mode, at its first use in that mode", self.name(), name)
-        try:
-            with torch.inference_mode(False), torch.enable_grad():
-                made = make(gm, args, kwargs, [f"the {name}-mode conversion, made at its first use in {name} mode "
-                                                f"as ampfx.convert(model.{name}()) makes it"],
-                            training=training, memo=pending.memo)
-        except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why
-            made = ModeUnavailable(training, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                                   if str(e).strip() else type(e).__name__)
-        self.alt = (training, made)
-        return made
+        with converting():
+            training, pending = self.alt
+            if not isinstance(pending, PendingMode):  # made by another thread while this one waited
+                return pending
+            args, kwargs = pending.arguments(gm.__dict__["_ampfx_model"], call)
+            name = "train" if training else "eval"
+            log.info("ampfx: converting %s in %s mode, at its first use in that mode", self.name(), name)
+            try:
+                with torch.inference_mode(False), torch.enable_grad():
+                    made = make(gm, args, kwargs, [f"the {name}-mode conversion, made at its first use in {name} "
+                                                    f"mode as ampfx.convert(model.{name}()) makes it"],
+                                training=training, memo=pending.memo)
+            except Exception as e:  # noqa: BLE001 - that mode only: the module raises in it, saying why
+                made = ModeUnavailable(training, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                                       if str(e).strip() else type(e).__name__)
+            self.alt = (training, made)
+            return made
 
     @runtime.compile_disabled
     def convert_again(self, gm: nn.Module, fixed: Any, args: tuple, kwargs: dict,
                       changes: list[str] | None = None) -> nn.Module:
         """A new entry, made by ``reconvert`` for this call (within its limit), or :class:`StaleModelError`
-        naming the change and the fixes."""
+        naming the change and the fixes. The caller holds the conversion lock (:meth:`_made`)."""
         changes = changes or (fixed.changes() if fixed is not None else []) or ["a value the graph fixed changed"]
         make, variants, where = self.reconvert, self.variants, self.where
         name = self.name()
@@ -198,8 +239,8 @@ class Runtime:
                 f"model was converted to {low}: ops ampfx keeps float32 (norms, softmax) take {low} values with "
                 f"float32 weights. Fix: keep the weights float32 (.float() puts them back) and let ampfx cast them "
                 f"per op, or convert the model with the dtype its weights have")
-        log.info("ampfx: %s changed since conversion (%s); converting it again (%d of at most %d)", name,
-                 "; ".join(changes[:3]), len(variants) + 1, make.limit)
+        log.info("ampfx: %s: %s; converting it again (%d of at most %d)", name, "; ".join(changes[:3]),
+                 len(variants) + 1, make.limit)
         try:
             variant = make(gm, args, kwargs, changes)
         except StaleModelError:
@@ -216,14 +257,39 @@ class Runtime:
         made again earlier whose own checks accept the call, or a new one; ``error`` where none can be made."""
         if self.reconvert is None or not self.reconvert.limit:
             raise error
-        for variant in self.variants[self.retired or 0:]:
-            if _holds(variant, None, gm) and _accepts(variant, args, kwargs):
-                return variant
+        entry = self._accepting(gm, args, kwargs)
         what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
-        return self.convert_again(gm, None, args, kwargs, [what])
+        return entry if entry is not _NONE else self._made(self._accepting, gm, args, kwargs, None, [what])
+
+    def for_sizes(self, gm: nn.Module, args: tuple, kwargs: dict, error: Exception) -> nn.Module | None:
+        """The entry for a call whose sizes cross a size-dependent dtype decision (``error``, a
+        :class:`~ampfx.runtime.guards.PlanSizeError`): one planned earlier for such sizes, or a new plan; ``None``
+        (run this graph as it is: right numbers, planned for other sizes) where no plan can be made (no
+        ``reconvert_limit`` left, a loaded copy), said once in the log."""
+        entry = self._accepting(gm, args, kwargs)
+        if entry is not _NONE:
+            return entry
+        make = self.reconvert
+        if make is None or len(self.variants) >= make.limit:
+            if not self.size_said:
+                self.size_said = True
+                log.warning("%s; no plan can be made for them (reconvert_limit reached, or a loaded copy): the plan "
+                            "made for other sizes runs", str(error).removeprefix("ampfx: "))
+            return None
+        what = str(error).removeprefix("ampfx: ").split(" (planned again", 1)[0]
+        return self._made(self._accepting, gm, args, kwargs, None, [what])
+
+    def _accepting(self, gm: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The entry made again whose fixed values hold and whose guard takes the call; ``_NONE`` where none does."""
+        return next((v for v in self.variants[self.retired or 0:] if _holds(v, None, gm) and _accepts(v, args, kwargs)),
+                    _NONE)
 
     def name(self) -> str:
         return f"model.{self.where}" if self.where else "the model"
+
+
+_NONE = object()
+"""What the lookups of :class:`Runtime` return where no entry holds (``None`` stands for the graph itself)."""
 
 
 def runtime_of(module: nn.Module) -> Runtime | None:
