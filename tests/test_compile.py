@@ -2,6 +2,8 @@
 converted, graph breaks included, with a log of every graph; and a converted model compiled (convert, then compile)."""
 import contextlib
 import copy
+import itertools
+import re
 
 import pytest
 import torch
@@ -98,10 +100,38 @@ def test_the_backend_trains_a_model_with_a_graph_break_as_autocast_does_and_list
     assert amp.graphs[0].reason.startswith("graph break")
     lines = amp.summary().splitlines()
     assert lines[0] == "ampfx backend (bfloat16, inner aot_eager): 2 graphs"
-    assert [ln.split(":")[0].strip() for ln in lines[1:]] == [f"graph {g.compile_id}" for g in amp.graphs]
+    heads = [ln for ln in lines[1:] if not ln.startswith("    ")]  # each graph's details are indented under it
+    assert [ln.split(":")[0].strip() for ln in heads] == [f"graph {g.compile_id}" for g in amp.graphs]
     assert sum(len(g.report.records) for g in amp.graphs) == len(amp.report.records) > 0
     low = [r for r in amp.report.records if r.dtype == torch.bfloat16]
     assert any(r.gemms for r in low), "the GEMMs run in bfloat16"
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["default", "every-gemm-small"])
+def test_the_backends_summary_gives_each_graphs_reasons(small):
+    """Rule: ``Backend.summary()`` is the one summary of a compiled model: under each graph's line it holds the rest
+    of that graph's ``Report.summary()`` (what stayed float32 and why; the GEMMs kept float32 as small, with the
+    switch that lowers them; the line saying that no GEMM runs low), without a capture line per graph; a graph
+    whose GEMMs all stay float32 also warns so when it is converted."""
+    amp = ampfx.backend("bf16", inner="eager", **({"gemm_min_flops": 10 ** 9} if small else {}))
+    run = torch.compile(Block(), backend=amp)
+    with pytest.warns(UserWarning, match="no GEMM runs in bfloat16") if small else contextlib.nullcontext():
+        run(torch.randn(4, 8, 32))
+    text = amp.summary()
+    lines = text.splitlines()
+    assert len(amp.graphs) == 2
+    for g in amp.graphs:
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"  graph {g.compile_id}: converted"))
+        details = [ln[2:] for ln in itertools.takewhile(lambda ln: ln.startswith("    "), lines[at + 1:])]
+        shown = [ln for ln in g.report.summary().splitlines()[1:] if not ln.startswith("  capture")]
+        assert shown and details == shown, (shown, text)
+        assert any(re.match(r"  float32: \w+ \d+ \([\w ]+\)", ln) for ln in shown)  # op, count, reason
+    assert "capture" not in text
+    if small:
+        assert text.count("small GEMMs: ") == 2 and text.count("no GEMM runs in bfloat16: ") == 2
+        assert "(small GEMM)" in text and "AMPFX_GEMM_MIN_FLOPS=0" in text
+    else:
+        assert "small GEMM" not in text and "no GEMM runs" not in text
 
 
 def _casts_per_step(run, model, x, y):
@@ -314,3 +344,75 @@ def test_a_structure_edit_made_inside_compiled_code_shows_through():
     assert isinstance(net[0], nn.Identity)
     torch.testing.assert_close(amp(x), net(x), atol=3e-2, rtol=0)
     assert len(amp.variants()) == 1
+
+
+class Logged(nn.Module):
+    """A forward that logs a value with ``.item()`` (a graph break): after a recompile, dynamo hands the backend
+    the code after the break as a graph that reads no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        print("loss", y.sum().item())
+        return y.relu()
+
+
+def test_a_graph_reading_no_tensor_is_handed_on_as_it_is_and_listed(capsys):
+    """Rule: a graph dynamo hands the backend with nothing to convert (here, no tensor input: a forward logging a
+    value with ``.item()``) goes to the inner backend as captured, not refused with advice about example_inputs
+    the user never gave; the summary and the merged report list it, and the graphs that hold work are converted."""
+    amp = ampfx.backend("bf16", inner="eager")
+    net = Logged()
+    run = torch.compile(net, backend=amp)
+    for _ in range(3):  # a new logged value each call: dynamo captures the code after the break again
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(run(x), net(x), atol=3e-2, rtol=0)
+    assert capsys.readouterr().out.count("loss") == 6
+    idle = [g for g in amp.graphs if g.nothing_to_convert]
+    assert idle and all(g.why == "no tensor input" and not g.converted for g in idle)
+    assert any(g.converted and any(r.dtype == torch.bfloat16 for r in g.report.records) for g in amp.graphs)
+    lines = amp.summary().splitlines()[1:]
+    assert any(f"graph {g.compile_id}: nothing to convert (no tensor input), handed to eager as it is" in ln
+               for g in idle for ln in lines), lines
+    left = [p for p in amp.report.parts if p.method.startswith("left as is: nothing to convert")]
+    assert len(left) == len(idle)
+
+
+def _ints(x):
+    y = x * 2 + 1
+    torch._dynamo.graph_break()
+    return (y > 3).sum()
+
+
+def _constants(x):
+    torch._dynamo.graph_break()
+    a = torch.ones(4, 4)
+    return a @ a + 1
+
+
+def _floats(x):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y.sum()
+
+
+@pytest.mark.parametrize("fn, x, why", [
+    (_ints, torch.arange(6), "no floating-point value"),          # integer and boolean tensors only
+    (_constants, torch.randn(3), "no tensor input"),              # tensors made from constants inside the graph
+    (_floats, torch.randn(3), None),                              # float work: converted
+], ids=["integers", "constants", "floats"])
+def test_graph_breaks_leave_small_graphs_with_nothing_to_convert_as_captured(fn, x, why):
+    """Rule: the tiny graphs around graph breaks are handed on as captured where they hold nothing to convert (no
+    tensor input, or no floating-point value), each listed with why; a graph with float work is converted."""
+    amp = ampfx.backend("bf16", inner="eager")
+    torch.testing.assert_close(torch.compile(fn, backend=amp)(x), fn(x), atol=3e-2, rtol=0)
+    assert amp.graphs
+    if why is None:
+        assert all(g.converted and not g.nothing_to_convert for g in amp.graphs)
+    else:
+        assert any(g.nothing_to_convert and g.why == why for g in amp.graphs)
+        assert all(g.converted or g.nothing_to_convert for g in amp.graphs)
+        assert f"nothing to convert ({why}), handed to eager as it is" in amp.summary()

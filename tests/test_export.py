@@ -15,6 +15,7 @@ from ampfx import Category, ops
 from ampfx.capture.export import unavailable
 from ampfx.runtime import cast as runtime_cast
 from conftest import rel_err
+from support.clock import ExportClock
 from support.models import Outer
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -532,23 +533,36 @@ def test_root_hooks_fire_on_every_call_of_an_exported_module():
     assert rel_err(amp(x, mask), m(x, mask)) < 0.02
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """export's budgets on a fake clock: only the steps a test calls slow take time (support/clock.py)."""
+    return ExportClock().install(monkeypatch)
+
+
 class SlowOnDynamicWidth(Masked):
-    """Exports fast unless its second dimension is symbolic (as a model doing arithmetic on its spatial sizes)."""
+    """Exports fast unless its second dimension is symbolic (as a model doing arithmetic on its spatial sizes):
+    then its forward takes 3 s of ``sleep``'s clock."""
+
+    def __init__(self, sleep) -> None:
+        super().__init__()
+        self.sleep = sleep
 
     def forward(self, x, mask):
         if isinstance(x.shape[1], torch.SymInt):
-            import time
-            time.sleep(3)
+            self.sleep(3)
         return super().forward(x, mask)
 
 
-def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
+def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only(clock):
     """Every dimension dynamic may take a quarter of export_timeout; then the batch alone is dynamic: the graph
-    takes other batch sizes, and other sequence lengths raise GuardError (the notes say so)."""
+    takes other batch sizes, and other sequence lengths raise GuardError (the notes say so). On a fake clock: how
+    long export's real work takes on this machine, loaded or not, decides nothing."""
+    from ampfx.capture.export import DYNAMIC_SHARE
     from ampfx.errors import GuardError
     torch.manual_seed(0)
-    m, x, mask = SlowOnDynamicWidth(), torch.randn(2, 5, 16), torch.ones(2, 5)
-    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=6)  # a quarter (1.5 s) is under the 3 s sleep; the rest leaves room on a slow machine
+    m, x, mask = SlowOnDynamicWidth(clock.sleep), torch.randn(2, 5, 16), torch.ones(2, 5)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=6)  # a quarter (1.5 s) is under the 3 s
+    assert clock.elapsed == 6 * DYNAMIC_SHARE, "the every-dimension try stopped at its share, and nothing else waited"
     root = next(r for r in amp.ampfx_report.parts if r.path == "")
     assert root.method == "export" and any("Dim.AUTO) (train mode) stopped after" in s for s in root.steps)
     assert any("dynamic first (batch) dimension" in n for n in amp.ampfx_report.notes)
@@ -558,23 +572,23 @@ def test_a_slow_dynamic_export_gives_way_to_a_dynamic_batch_only():
         amp(torch.randn(2, 6, 16), torch.ones(2, 6))
 
 
-def test_the_other_training_mode_starts_from_the_sizes_the_first_export_ended_with():
+def test_the_other_training_mode_starts_from_the_sizes_the_first_export_ended_with(clock):
     """A model whose every-dimension export is too slow, with dropout (two modes, two exports): the
-    second export starts with the dynamic batch, and does not wait for the same timeout again."""
-    import time
+    second export starts with the dynamic batch, and does not wait for the same timeout again (on a fake clock:
+    one share of export_timeout passes in all)."""
+    from ampfx.capture.export import DYNAMIC_SHARE
 
     class SlowWithDropout(SlowOnDynamicWidth):
         def __init__(self):
-            super().__init__()
+            super().__init__(clock.sleep)
             self.drop = nn.Dropout(0.1)
 
         def forward(self, x, mask):
             return self.drop(super().forward(x, mask))
 
     m, x, mask = SlowWithDropout(), torch.randn(2, 5, 16), torch.ones(2, 5)
-    t = time.perf_counter()
     amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=4)
-    assert time.perf_counter() - t < 4
+    assert clock.elapsed == 4 * DYNAMIC_SHARE
     other = next(r for r in amp.mode_module(False).ampfx_report.parts if r.path == "")
     assert other.method == "export" and any("as the other training mode's export did" in s for s in other.steps)
     m.eval()
@@ -603,35 +617,38 @@ def test_a_timeout_during_torchs_own_lazy_imports_leaves_export_working():
 
 
 class _Steps(nn.Module):
-    """Four small layers, the third of which stalls export's size analysis when the width is symbolic."""
+    """Four small layers, the third of which stalls export's size analysis when the width is symbolic (1.5 s of
+    ``sleep``'s clock)."""
 
-    def __init__(self, d=16):
+    def __init__(self, sleep, d=16):
         super().__init__()
         self.a, self.b, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 4)
-        self.mask, self.stall = Masked(d), _Stall()
+        self.mask, self.stall = Masked(d), _Stall(sleep)
 
     def forward(self, x, mask):
         return self.out(self.stall(self.b(self.a(x))) + self.mask(x, mask)[..., :1])
 
 
 class _Stall(nn.Module):
+    def __init__(self, sleep) -> None:
+        super().__init__()
+        self.sleep = sleep
+
     def forward(self, x):
         if isinstance(x.shape[1], torch.SymInt):
-            import time
-            time.sleep(1.5)
+            self.sleep(1.5)
         return x
 
 
-def test_a_dynamic_export_that_stalls_on_one_module_gives_way_at_once():
+def test_a_dynamic_export_that_stalls_on_one_module_gives_way_at_once(clock):
     """One module taking seconds where the others took milliseconds (export's symbolic size analysis
     stuck on arithmetic with sizes) ends the every-dimension try when its forward ends, long before
-    export_timeout's share (15 s here); the report names the module, and the batch-only graph is right."""
-    import time
-    m = _Steps()
+    export_timeout's share (15 s here: on a fake clock, the stalled module's 1.5 s is all that passes); the
+    report names the module, and the batch-only graph is right."""
+    m = _Steps(clock.sleep)
     x, mask = torch.randn(2, 5, 16), torch.ones(2, 5)
-    t = time.perf_counter()
     amp = ampfx.convert(m, "bf16", example_inputs=(x, mask), export_timeout=60)
-    assert time.perf_counter() - t < 12
+    assert clock.elapsed == 1.5
     root = next(r for r in amp.ampfx_report.parts if r.path == "")
     stalled = [s for s in root.steps if "stalled" in s]
     assert root.method == "export" and len(stalled) == 1 and "'stall'" in stalled[0], root.steps

@@ -1,4 +1,6 @@
 """mode="inference": weights of low-precision ops stored low once; outputs as in train mode."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -33,3 +35,74 @@ def test_norm_and_embedding_parameters_stay_fp32():
 def test_bad_mode_is_an_error():
     with pytest.raises(ampfx.PolicyError, match="mode='eval'"):
         ampfx.convert(nn.Linear(2, 2), "bf16", mode="eval")
+
+
+def _members(n: int = 3) -> list[nn.Module]:
+    return [build("mlp", seed=s)[0].eval() for s in range(n)]
+
+
+def test_a_torch_func_ensemble_runs_as_each_member_separately():
+    """Rule: an inference-mode conversion runs in a ``torch.func`` ensemble (``stack_module_state``, then
+    ``torch.vmap`` over ``functional_call``): the batched tensors in the parameters' places, whose writes no
+    stamp can see, are cast by the graph at the call, as in training mode (bitwise its result, and each member's
+    own conversion's within bfloat16 rounding), and the copies of the model's own weights are kept."""
+    members = _members()
+    x = build("mlp")[1][0]
+    infer = ampfx.convert(members[0], "bf16", example_inputs=(x,), mode="inference").eval()
+    train = ampfx.convert(members[0], "bf16", example_inputs=(x,), weight_cache=False).eval()
+    params, buffers = torch.func.stack_module_state(members)
+
+    def ensemble(amp):
+        return torch.vmap(lambda p, b: torch.func.functional_call(amp, (p, b), (x,)))(params, buffers)
+
+    with torch.no_grad():
+        alone = [ampfx.convert(m, "bf16", example_inputs=(x,), mode="inference").eval()(x) for m in members]
+        infer(x)  # (converting members[0] again wrote its weights back: this call copies them)
+        own, reused = infer(x), ampfx.count_casts(lambda: infer(x))
+        got = ensemble(infer)
+        torch.testing.assert_close(got, ensemble(train), rtol=0, atol=0)
+        for i in range(len(members)):
+            torch.testing.assert_close(got[i], alone[i], rtol=2 ** -7, atol=1e-2)
+        assert ampfx.count_casts(lambda: infer(x)) == reused < ampfx.count_casts(lambda: train(x)), "copies kept"
+        torch.testing.assert_close(infer(x), own, rtol=0, atol=0)
+    lows = [v for k, v in infer.__dict__.items() if k.startswith("_ampfx_low")]
+    assert lows and all(type(v) is torch.Tensor and v.dtype == torch.bfloat16 for v in lows)
+    assert not any(torch._C._functorch.is_functorch_wrapped_tensor(v) for v in lows), "no batched tensor held"
+    copy.deepcopy(infer)
+
+
+def test_torch_func_grad_over_functional_call_reaches_the_values_given():
+    """Rule: a value given for one call in a parameter's place (``functional_call``'s, wrapped by
+    ``torch.func.grad``) is cast by the graph at that call, so its gradient reaches it: the gradients equal
+    training mode's (a kept low copy would cut them to zero)."""
+    model, (x,), _ = build("mlp")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def grads(amp):
+        return torch.func.grad(lambda p: torch.func.functional_call(amp, p, (x,)).float().square().sum())(params)
+
+    got = grads(ampfx.convert(model, "bf16", example_inputs=(x,), mode="inference"))
+    want = grads(ampfx.convert(model, "bf16", example_inputs=(x,), weight_cache=False))
+    assert all(g.abs().sum() > 0 for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_functional_call_with_plain_tensors_leaves_the_models_copies_in_place():
+    """Rule: ``functional_call`` with plain tensors (no transform) computes with those tensors, bitwise as
+    training mode does, holds none of them after the call, and the next plain call reuses the copies of the
+    model's own weights (no weight cast)."""
+    model, (x,), _ = build("mlp")
+    infer = ampfx.convert(model, "bf16", example_inputs=(x,), mode="inference").eval()
+    train = ampfx.convert(model, "bf16", example_inputs=(x,), weight_cache=False).eval()
+    other = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    with torch.no_grad():
+        own = infer(x)
+        reused = ampfx.count_casts(lambda: infer(x))
+        got = torch.func.functional_call(infer, other, (x,))
+        torch.testing.assert_close(got, torch.func.functional_call(train, other, (x,)), rtol=0, atol=0)
+        assert not torch.equal(got, own)
+        assert ampfx.count_casts(lambda: infer(x)) == reused
+        torch.testing.assert_close(infer(x), own, rtol=0, atol=0)
+    held = {id(v) for v in infer.__dict__.values()} | {id(e[3]) for e in infer._rt.low.entries}
+    assert not held & {id(v) for v in other.values()}

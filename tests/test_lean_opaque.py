@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampfx
+from support.clock import ExportClock
 from support.lean import GemmCounter, against_autocast
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,12 +76,18 @@ def test_a_wrapped_attention_helper_costs_no_more_than_autocast(core):
     assert any(core.__name__ in step for step in cost.report.parts[0].steps)
 
 
-def test_an_untraceable_wrapped_function_runs_as_written_and_the_report_names_it():
+def test_an_untraceable_wrapped_function_runs_as_written_and_the_report_names_it(monkeypatch):
     """A wrapped function with data-dependent control flow cannot be traced (torch.export fails on it too):
     it stays one float32 node as torch.fx keeps it, the model still computes what it computes, and the report
-    names the function, counts the two GEMMs inside it and says they are not low."""
+    names the function, counts the two GEMMs inside it and says they are not low. export's budgets run on a fake
+    clock that no step advances: export fails on the branch itself, however slow or loaded the machine (on the
+    real clock a loaded machine ran the every-dimension try past its share of export_timeout)."""
+    clock = ExportClock().install(monkeypatch)
     model, x = Attention(attend_clipped), torch.randn(2, 8, 16)
     amp = ampfx.convert(model, torch.bfloat16, example_inputs=(x,))
+    steps = amp.ampfx_report.parts[0].steps
+    assert clock.elapsed == 0 and not any("stopped after" in s for s in steps), steps
+    assert any(s.startswith("torch.export") and "data-dependent" in s for s in steps), steps
     torch.testing.assert_close(amp(x), model(x), atol=0.05, rtol=0.05)
     cost = against_autocast(model, (x,), amp=amp)
     rep = cost.report

@@ -16,14 +16,25 @@ call-time checks.
 torch.float32
 >>> [str(r.dtype) for g in amp.graphs for r in g.report.records if "softmax" in r.target]
 ['torch.float32']
->>> print(amp.summary())                              # doctest: +ELLIPSIS
+>>> print(amp.summary())                              # each graph, and what stayed float32 in it and why
 ampfx backend (bfloat16, inner eager): 1 graph
   graph 0/0: converted 3/4 nodes to bfloat16 using 5 casts (0 of weights) [return_value]
+    float32: softmax 1 (deny list)
+
+Under each graph's line, the summary holds the rest of that graph's :meth:`Report.summary
+<ampfx.report.Report.summary>`: what stayed float32 and why, the GEMMs kept float32 as too small to pay on the
+device (and the switch that lowers them), and, where no GEMM of the graph runs low, a line saying so, which each
+such graph also gives as a warning when it is converted, as :func:`ampfx.convert` does.
 
 Graph ends: a graph hands the Python after it (and the next graph) float32 values where the model's own are
 float32, as a part of a model :func:`ampfx.convert` converts part by part does: dynamo traces the code after a break
 as the user wrote it, before any backend sees it, so a low value there would meet float32 weights (where
 ``convert`` captures through the break, as ``torch.fx`` does through a ``print``, it saves that cast each way).
+
+Graphs with nothing to convert: dynamo also hands a backend graphs that read no tensor (what follows a break made by
+a value logged with ``.item()``, code that makes its tensors from constants) or hold no floating-point value (integer
+and boolean tensors only). Such a graph goes to the inner backend as captured, and :meth:`Backend.summary` lists it
+so (``graph 1/1: nothing to convert (no tensor input), handed to inductor as it is``).
 
 Graph inputs: dynamo passes a module's parameters to its graph as inputs, so their casts are counted as casts of
 inputs, not of weights, and each runs inside the compiled graph. ``AMPFX_*`` variables are read once, when the
@@ -44,6 +55,7 @@ import torch.fx as fx
 from ..api import convert
 from ..errors import ArgumentError
 from ..report import Report
+from ..report.records import Part
 from ..policy import fp8 as fp8_vocabulary
 from ..policy import from_env
 from ..capture.base import copied_graph
@@ -57,20 +69,28 @@ log = logging.getLogger(__name__)
 class CompiledGraph:
     """One graph dynamo handed the backend: its compile id (``"0/0"``: frame 0, first compile; ``"0/1"``:
     that frame captured again after a guard failed), why dynamo ended it there, and ampfx's report of it
-    (``converted=False``: it went to the inner backend as captured, and ``why`` says why)."""
+    (``converted=False``: it went to the inner backend as captured, and ``why`` says why; with
+    ``nothing_to_convert``, because it holds nothing ampfx converts: :func:`_nothing_to_convert`)."""
 
     compile_id: str
     reason: str
     report: Report | None
     converted: bool = True
     why: str = ""
+    nothing_to_convert: bool = False
 
-    def line(self) -> str:
+    def line(self, inner: str = "the inner backend") -> str:
+        """What the backend's summary says of this graph: a line, and under a converted graph the rest of its
+        report's summary, indented (:meth:`Backend.summary`)."""
         head = f"graph {self.compile_id}"
+        if self.nothing_to_convert:
+            return (f"{head}: nothing to convert ({self.why}), handed to {inner} as it is"
+                    + (f" [{self.reason}]" if self.reason else ""))
         if not self.converted:
             return f"{head}: left as captured ({self.why})"
-        summary = self.report.summary().splitlines()[0].removeprefix("ampfx: ")
-        return f"{head}: {summary}" + (f" [{self.reason}]" if self.reason else "")
+        first, *details = _summary_of(self.report).splitlines()
+        return "\n".join([f"{head}: {first.removeprefix('ampfx: ')}" + (f" [{self.reason}]" if self.reason else ""),
+                          *(f"  {line}" for line in details)])
 
 
 class Backend:
@@ -110,6 +130,15 @@ class Backend:
         compile_id = str(gm.meta.get("dynamo_compile_id", len(self.graphs)))
         cause = getattr(gm, "compile_subgraph_reason", None)
         reason = _words(cause)
+        nothing = _nothing_to_convert(gm, example_inputs)
+        if nothing is not None:
+            log.debug("ampfx backend: graph %s has nothing to convert (%s): handed to %s as it is", compile_id,
+                      nothing, self._inner_name())
+            self.graphs.append(CompiledGraph(compile_id, reason, _as_it_is(self.dtype, gm, nothing), converted=False,
+                                             why=nothing, nothing_to_convert=True))
+            if self.log_path:
+                self.report.save(self.log_path)
+            return lookup_backend(self.inner)(gm, example_inputs)
         converted = convert(gm, self.given_dtype, example_inputs=_example(example_inputs), policy=self.policy,
                             tracer="fx", mode=self.mode, environ=self.environ, **self.options)
         report = converted.ampfx_report
@@ -133,11 +162,14 @@ class Backend:
         return Report.merge(self.dtype, [_labelled(g) for g in self.graphs if g.report is not None])
 
     def summary(self) -> str:
-        """A line per graph: what ampfx converted, and why dynamo ended the graph there."""
+        """A line per graph: what ampfx converted, and why dynamo ended the graph there; under it, the lines of
+        that graph's :meth:`Report.summary <ampfx.report.Report.summary>` (what stayed float32 and why, the GEMMs
+        kept float32 as small with the switch that lowers them, a graph where no GEMM runs low), without the line
+        every dynamo graph would repeat (captured as its own graph)."""
         n = len(self.graphs)
         head = (f"ampfx backend ({str(self.dtype).replace('torch.', '')}, inner {self._inner_name()}): "
                 f"{n} graph{'s' if n != 1 else ''}")
-        return "\n".join([head, *(f"  {g.line()}" for g in self.graphs)])
+        return "\n".join([head, *(f"  {g.line(self._inner_name())}" for g in self.graphs)])
 
 
 def backend(dtype: Any = None, inner: str | Callable = "inductor", policy: Any = None, **options: Any) -> Backend:
@@ -194,6 +226,34 @@ def _labelled(graph: CompiledGraph) -> Report:
         report, parts=tuple(dataclasses.replace(p, path=name(p.path), why=p.why or graph.reason) for p in report.parts),
         code_before={name(k): v for k, v in report.code_before.items()},
         code_after={name(k): v for k, v in report.code_after.items()})
+
+
+def _summary_of(report: Report) -> str:
+    """``report``'s summary without the capture line of a graph captured as it is (every graph dynamo hands the
+    backend is: the line would say so for each); a capture with leaves or functions kept whole keeps its line."""
+    parts = tuple(p for p in report.parts if not (p.method.startswith("fx") and not p.leaves and not p.functions))
+    return dataclasses.replace(report, parts=parts).summary()
+
+
+def _nothing_to_convert(gm: fx.GraphModule, example_inputs: list[Any]) -> str | None:
+    """Why ``gm`` holds nothing ampfx converts (``None``: it may hold something): no tensor among its inputs (what
+    dynamo captures after a break made by a value logged with ``.item()``, tensors made from constants alone), or,
+    by the value dynamo recorded of every node (``example_value``), no floating-point tensor anywhere in it."""
+    if not any(isinstance(x, torch.Tensor) for x in example_inputs):
+        return "no tensor input"
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    if not all("example_value" in n.meta for n in nodes):
+        return None  # not dynamo's record of every value: the conversion decides
+    values = torch.utils._pytree.tree_leaves([n.meta["example_value"] for n in nodes])
+    if not any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values):
+        return "no floating-point value"
+    return None
+
+
+def _as_it_is(dtype: torch.dtype, gm: fx.GraphModule, why: str) -> Report:
+    """The report of a graph handed on as dynamo captured it, since it held nothing to convert (``why``)."""
+    return Report(dtype, parts=(Part("", f"left as is: nothing to convert ({why})"),),
+                  shapes=f"not converted: {why}", code_before={"": gm.code}, code_after={"": gm.code})
 
 
 def _example(example_inputs: list[Any]) -> tuple | None:

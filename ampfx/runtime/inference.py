@@ -10,7 +10,11 @@ place by anything in the process (an in-place load, an optimizer step, fused one
 too, a write through ``.data`` such as a teacher's momentum update:
 :mod:`ampfx.runtime.written`), re-pointed (``p.data = t``, ``vector_to_parameters``)
 or replaced. A master in shared memory (``model.share_memory()``, whose Hogwild
-workers write it from other processes) is copied at every call. Parameters any consumer reads in float32 (batch-norm and layer-norm
+workers write it from other processes) is copied at every call. A value given for one call in place of a
+parameter (``torch.func.functional_call``'s tensors, the batched and grad-tracking tensors of ``torch.vmap`` and
+``torch.func.grad`` over it, as in a ``stack_module_state`` ensemble) is read as it is and cast by the graph at that
+call, as in training mode (its gradient reaches it), then let go: the copies of the model's own weights stay.
+Parameters any consumer reads in float32 (batch-norm and layer-norm
 affine parameters, embedding tables, biases added in float32) and the
 parameters of leaves (which run as the model's own modules) are not copied.
 The model's parameters are not changed, and they are the converted module's
@@ -93,8 +97,11 @@ class LowCopies:
     def __getstate__(self) -> dict:
         return {"dtype": self.dtype, "paths": self.paths, "entries": self._anew(lambda d: d)}
 
-    def refresh(self, gm: nn.Module) -> None:
-        """Copy again each weight whose master was replaced or written since its copy was made."""
+    def refresh(self, gm: nn.Module) -> list[tuple[str, Any]] | None:
+        """Copy again each weight whose master was replaced or written since its copy was made. A value given for
+        this call only (:func:`_given_for_the_call`) is read as it is, the graph casting it; the attributes it
+        was put in, with what they held (:meth:`put_back` after the call), or ``None`` where there is none."""
+        lent = None
         for entry in self.entries:
             owner, name, attr, seen, mark = entry
             master = owner.get(name)
@@ -103,12 +110,37 @@ class LowCopies:
             if master is None:
                 raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
                                       "model: convert the model again")
+            if _given_for_the_call(master):  # the graph's cast makes its low value (with its gradient): no copy kept
+                lent = lent if lent is not None else []
+                lent.append((attr, gm.__dict__.get(attr)))
+                gm.__dict__[attr] = master
+                continue
             with torch.no_grad():
                 gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
             entry[3], entry[4] = master, written.stamp(master)
+        return lent
+
+    @staticmethod
+    def put_back(gm: nn.Module, lent: list[tuple[str, Any]]) -> None:
+        """After a call that read values given for it (:meth:`refresh`): the copies the graph reads otherwise."""
+        for attr, held in lent:
+            if held is None:
+                gm.__dict__.pop(attr, None)  # none made yet: the next call makes it
+            else:
+                gm.__dict__[attr] = held
 
     def nbytes(self) -> int:
         return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)
+
+
+def _given_for_the_call(t: torch.Tensor) -> bool:
+    """Is ``t``, found in a parameter's place, a value given for one call rather than a parameter of the model:
+    a plain tensor (``torch.func.functional_call`` puts its tensors there; a module's own parameters are
+    ``nn.Parameter``), or one a ``torch.func`` transform wraps (``torch.vmap``'s, ``torch.func.grad``'s)?"""
+    return not isinstance(t, nn.Parameter) or bool(_WRAPPED is not None and _WRAPPED(t))
+
+
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
@@ -129,6 +161,8 @@ def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
             copies.add(owner._parameters, leaf, attrs[key], target)
         node.target = attrs[key]
     gm.recompile()
-    copies.refresh(gm)
+    lent = copies.refresh(gm)
+    if lent:  # converted while functional_call's values sit in the parameters' places: copies made at the first call
+        copies.put_back(gm, lent)
     gm.set_step("low", copies)
     return copies
