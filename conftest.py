@@ -30,10 +30,13 @@ def _every_gemm_low():
     """The tests' models are tiny: on a CPU every GEMM of theirs is under the device's break-even
     (``ampfx.ops.gemm_cost``) and would stay float32, so the table is empty while they run (every GEMM low, on
     every device; before any fixture of a wider scope converts); the tests of that rule set it or
-    ``gemm_min_flops``. Processes the tests start clear it too (tests/distributed/harness.py)."""
-    from ampfx.ops import gemm_cost
+    ``gemm_min_flops``. Nothing is measured either (``ampfx.ops.device_cost``: the tests of measuring feed it
+    tables). Processes the tests start clear both too (tests/distributed/harness.py)."""
+    from ampfx.ops import device_cost, gemm_cost
 
     saved = dict(gemm_cost.BREAK_EVEN)
+    measured_on = device_cost.measure_on(())
     gemm_cost.BREAK_EVEN.clear()
     yield
     gemm_cost.BREAK_EVEN.update(saved)
+    device_cost.measure_on(measured_on)

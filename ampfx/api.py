@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .policy import module_match
 from .runtime import view, weight_cache
-from .errors import ArgumentError
+from .errors import ENTRY_ERRORS, ArgumentError, PathError, warn_user
 from .policy.decide import check_tuned
 from .runtime.follow import follow
 from .runtime.graph_module import AmpGraphModule
@@ -31,9 +31,11 @@ from .runtime.inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy
 from .report import Report
-from .report.records import dtype_name
-from .request import Asked, Request, build, resolve
+from .ops import ENTRIES, Category
+from .report.records import Rule, dtype_name
+from .request import Asked, Request, build, log_path_name, resolve
 from .state import copy_tree, one_thread, untouched
+from .threads import converting
 from .tree import Memo, convert_module, convert_tree
 
 log = logging.getLogger(__name__)
@@ -102,16 +104,21 @@ def convert(
     ampfx: converted 3/3 nodes to bfloat16 using 5 casts (3 of weights)
     """
     given = model
-    model = _model_of(model)
-    request = build(model, Asked(dtype, example_inputs, policy, policy_options, dynamic_dims=dynamic_dims,
-                                 tracer=tracer, mode=mode, calibrate=calibrate, calibrate_loss=calibrate_loss),
-                    environ=environ)
+    try:
+        model = _model_of(model)
+        request = build(model, Asked(dtype, example_inputs, policy, policy_options, dynamic_dims=dynamic_dims,
+                                     tracer=tracer, mode=mode, calibrate=calibrate, calibrate_loss=calibrate_loss),
+                        environ=environ)
+    except ENTRY_ERRORS as e:  # the user's mistake, raised from here: the traceback ends at their call
+        raise e.with_traceback(None) from None
     return convert_request(model, request, given_a_view=given is not model)
 
 
+@converting()
 def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = False) -> nn.Module:
     """:func:`convert` of ``model`` as ``request`` (:func:`ampfx.request.build`) asks; ``given_a_view``: the
-    caller was given a converted module of ``model``, and the report says so."""
+    caller was given a converted module of ``model``, and the report says so. One conversion at a time in the
+    process (:mod:`ampfx.threads`)."""
     mode = request.mode
     if request.policy.log.disable:
         return _disabled_copy(model, request)
@@ -128,11 +135,42 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
     if given_a_view:
         notes += ("the module given is a converted module, a view of its model: that model was converted",)
     notes += _fp8_unused(request.policy, report)
+    notes += nothing_low(request.policy.dtype, report)
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
                           notes=notes)
     result.ampfx_report = report
     _save(report, request.policy)
     return result
+
+
+def nothing_low(dtype: torch.dtype, report: Report) -> tuple[str, ...]:
+    """Where the converted graphs have GEMMs and none runs in the low dtype, a note saying so, why (by rule) and
+    the switch, and the same as a warning: a plan with nothing low is never taken for a success.
+
+    >>> import torch, ampfx
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> amp = ampfx.convert(m, "bf16", example_inputs=torch.randn(4, 8), gemm_min_flops=10**9)  # doctest: +SKIP
+    >>> print(amp.ampfx_report.summary().splitlines()[-1])  # doctest: +SKIP
+      no GEMM runs in bfloat16: 2 GEMM nodes stay float32 (cost:small-gemm 2); ...
+    """
+    gemms = [r for r in report.compute if r.op in ENTRIES and ENTRIES[r.op].category is Category.ALLOW]
+    if not gemms or any(r.dtype == dtype for r in gemms) or report.gemms_low:
+        return ()
+    rules = Counter(r.rule for r in gemms)
+    said = ", ".join(f"{rule.value} {n}" for rule, n in rules.most_common())
+    if Rule.COST_LOW_SLOWER in rules:
+        switch = (f"{dtype_name(dtype)} GEMMs were measured slower than float32 at every size on this device "
+                  "(`ampfx device` shows the table): this plan is float32's, the fastest here; "
+                  "AMPFX_GEMM_MIN_FLOPS=0 (gemm_min_flops=0) lowers them anyway")
+    elif Rule.COST_SMALL_GEMM in rules:
+        switch = ("each is under the device's break-even at the example inputs' sizes (give example inputs of the "
+                  "size you train at, or `dynamic_dims`); AMPFX_GEMM_MIN_FLOPS=0 (gemm_min_flops=0) lowers them")
+    else:
+        switch = "each node's reason in the report says why"
+    note = f"no GEMM runs in {dtype_name(dtype)}: {len(gemms)} GEMM node{'s' * (len(gemms) > 1)} stay float32 " \
+           f"({said}); {switch}"
+    warn_user(note)
+    return (note,)
 
 
 def _fp8_unused(policy: Policy, report: Report) -> tuple[str, ...]:
@@ -149,7 +187,7 @@ def _fp8_unused(policy: Policy, report: Report) -> tuple[str, ...]:
             "node: fp8_roofline='none' drops the cost rule, fp8_modules forces modules)") if rows else \
         "the converted graphs have no GEMM node (a module keeping its Python runs its own)"
     note = f"fp8={name!r} put no GEMM in FP8: {len(rows)} GEMM nodes stay in the low dtype: {said}"
-    warnings.warn(note, stacklevel=4)
+    warn_user(note)
     return (note,)
 
 
@@ -172,6 +210,7 @@ class Again:
     request: Request
     model: nn.Module
 
+    @converting()
     def __call__(self, module: nn.Module, call: tuple, where: str, arrive: torch.dtype | None,
                  training: bool | None = None, memo: Memo | None = None) -> tuple[nn.Module, Report]:
         request, args, kwargs = self.request, *call
@@ -223,14 +262,15 @@ def _model_of(module: nn.Module) -> nn.Module:
 
 
 def _save(report: Report, policy: Policy) -> None:
-    """The report saved where ``log_path`` / ``AMPFX_LOG_PATH`` says; an unwritable place is named."""
+    """The report saved where ``log_path`` / ``AMPFX_LOG_PATH`` says (checked before the conversion,
+    :func:`ampfx.request.build`); a place that fails while it is written is named."""
     if not policy.log.log_path:
         return
     try:
         report.save(policy.log.log_path)
     except OSError as e:
-        raise ArgumentError(f"log_path / AMPFX_LOG_PATH={str(policy.log.log_path)!r}: cannot write the report there "
-                            f"({e.strerror or e}); give a writable directory") from e
+        raise PathError(f"{log_path_name(policy)}: cannot write the report there ({e.strerror or e}); give a "
+                        "writable directory") from None
 
 
 def _disabled_copy(model: nn.Module, request: Request) -> nn.Module:

@@ -205,7 +205,22 @@ def _aten_seconds(prof) -> float:
     return total
 
 
-def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = False) -> dict:
+def scaled(value, batch, times):
+    """``value`` (inputs, or a loss spec) with each tensor whose first size is the batch repeated ``times`` along it
+    (the training size of a model converted on its small example)."""
+    import torch
+    if times == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.repeat(times, *([1] * (value.dim() - 1))) if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, dict):
+        return {k: scaled(v, batch, times) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(scaled(v, batch, times) for v in value)
+    return value
+
+
+def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = False, scale: int = 1) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -213,8 +228,10 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-    base, inp, spec = build(name)
+    base, example, spec = build(name)
     base.train()
+    import coverage
+    inp, spec = scaled(example, coverage.B, scale), scaled(spec, coverage.B, scale)  # trained at scale x the batch
     r = {"model": name, "family": MODELS.get(name, ""), "dtype": dt, "compiled": compiled}
     runs = {}
     tools = ("float32", "autocast", "ampfx") + (("all_low",) if all_low else ()) + (("backend",) if compiled else ())
@@ -223,14 +240,14 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
         run = model
         if tool == "ampfx":
             t0 = time.perf_counter()
-            run = ampfx.convert(model, dtype, example_inputs=inp)
+            run = ampfx.convert(model, dtype, example_inputs=example)
             r["convert_s"] = round(time.perf_counter() - t0, 2)
             r["capture"] = [(p.path, p.method) for p in run.ampfx_report.parts]
-            r["small_gemms"] = sum(1 for d in run.ampfx_report.records if d.rule == "cost:small-gemm")
+            r["small_gemms"] = sum(1 for d in run.ampfx_report.records if d.rule.value.startswith("cost:"))
             r["gemm_nodes"] = sum(1 for d in run.ampfx_report.records
                                   if d.op in ampfx.ops.ENTRIES and ampfx.ops.ENTRIES[d.op].category is ampfx.Category.ALLOW)
         elif tool == "all_low":  # every GEMM low, whatever its size (the plan before the break-even rule)
-            run = ampfx.convert(model, dtype, example_inputs=inp, gemm_min_flops=0)
+            run = ampfx.convert(model, dtype, example_inputs=example, gemm_min_flops=0)
         if compiled:  # the backend: torch.compile(model, backend="ampfx"), each graph dynamo captures converted
             run = torch.compile(run, backend=ampfx.backend(dtype) if tool == "backend" else "inductor")
         runs[tool] = training_step(run, model, inp, spec, dtype if tool == "autocast" else None)
@@ -250,6 +267,7 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
             wall = time.perf_counter() - t0
         r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
     r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
+    r["best_ratio"] = r["ampfx_ms"] / min(r["float32_ms"], r["autocast_ms"])
     if all_low:
         r["all_low_ratio"] = r["all_low_ms"] / r["autocast_ms"]
     if compiled:
@@ -272,24 +290,37 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true", help="--compile without the eager rows")
     parser.add_argument("--all-low", action="store_true", help="also time ampfx with every GEMM low "
                         "(gemm_min_flops=0), interleaved with the others")
+    parser.add_argument("--scale", type=int, default=1, help="convert each model on its example, train it at this "
+                        "many times its batch (the plan is made again where the size crosses a break-even)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "COMPILED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         try:
-            res = run_case(args.one[0], args.dtype, args.reps, args.one[1] == "1", args.all_low)
+            res = run_case(args.one[0], args.dtype, args.reps, args.one[1] == "1", args.all_low, args.scale)
         except Exception:  # noqa: BLE001 - reported as the row's error
             res = {"model": args.one[0], "error": traceback.format_exc()[-1500:]}
         print("RESULT " + json.dumps(res, default=str))
         return
     import torch
+
+    from ampfx.ops import device_cost
+    from ampfx.policy.names import parse_dtype
+    flags = set(next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), []))
     print(f"step time, {args.dtype}, CPU, one thread, median of {args.reps} interleaved steps after 2 warm-ups; "
-          f"torch {torch.__version__}, python {sys.version.split()[0]}")
+          f"torch {torch.__version__}, python {sys.version.split()[0]}; trained at {args.scale}x the example's batch")
+    print("CPU flags: " + (", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+                                     if f in flags) or "none of avx2/avx512/amx"))
+    torch.set_num_threads(1)
+    be, where = device_cost.limits(None, None, "cpu", None, parse_dtype(args.dtype))
+    print(f"ampfx's break-even here: {device_cost.describe(be)} ({where['flops']})")
     rows = []
     modes = [True] if args.compiled_only else [False, True] if args.compile else [False]
     for compiled in modes:
         for name in args.models.split(","):
             p = subprocess.run([sys.executable, __file__, "--one", name, str(int(compiled)), "--dtype", args.dtype,
-                                "--reps", str(args.reps)] + (["--all-low"] if args.all_low else []),
+                                "--reps", str(args.reps), "--scale", str(args.scale)]
+                              + (["--all-low"] if args.all_low else []),
                                capture_output=True, text=True, timeout=3600)
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(line[-1][7:]) if line else {"model": name, "error": p.stderr[-1500:]}
@@ -301,7 +332,7 @@ def main() -> None:
                 continue
             print(f"{name:24s} {'compiled' if compiled else 'eager':8s} float32 {res['float32_ms']:8.2f} ms  "
                   f"autocast {res['autocast_ms']:8.2f}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
-                  f"{res['ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
+                  f"{res['ratio']:5.2f}x  ampfx/best {res['best_ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
                   f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}"
                   f"  small GEMMs float32 {res.get('small_gemms', 0)} of {res.get('gemm_nodes', 0)}"
                   + (f"  every GEMM low {res['all_low_ms']:8.2f} ({res['all_low_ratio']:.2f}x)" if args.all_low else "")
@@ -312,6 +343,9 @@ def main() -> None:
         if not done:
             continue
         ratios = [r["ratio"] for r in done]
+        best = [r["best_ratio"] for r in done]
+        print(f"{'compiled' if compiled else 'eager'}: ampfx / min(float32, autocast): median "
+              f"{statistics.median(best):.2f}x, above 1.10x: {[r['model'] for r in done if r['best_ratio'] > 1.10] or 'none'}")
         above = [r["model"] for r in done if r["ratio"] > 1.05]
         whole_above = [r["model"] for r in done if whole(r.get("capture")) and r["ratio"] > 1.0]
         print(f"{'compiled' if compiled else 'eager'}: {len(done)} models, median ampfx/autocast "

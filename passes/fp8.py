@@ -53,7 +53,7 @@ from ..policy import fp8 as vocabulary
 from ..policy.decide import matched_at
 from ..report.records import COMPUTE, CastInfo, Decision, Fp8Decision, Fp8Rule, dtype_name
 from ..runtime.fp8 import AmaxHistory, linear_fp8
-from . import nodes
+from . import gemm_cost, nodes
 from .nodes import operand_shape
 from .context import PassContext
 
@@ -79,7 +79,7 @@ def decide_fp8(gm: fx.GraphModule, ctx: PassContext) -> None:
         on = rule in (Fp8Rule.FP8, Fp8Rule.FORCED)
         node.meta[RECORD] = dataclasses.replace(d, fp8=Fp8Decision(
             recipe=recipe.name, rule=rule, reason=reason, output=on, input_grad=on,
-            weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, sizes), **_seen(node)))
+            weight_grad=on and not recipe.weight_grad_high_precision, flops=_flops(node, gm, sizes), **_seen(node)))
         if on:
             x, w, b = (list(node.args) + [node.kwargs.get("bias")])[:3]
             node.target, node.args, node.kwargs = linear_fp8, (x, _master(w), b, spec, *_history(gm, node, recipe)), {}
@@ -236,7 +236,11 @@ _FIRST_OPERAND = {"addmm": 1}
 """Where a GEMM layout (``OpEntry.gemm``) has its first multiplied operand, where it is not the first argument."""
 
 
-def _flops(node: fx.Node, sizes: dict[str, int | None]) -> int | None:
-    """The forward GEMM's floating-point operations, ``2 M N K``; ``None`` where a size is unknown."""
-    m, n, k = sizes["M"], sizes["N"], sizes["K"]
-    return None if None in (m, n, k) else 2 * m * n * k
+def _flops(node: fx.Node, gm: fx.GraphModule, sizes: dict[str, int | None]) -> int | None:
+    """The forward GEMM's floating-point operations (``2 M N K``) as the one counter counts them
+    (:func:`ampfx.passes.gemm_cost.flops`), for matrix products (those with sizes); ``None`` where a size is unknown
+    or symbolic."""
+    if None in (sizes["M"], sizes["N"], sizes["K"]):
+        return None
+    count = gemm_cost.flops(node, gm)
+    return _int(count) if count is not None else None

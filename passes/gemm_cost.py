@@ -6,19 +6,23 @@ forward and back, which the arithmetic saved repays only when the weight is used
 node the op table puts on the allow list (a list edit or a module rule wins over this pass) whose work is known
 from the example inputs (:func:`work`: ``F`` forward operations, ``W`` weight elements cast), against the
 break-even ``(T, R)`` (``Policy.gemm_min_flops``, ``Policy.gemm_min_rows``, else the device's:
-:func:`ampfx.ops.gemm_cost.limits`):
+:func:`ampfx.ops.device_cost.limits`):
 
 - ``F < T``, or a weight used for fewer rows than ``R`` (``F / 2W < R``): DENY, float32, rule
   ``cost:small-gemm``, the reason says which; float32 flows on through the infer and clear ops after it as for
   any float32 node, so a run of small layers has no casts between them;
-- otherwise, where the work is unknown (no ``example_inputs``, a symbolic size whose range reaches the
-  break-even, an op not counted here: einsum, ``mv``, ``bilinear``), where a check's break-even is 0 (none; a
-  given ``gemm_min_flops=0`` turns both off), or for a linear ``fp8_modules`` names (FP8 rides on the low dtype):
-  unchanged.
+- where the device's low dtype was measured slower at every size (``BreakEven.never``): every such GEMM node,
+  counted or not, DENY, float32, rule ``cost:low-slower``;
+- otherwise, where the work is unknown (no ``example_inputs``, an op not counted here: einsum, ``mv``,
+  ``bilinear``), where a check's break-even is 0 (none; a given ``gemm_min_flops=0`` turns both off), or for a
+  linear ``fp8_modules`` names (FP8 rides on the low dtype): unchanged.
 
-The work is counted on the example inputs' sizes and fixed with the plan: give example inputs of the size the
-model trains on (a GEMM under the break-even at batch 2 may be far above it at batch 512), or ``dynamic_dims``,
-under which a GEMM whose count grows with a dynamic size is not kept float32 by it (its range is unbounded).
+**Sizes.** The work is counted at the example inputs' sizes (symbolic sizes of ``dynamic_dims`` at their
+example values), and each node counted records its condition (``node.meta['ampfx_cost_scale']``): the factor of
+the example inputs' elements from which it pays, as a GEMM's work grows with the rows it is called on (batch,
+tokens, pixels). The graph's call-time guard (:class:`ampfx.runtime.guards.Scale`) plans the graph again for a
+call whose inputs cross one of those factors (bucketed by them, each plan kept; within ``reconvert_limit``), so a
+model converted on a small batch and trained on a large one gets the large batch's plan.
 
 ``F`` counts the forward's multiply-adds twice (:data:`COUNTS`): ``2 * numel(output) * K`` with ``K`` the
 contracted size (a linear's or a product's last input size, a convolution's input channels per group times its
@@ -32,8 +36,8 @@ activations have no weight and are decided by ``F`` alone.
 Before: ``linear = F.linear(x, w, b)`` on x float32[32, 64], w float32[64, 64]: Decision(category=ALLOW,
         rule='table')
 After:  Decision(category=DENY, dtype=float32, rule='cost:small-gemm', reason='linear: 262,144 FLOPs a call,
-        under 16,777,216, the break-even of bfloat16 GEMMs on cpu: float32 is faster and needs no casts (counted on
-        the example inputs' sizes)')
+        under 16,777,216, the break-even of bfloat16 GEMMs on cpu (datasheet): float32 is faster and needs no casts
+        (counted at the example inputs' sizes; a call with 64x their elements or more is planned again)')
 """
 from __future__ import annotations
 
@@ -46,8 +50,8 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import RECORD, numel, out_infos, record
-from ..ops import Category, gemm_cost
+from ..meta import COST_SCALE, RECORD, numel, out_infos, record
+from ..ops import Category, device_cost, gemm_cost
 from ..policy.decide import matched_at
 from ..report.records import Decision, Rule
 from .context import PassContext
@@ -221,43 +225,68 @@ def flops(node: fx.Node, gm: fx.GraphModule) -> Any:
 
 def _shown(value: Any, upper: Any) -> str:
     """A count as the reason writes it: the number (rounded to one decimal where not whole), or the expression and
-    its bound."""
+    its value at the example inputs."""
     value = sympy.sympify(value)
     if not value.is_number:
         try:
-            return f"{value} (at most {_shown(int(upper), upper)})"
+            return f"{value} (= {_shown(int(upper), upper)} here)"
         except (TypeError, ValueError, OverflowError, AttributeError):  # unbounded (torch's int_oo)
             return str(value)
     return f"{int(value):,}" if value == int(value) else f"{float(value):,.1f}"
 
 
-def _why(d: Decision, done: Work, limits: gemm_cost.BreakEven, ctx: PassContext, where: dict[str, str]) -> str | None:
-    """Why the node stays float32, ``None`` where it pays low: its operations, or the rows its weight is used
-    for, under the break-even (each bounded over every value of its symbols)."""
+def _at(value: Any, ctx: PassContext) -> Any:
+    """A count at the example inputs' sizes (symbolic sizes at their example values), else its upper bound over
+    every value its symbols may take."""
+    at = ctx.symbols.at_example(value)
+    return at if at is not None else ctx.symbols.bounds(sympy.sympify(value))[1]
+
+
+def _need(done: Work, limits: gemm_cost.BreakEven, ctx: PassContext) -> float | None:
+    """The factor of the example inputs' elements from which the node pays low (a GEMM's work grows with its
+    input's rows: batch, tokens, pixels): ``None`` where its work at the example is unknown or unbounded."""
+    try:
+        flops = float(_at(done.flops, ctx))
+        rows = None if done.rows is None else float(_at(done.rows, ctx))
+    except (TypeError, ValueError, OverflowError):  # unbounded (torch's int_oo)
+        return None
+    if not math.isfinite(flops) or flops <= 0 or (rows is not None and not math.isfinite(rows)):
+        return None
+    need = limits.flops / flops if limits.flops else 0.0
+    if limits.rows and rows:
+        need = max(need, limits.rows / rows)
+    return need
+
+
+def _why(d: Decision, done: Work, limits: gemm_cost.BreakEven, ctx: PassContext, where: dict[str, str],
+         need: float) -> str | None:
+    """Why the node stays float32 (its operations, or the rows its weight is used for, under the break-even at the
+    example inputs' sizes), ``None`` where it pays low."""
+    if need <= 1:
+        return None
     low = str(ctx.policy.dtype).replace("torch.", "")
-    upper = ctx.symbols.bounds(sympy.sympify(done.flops))[1]
-    if limits.flops and upper < limits.flops:
-        return (f"{d.op}: {_shown(done.flops, upper)} FLOPs a call, under {limits.flops:,}, the break-even of {low} "
-                f"GEMMs {where['flops']}: float32 is faster and needs no casts (counted on the example inputs' sizes)")
-    rows = done.rows
-    if not (limits.rows and rows is not None):
-        return None
-    most = ctx.symbols.bounds(rows)[1]
-    if most >= limits.rows:
-        return None
+    again = (f"counted at the example inputs' sizes; a call with {need:.3g}x their elements or more is planned "
+             "again")
+    flops = _at(done.flops, ctx)
+    if limits.flops and flops < limits.flops:
+        return (f"{d.op}: {_shown(done.flops, flops)} FLOPs a call, under {limits.flops:,}, the break-even of {low} "
+                f"GEMMs {where['flops']}: float32 is faster and needs no casts ({again})")
+    rows = _at(done.rows, ctx)
     weights = sympy.sympify(done.weights)
-    return (f"{d.op}: each of its {_shown(weights, ctx.symbols.bounds(weights)[1])} weight elements used for "
-            f"{_shown(rows, most)} rows a call, under {limits.rows:,}, the break-even of {low} GEMMs {where['rows']}: "
-            "casting the weight each way costs more than the arithmetic saved, float32 is faster (counted on the "
-            "example inputs' sizes)")
+    return (f"{d.op}: each of its {_shown(weights, _at(weights, ctx))} weight elements used for "
+            f"{_shown(done.rows, rows)} rows a call, under {limits.rows:,}, the break-even of {low} GEMMs "
+            f"{where['rows']}: casting the weight each way costs more than the arithmetic saved, float32 is faster "
+            f"({again})")
 
 
 def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Keep float32 the GEMM nodes below the device's break-even (see the module docstring)."""
-    limits, where = gemm_cost.limits(ctx.policy.gemm_min_flops, ctx.policy.gemm_min_rows, ctx.device,
-                                     ctx.policy.fp8)  # where: what each figure comes from, for the reasons
-    if limits == gemm_cost.NONE or not ctx.has_shapes:
+    """Keep float32 the GEMM nodes below the device's break-even, and every one where the low dtype never pays
+    (see the module docstring)."""
+    limits, where = device_cost.limits(ctx.policy.gemm_min_flops, ctx.policy.gemm_min_rows, ctx.device,
+                                     ctx.policy.fp8, ctx.policy.dtype)  # where: each figure's source, for reasons
+    if limits == gemm_cost.NONE or not (ctx.has_shapes or limits.never):
         return
+    low = str(ctx.policy.dtype).replace("torch.", "")
     for node in gm.graph.nodes:
         d = record(node)
         if not (isinstance(d, Decision) and d.category is Category.ALLOW and d.rule is Rule.TABLE):
@@ -266,8 +295,19 @@ def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if matched_at(ctx.resolved.fp8_forced, d.module):
             continue  # fp8_modules asks for FP8 here, which rides on the low dtype
+        if limits.never:
+            node.meta[RECORD] = dataclasses.replace(
+                d, category=Category.DENY, dtype=torch.float32, rule=Rule.COST_LOW_SLOWER,
+                reason=f"{d.op}: {low} GEMMs are slower than float32 at every size {where['flops']}: float32 "
+                       "(AMPFX_GEMM_MIN_FLOPS=0 lowers them anyway)")
+            continue
         done = work(node, gm)
-        why = _why(d, done, limits, ctx, where) if done is not None else None
+        need = _need(done, limits, ctx) if done is not None else None
+        if need is None:
+            continue
+        if need > 0:
+            node.meta[COST_SCALE] = need
+        why = _why(d, done, limits, ctx, where, need)
         if why is not None:
             node.meta[RECORD] = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32,
                                                     rule=Rule.COST_SMALL_GEMM, reason=why)

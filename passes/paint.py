@@ -44,7 +44,7 @@ import torch.fx as fx
 from .. import ops
 from ..meta import RECORD, decision, numel, out_infos
 from ..ops import Category, Result
-from ..report.records import Decision, Rule, dtype_name
+from ..report.records import GEMM_COST_RULES, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from . import fidelity
@@ -126,9 +126,15 @@ def _deny_propagation(nodes: list[fx.Node], cat: dict, u_set: set[fx.Node], outs
     nodes and every node painted float32 so far."""
     deny = [n for n in nodes if cat[n] is Category.DENY]
     for n, origin in _walk(deny, outs, lambda c: c in u_set and cat[c] is not Category.DENY).items():
-        color[n] = (torch.float32, Rule.PAINT_DENY,
-                    f"follows deny op {origin.name!r} ({decision(origin).op}) through infer/clear ops: float32")
+        color[n] = (torch.float32, Rule.PAINT_DENY, f"follows {_deny_word(origin)} {origin.name!r} "
+                    f"({decision(origin).op}) through infer/clear ops: float32")
     return {n for n, c in color.items() if c[0] == torch.float32} | set(deny)
+
+
+def _deny_word(node: fx.Node) -> str:
+    """What a float32 origin is, in a follower's reason: a ``deny`` op, or a GEMM kept float32 by its cost."""
+    rule = decision(node).rule
+    return f"a GEMM kept float32 by its cost ({rule.value})" if rule in GEMM_COST_RULES else "deny op"
 
 
 def _between_allow(allow: list[fx.Node], cat: dict, ins: Neighbours, outs: Neighbours, color: Color,

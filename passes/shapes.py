@@ -53,6 +53,15 @@ class Symbols:
 
     ranges: dict = field(default_factory=dict)
     rename: dict = field(default_factory=dict)  # ShapeEnv symbol -> display symbol
+    hints: dict = field(default_factory=dict)  # display symbol -> its value in the example inputs
+
+    def at_example(self, expr: Any) -> Any:
+        """``expr`` at the example inputs' sizes (a number), or ``None`` where a symbol has no example value."""
+        expr = sympy.sympify(expr)
+        if expr.is_number:
+            return expr
+        value = sympy.sympify(expr.xreplace(self.hints))
+        return value if value.is_number else None
 
     def size(self, s: Any) -> int | sympy.Expr:
         if isinstance(s, torch.SymInt):
@@ -135,6 +144,7 @@ def _fake_inputs(mode: Any, args: list[Any], dynamic_dims: dict[int, str], symbo
                 named = sympy.Symbol(name, integer=True, positive=True)
                 symbols.rename[raw] = named
                 symbols.ranges[named] = mode.shape_env.var_to_range[raw]
+                symbols.hints.setdefault(named, int(a.shape[d]))
         out.append(fake)
     return out
 

@@ -287,7 +287,7 @@ def test_nodes_come_from_ampfx_sensitivity_where_it_exists(monkeypatch):
     torch.manual_seed(9)
     model, x = MLP(), torch.randn(4, 12)
     amp = ampfx.convert(model, "bf16", example_inputs=(x,))
-    monkeypatch.delattr(ampfx, "sensitivity", raising=False)
+    monkeypatch.setattr(ampfx, "sensitivity", None)  # an ampfx without it (a deleted name loads again on use)
     no_nodes = ampfx.compare(model, amp, x)
     assert no_nodes.nodes == () and any("sensitivity" in n for n in no_nodes.notes)
 
@@ -368,3 +368,17 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
 def test_cli_errors_name_the_bad_argument(capsys, argv, needle):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_plan_with_no_gemm_low_is_said_beside_its_figures():
+    """Rule: where ampfx kept every GEMM float32 (a break-even above the model's GEMMs), compare's notes say so, so
+    that an error of about float32's is not read as bfloat16 done well."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 12)
+    with pytest.warns(UserWarning, match="no GEMM runs in bfloat16"):
+        amp = ampfx.convert(model, "bf16", example_inputs=(x,), gemm_min_flops=10 ** 9)
+    c = ampfx.compare(model, amp, (x,), _ce, sensitivity=False)
+    assert any("has no GEMM in the low dtype" in n and "cost:small-gemm" in n for n in c.notes)
+    assert "no GEMM in the low dtype" in c.table()
+    fine = ampfx.compare(model, ampfx.convert(model, "bf16", example_inputs=(x,)), (x,), _ce, sensitivity=False)
+    assert not any("no GEMM" in n for n in fine.notes)

@@ -181,8 +181,9 @@ def lightning_run(out):
 def main():
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    from ampfx.ops import gemm_cost  # tiny models: every GEMM low, as the tests' conftest has it
+    from ampfx.ops import device_cost, gemm_cost  # tiny models: every GEMM low, as the tests' conftest has it
     gemm_cost.BREAK_EVEN.clear()
+    device_cost.measure_on(())  # and nothing measured
     result = {"accelerate": accelerate_run, "hf": hf_run, "lightning": lightning_run}[mode](out)
     (out / f"rank{RANK}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():  # left to exit, gloo's threads may be torn down running (SIGABRT)

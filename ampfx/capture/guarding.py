@@ -6,6 +6,7 @@ the call-time check, is :class:`ampfx.runtime.guards.Guard`; this module builds 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from .. import runtime
 from ..errors import PolicyError
 from ..inputs import ExampleInputs
-from ..runtime.guards import Guard, ParamGuard, Signature, Size, TensorGuard, ValueGuard, _short, kind_of
+from ..meta import COST_SCALE
+from ..runtime.guards import (Guard, ParamGuard, Scale, Signature, Size, TensorGuard, ValueGuard, _short, elements,
+                              kind_of)
 from ..state import kept_buffers
 
 
@@ -100,7 +103,7 @@ def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs 
     """Give ``gm`` (the converted graph of ``module``) the :class:`Guard` of what it was built for
     (see :func:`build`); returns the report's notes on it. Nothing to check: no guard, no cost."""
     sig, notes = build(gm, module, capture, inputs, dynamic_dims, prefix, facts, pad)
-    if any(g is not None for g in sig.guards):
+    if any(g is not None for g in sig.guards) or sig.scale is not None:
         gm.set_guard(Guard(sig))
     return notes
 
@@ -127,7 +130,25 @@ def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs |
     notes = _apply_exported(guards, params, given, facts, dynamic_dims) if facts is not None else []
     if inputs is not None:
         _apply_padded(guards, params, _padded(gm, inputs), pad)
-    return Signature(prefix.rstrip("."), params, tuple(guards), facts.relations if facts is not None else ()), notes
+    return Signature(prefix.rstrip("."), params, tuple(guards), facts.relations if facts is not None else (),
+                     scale=_scale(gm, inputs)), notes
+
+
+def _scale(gm: fx.GraphModule, inputs: ExampleInputs | None) -> Scale | None:
+    """The sizes ``gm``'s plan holds for (:class:`Scale`), from the conditions its GEMM nodes recorded
+    (``node.meta['ampfx_cost_scale']``: the factor of the example inputs' elements from which each pays low);
+    ``None`` where none did."""
+    needs = [(n.meta[COST_SCALE], n.name) for n in gm.graph.nodes if COST_SCALE in n.meta]
+    if inputs is None or not needs:
+        return None
+    total = elements(inputs.tensors())
+    paying = [(need, name) for need, name in needs if need <= 1]
+    losing = [(need, name) for need, name in needs if need > 1]
+    low, below = max(paying) if paying else (0.0, "")
+    high, above = min(losing) if losing else (math.inf, "")
+    if total <= 0 or (low <= 0 and high == math.inf):
+        return None
+    return Scale(total, low, high, below, above)
 
 
 def _flatten_with_names(value: Any) -> tuple[list[tuple[str, Any]], TreeSpec]:

@@ -290,6 +290,18 @@ def fp8_text(fp8: dict | None) -> str:
             + (f"; in calibration: {', '.join(seen)}" if seen else ""))
 
 
+_GEMM_COST = ("cost:small-gemm", "cost:low-slower")  # ampfx.report.records.GEMM_COST_RULES' values
+
+
+def shown_category(n: dict) -> str:
+    """A logged decision's category as the page shows it (:attr:`~ampfx.report.records.Decision.shown_category`).
+
+    >>> shown_category({"category": "deny", "rule": "cost:small-gemm"}), shown_category({"category": "deny", "rule": "table"})
+    ('cost', 'deny')
+    """
+    return "cost" if n.get("rule") in _GEMM_COST else n["category"]
+
+
 def history_text(history: list[list[str]]) -> str:
     """A decision's history (``Decision.history``) as the page shows it.
 
@@ -307,7 +319,7 @@ def render(report: Report) -> str:
     fp8 = any(n["fp8"] for n in data["nodes"])  # fp8=: each GEMM node's FP8 rule and reason
     decisions = _table(("node", "op", "module", "kind", "category", "dtype", "autocast", *(("fp8",) if fp8 else ()),
                         "rule", "reason", "decided by", "shapes before"),
-                       [(n["node"], n["op"], n["module"], n["kind"], n["category"], n["dtype"] or "-",
+                       [(n["node"], n["op"], n["module"], n["kind"], shown_category(n), n["dtype"] or "-",
                          n["autocast"] or "-", *((fp8_text(n["fp8"]),) if fp8 else ()), n["rule"], n["reason"],
                          history_text(n["history"]), " ".join(n["shapes_before"])) for n in data["nodes"]],
                        "decisions")
@@ -401,6 +413,7 @@ _JS = r"""
 
     const cls = d => d === null ? "none" : d === D.low ? "low" : d === "float32" ? "f32" : "other";
     const clip = (s, n) => s.length > n ? s.slice(0, n - 1) + "\u2026" : s;
+    const shownCategory = n => ["cost:small-gemm", "cost:low-slower"].includes(n.rule) ? "cost" : n.category;  // shown_category
     function el(tag, attrs, parent, text) {
       const e = document.createElementNS(NS, tag);
       for (const k in attrs) e.setAttribute(k, attrs[k]);
@@ -443,7 +456,7 @@ _JS = r"""
     }
     function nodeTip(n) {
       return [n.node, `${n.op} (${n.kind}) in ${n.module || "<root>"}`,
-              `${n.category} \u00b7 dtype ${n.dtype || "-"} \u00b7 rule ${n.rule}`, n.reason,
+              `${shownCategory(n)} \u00b7 dtype ${n.dtype || "-"} \u00b7 rule ${n.rule}`, n.reason,
               n.shapes_before.length ? `shapes before: ${n.shapes_before.join(", ")}` : "",
               n.in_shapes_before.length ? `inputs before: ${n.in_shapes_before.join(", ")}` : ""].filter(Boolean).join("\n");
     }
@@ -596,7 +609,7 @@ _JS = r"""
       const ins = E.filter(e => e[1] === i).map(e => N[e[0]].node + (e[2] >= 0 ? ` via ${C[e[2]].node}` : ""));
       const outs = E.filter(e => e[0] === i).map(e => N[e[1]].node + (e[2] >= 0 ? ` via ${C[e[2]].node}` : ""));
       show(n.node, [["op", n.op], ["kind", n.kind], ["target", n.target], ["module", n.module || "<root>"],
-                    ["category", n.category], ["dtype", n.dtype || "- (left as written)"],
+                    ["category", shownCategory(n)], ["dtype", n.dtype || "- (left as written)"],
                     ["output dtype", n.out], ["rule", n.rule + (D.rules[n.rule] ? ` \u2014 ${D.rules[n.rule]}` : "")],
                     ["reason", n.reason], ["decided by", n.history.map(h => `${h[0]} (${h[1]})`).join(" \u2192 ")],
                     ["shapes before conversion", n.shapes_before.join(", ")],

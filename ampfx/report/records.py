@@ -148,6 +148,10 @@ class Rule(str, enum.Enum):
         "a GEMM whose forward floating-point operations are under the device's break-even for the low dtype, or whose "
         "weight is used for fewer rows a call (Policy.gemm_min_flops, gemm_min_rows): float32 is faster there and "
         "needs no casts", word="small GEMM")
+    COST_LOW_SLOWER = "cost:low-slower", _about(
+        "a GEMM on a device where GEMMs in the low dtype were measured slower than float32 at every size "
+        "(ampfx.ops.device_cost; a CPU without native bfloat16 or float16 arithmetic): float32",
+        word="low dtype slower here")
     CALIBRATION_OVERFLOW = "calibration:overflow", _about(
         "calibration saw this node's output or gradient exceed the low dtype's range")
     CALIBRATION_SENSITIVE = "calibration:sensitive", _about(
@@ -287,6 +291,10 @@ class Fp8Decision:
             object.__setattr__(self, "rule", Fp8Rule(self.rule))
 
 
+GEMM_COST_RULES = (Rule.COST_SMALL_GEMM, Rule.COST_LOW_SLOWER)
+"""The rules that keep a GEMM float32 because the low dtype would be slower on the device (the category shown
+``cost``)."""
+
 @dataclass(frozen=True)
 class Decision:
     """Why one node got its dtype.
@@ -340,6 +348,16 @@ class Decision:
     def __post_init__(self) -> None:
         if type(self.rule) is not Rule:  # dataclasses.replace passes the member back: skip Enum's lookup
             object.__setattr__(self, "rule", Rule(self.rule))
+
+    @property
+    def shown_category(self) -> str:
+        """The category as tables show it: ``cost`` for a GEMM kept float32 by the device's cost
+        (:data:`GEMM_COST_RULES`; painting treats it as ``deny``: float32 flows on from it), else the category's word.
+
+        >>> Decision("linear", "linear", "linear", "", Category.DENY, None, "cost:small-gemm", "").shown_category
+        'cost'
+        """
+        return "cost" if self.rule in GEMM_COST_RULES else self.category.value
 
     @property
     def key(self) -> str:

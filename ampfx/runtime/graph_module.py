@@ -55,7 +55,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
 from .. import runtime
-from ..errors import BakedValueError
+from ..errors import BakedValueError, PlanSizeError
 from ..state import TORCH_KEYS
 from . import lowered
 from .entries import ModeUnavailable, PendingMode, Runtime, run, stands_for
@@ -289,10 +289,19 @@ class AmpGraphModule(fx.GraphModule):
         if rt.guard is not None:
             try:
                 rt.guard(args, kwargs)
+            except PlanSizeError as e:  # the call's sizes cross a size-dependent dtype decision: plan again
+                entry = rt.for_sizes(self, args, kwargs, e)
+                if entry is not None:
+                    return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
         if rt.low is not None:  # mode="inference": weights changed since their copies were made are copied again
-            rt.low.refresh(self)
+            lent = rt.low.refresh(self)
+            if lent is not None:  # values given for this call (functional_call's, torch.func's) read in their place
+                try:
+                    return type(self)._ampfx_graph_forward(self, *args, **kwargs)
+                finally:
+                    rt.low.put_back(self, lent)
         cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)

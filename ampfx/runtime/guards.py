@@ -44,7 +44,7 @@ import sympy
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from ..errors import BakedValueError, GuardError
+from ..errors import BakedValueError, GuardError, PlanSizeError
 
 _NO_DEFAULT = inspect.Parameter.empty
 _MISSING = object()
@@ -118,6 +118,36 @@ class Signature:
     params: tuple[tuple[str, int, Any], ...]
     guards: tuple[ParamGuard | None, ...]
     relations: tuple[Any, ...] = ()
+    scale: "Scale | None" = None
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes a graph's plan holds for (:mod:`ampfx.passes.gemm_cost`): a call whose tensors hold, in all,
+    ``low * elements`` elements or more and fewer than ``high * elements`` (``elements``: the example inputs') keeps
+    every size-dependent dtype decision as it was made; past either end a GEMM node changes dtype (``below`` /
+    ``above`` name one), and the call plans the graph again (:class:`PlanSizeError`).
+
+    >>> s = Scale(elements=1000, low=0.5, high=4.0, below="linear", above="linear_1")
+    >>> s.check(2000), s.check(4000) is not None, s.check(100) is not None
+    (None, True, True)
+    """
+
+    elements: int
+    low: float
+    high: float
+    below: str = ""
+    above: str = ""
+
+    def check(self, n: int) -> str | None:
+        """``None`` where ``n`` elements keep the plan, else what crossed (for the error and the log)."""
+        if n < self.low * self.elements:
+            return (f"the call's tensors hold {n:,} elements, {n / self.elements:.3g}x the {self.elements:,} the plan "
+                    f"was made for: under the size from which {self.below} pays in the low dtype")
+        if n >= self.high * self.elements:
+            return (f"the call's tensors hold {n:,} elements, {n / self.elements:.3g}x the {self.elements:,} the plan "
+                    f"was made for: past the size from which {self.above} pays in the low dtype")
+        return None
 
 
 class Guard:
@@ -139,6 +169,7 @@ class Guard:
         self._shallow = {g.name: _shallow(g.spec) for g in signature.guards if g is not None and g.spec is not None}
         self._named = {id(leaf): tuple((s.dim, s.symbol) for s in leaf.sizes if s.symbol is not None)
                        for g in signature.guards if g is not None for leaf in g.leaves if isinstance(leaf, TensorGuard)}
+        self._scale = getattr(signature, "scale", None)  # (a signature pickled before it had one)
 
     def __reduce__(self) -> tuple:
         return (Guard, (self.signature,))
@@ -167,6 +198,11 @@ class Guard:
                 seen.append((g, leaves))
         if seen is not None:
             _check_symbols(self, seen)
+        if self._scale is not None:
+            crossed = self._scale.check(elements(values))
+            if crossed is not None:
+                where = f" {self.signature.module!r}" if self.signature.module else ""
+                raise PlanSizeError(f"ampfx: converted module{where}: {crossed} (planned again for these sizes)")
 
     def _leaves(self, g: ParamGuard, value: Any) -> Any:
         """The leaves of ``value``, which must have ``g``'s structure (a ``dict`` and an ``OrderedDict`` with
@@ -200,6 +236,11 @@ class Guard:
         where = f" at {self.signature.module!r}" if self.signature.module else ""
         raise error(f"ampfx: input {path} of the converted module{where} is {got}, but it was converted "
                          f"for {expected} ({why}). Fix: {fix}.")
+
+
+def elements(values: Any) -> int:
+    """The elements of the tensors in ``values`` (a call's arguments), all together."""
+    return sum(t.numel() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:

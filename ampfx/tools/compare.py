@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from ..api import convert_request
 from ..arguments import check_inputs
-from ..errors import ArgumentError, ExampleInputsError
+from ..errors import ENTRY_ERRORS, ArgumentError, ExampleInputsError
 from ..inputs import ExampleInputs
 from ..passes.calibrate import default_loss
 from ..policy import Policy
@@ -218,9 +218,12 @@ def compare(model: nn.Module, amp: Any, batch: Any, loss_fn: Callable[[Any], tor
     parameters and nodes listed; ``autocast=False`` skips autocast's run; ``sensitivity`` asks
     ``ampfx.sensitivity`` (where this ampfx has it) for the nodes most responsible. ``model``
     is left as it was: values, buffers, ``.grad``, training mode and the random state."""
-    amp = _converted(model, amp, batch, policy, environ, policy_options)
-    report = _check(model, amp, top)
-    inputs = check_inputs(model, batch, "batch")
+    try:
+        amp = _converted(model, amp, batch, policy, environ, policy_options)
+        report = _check(model, amp, top)
+        inputs = check_inputs(model, batch, "batch")
+    except ENTRY_ERRORS as e:  # the user's mistake, raised from here: the traceback ends at their call
+        raise e.with_traceback(None) from None
     if inputs is None:
         raise ArgumentError("batch=None: give the inputs to run, e.g. (torch.randn(8, 16),) or one tensor")
     device = inputs.device() or next((p.device.type for p in model.parameters()), "cpu")
@@ -482,6 +485,9 @@ def _notes(report: Report, ref: _Run, mine: _Run, theirs: _Run | None, why: str 
         notes.append("amp is an unconverted copy (conversion disabled): its errors are those of float32 itself")
     if why is not None:
         notes.append(f"torch.autocast: {why}; its figures are n/a")
+    nothing = [n for n in report.notes if n.startswith("no GEMM runs")]
+    if nothing:
+        notes.append(f"ampfx's plan has no GEMM in the low dtype, so its errors are about float32's: {nothing[0]}")
     if not any(g is not None for g in ref.grads.values()):
         notes.append("no parameter got a gradient in float32 (the loss needs none): gradients not compared")
     norms = [float(g.double().norm()) for g in ref.grads.values() if g is not None]

@@ -37,8 +37,9 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from ampfx.ops import gemm_cost  # tiny models: every GEMM low, as the tests' conftest has it
+    from ampfx.ops import device_cost, gemm_cost  # tiny models: every GEMM low, as the tests' conftest has it
     gemm_cost.BREAK_EVEN.clear()
+    device_cost.measure_on(())  # and nothing measured
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))

@@ -1,5 +1,6 @@
 """``passes/gemm_cost.py``: GEMMs whose forward FLOPs are under the device's break-even for the low dtype stay
 float32 (rule ``cost:small-gemm``); larger ones, unknown sizes and list edits are left as they are."""
+import pytest
 import sympy
 import torch
 import torch.nn as nn
@@ -71,16 +72,17 @@ def test_the_break_even_comes_from_the_device_and_zero_lowers_every_gemm(monkeyp
     assert rec(gm, "small").rule == "table"
 
 
-def test_unknown_sizes_and_symbolic_ranges_are_left_alone():
-    """Without example inputs nothing is known; a symbolic size whose range reaches the break-even is not decided
-    by it (a batch of at least 2 rows: 2*16*16*batch)."""
+def test_unknown_sizes_are_left_alone_and_symbolic_ones_decided_at_the_example_with_their_condition():
+    """Without example inputs nothing is known; a symbolic size is decided at its example value (2*16*16*batch at
+    batch 8: 4,096 FLOPs), and the node records the factor of the example's elements from which it pays."""
     gm, _ = run(Mixed(), gemm_min_flops=10**9, **COST)
     assert rec(gm, "small").rule == "table"
-    gm, _ = run(lambda x, w: F.linear(x, w), (torch.randn(8, 16), torch.randn(16, 16)), dynamic_dims={0: "batch"},
-                gemm_min_flops=4097, **COST)
+    gm, _ = run(nn.Linear(16, 16), (torch.randn(8, 16),), dynamic_dims={0: "batch"}, gemm_min_flops=4097, **COST)
     f = gemm_cost.flops(node(gm, "linear"), gm)
     assert isinstance(f, sympy.Expr) and not f.is_number
-    assert rec(gm, "linear").rule == "table"  # 512*batch reaches 4,097 for a large batch
+    assert rec(gm, "linear").rule == "cost:small-gemm"  # 4,096 at batch 8; 512*batch reaches 4,097 from batch 9
+    assert node(gm, "linear").meta["ampfx_cost_scale"] == pytest.approx(4097 / 4096)
+    assert "512*batch (= 4,096 here)" in rec(gm, "linear").reason
 
 
 def test_convert_keeps_small_gemms_float32_and_the_numbers_are_float32s():
@@ -143,7 +145,7 @@ def test_a_bounded_symbolic_count_is_decided_by_its_bound_and_written_with_it():
     amp = ampfx.convert(Capped(), "bf16", example_inputs=(torch.randn(8, 16),), dynamic_dims={0: "batch"},
                         gemm_min_flops=10_000)
     d = next(r for r in amp.ampfx_report.records if r.op == "linear")
-    assert d.rule == "cost:small-gemm" and "(at most 2,048)" in d.reason, d.reason
+    assert d.rule == "cost:small-gemm" and "(= 2,048 here)" in d.reason, d.reason
 
 
 def test_under_fp8_the_device_break_even_is_not_applied_and_forced_fp8_linears_are_never_kept():
@@ -236,3 +238,15 @@ def test_a_product_with_a_parameter_counts_its_rows_and_symbolic_weights_are_wri
                         dynamic_dims={1: "k"}, gemm_min_flops=1, gemm_min_rows=16)
     d = next(r for r in amp.ampfx_report.records if r.op == "linear")
     assert d.rule == "cost:small-gemm" and "weight elements used for 8 rows" in d.reason and "k" in d.reason, d.reason
+
+
+def test_a_gemm_kept_by_its_cost_reads_as_cost_and_its_followers_say_so():
+    """A linear kept float32 by the cost rule shows the category word ``cost`` in the table (not ``deny``, which
+    would read as if linear were on the deny list), and the ops that follow it float32 name the cost decision."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(8, 16),), gemm_min_flops=10**6)
+    rows = {r.op: r for r in amp.ampfx_report.compute}
+    assert rows["linear"].shown_category == "cost" and rows["gelu"].shown_category == "infer"
+    assert "follows a GEMM kept float32 by its cost (cost:small-gemm)" in rows["gelu"].reason, rows["gelu"].reason
+    table = amp.ampfx_report.table()
+    assert " cost " in table and " deny " not in table

@@ -1,0 +1,453 @@
+"""Does a low-precision GEMM pay on this device, at these sizes? Measured on the device, cached per device.
+
+Whether a GEMM runs faster in bfloat16 or float16 than in float32 is a fact of the device and of the sizes, not of
+the op: on a CPU with avx512_bf16 or AMX a bfloat16 GEMM pays from some tens of millions of operations, on an
+AVX2-only CPU (bfloat16 emulated) it is tens of times slower at every size, float16 is slow on most CPUs. So the
+break-even behind ``Policy.gemm_min_flops`` / ``gemm_min_rows`` (:mod:`ampfx.ops.gemm_cost`) is **measured** the
+first time a conversion needs it, as TensorRT's builder times layers and keeps a timing cache:
+
+- :func:`measure` times one training step of a linear layer (forward and backward, with the casts of its input,
+  weight and gradient that the low dtype needs, as a converted graph runs it) in float32 and in the low dtype, on a
+  ladder of sizes (:data:`LADDER`: rows times width), interleaved, the least of a few repeats, within a time budget
+  (:data:`BUDGET_S`, about 3 s on a CPU; a size whose step would not fit is skipped and said so); and, for the
+  table, a cast and an elementwise op (their cost per element, float32 against the low dtype).
+- :meth:`Table.break_even` fits the ``(flops, rows)`` that tells the measured sizes that run faster low from those
+  that do not with the fewest mistakes (a rows criterion only where FLOPs alone do not; each threshold the size of
+  a measured one that pays), with a margin (:data:`MARGIN`: a size counts as paying when it is at least 10% faster, as not paying when it is slower;
+  those in between count either way), so that noise does not flip decisions; where no size pays, the low dtype
+  **never pays** here (:attr:`BreakEven.never`): every GEMM stays float32, said as a warning and in the summary.
+- The table is cached on disk (:func:`cache_file`: ``$AMPFX_CACHE_DIR``, else ``$XDG_CACHE_HOME/ampfx``, else
+  ``~/.cache/ampfx``, file ``device-cost.json``), one entry per device (its name, the CPU's bfloat16 / float16
+  features, the threads torch uses), torch version and dtype: the same cached table gives the same plan, and a
+  second conversion measures nothing. ``ampfx device`` prints it and measures again on request. A cache that
+  cannot be read (corrupt, foreign) is measured again with a message; one that cannot be written is used from
+  memory with a message.
+- ``gemm_min_flops="table"`` (``AMPFX_GEMM_MIN_FLOPS=table``) measures nothing and uses the datasheet table
+  (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`); so does a device this measures nothing on (GPUs for now: not checked
+  on one here) and a measurement that fails (no kernel for the dtype), which the plan says.
+
+>>> t = Table(device="cpu: example", torch="2.13", dtype="bfloat16", points=(
+...     Point(64, 64, 1.0, 3.0), Point(1024, 64, 1.0, 1.2), Point(256, 256, 1.0, 0.6), Point(16, 1024, 1.0, 1.4),
+...     Point(1024, 1024, 1.0, 0.5)))
+>>> t.break_even()   # from 2 * 256 * 256**2 FLOPs, on weights used for at least 256 rows
+BreakEven(flops=33554432, rows=256, never=False)
+>>> Table("cpu: avx2", "2.13", "bfloat16", (Point(64, 64, 1.0, 40.0), Point(1024, 1024, 1.0, 55.0))).break_even().never
+True
+>>> limits(None, None, "cuda:0")[0], limits(0, 64, "cpu")[0], limits(None, 32, "cuda")
+(BreakEven(flops=0, rows=0, never=False), BreakEven(flops=0, rows=0, never=False), (BreakEven(flops=0, rows=32, never=False), {'flops': 'on cuda (datasheet)', 'rows': 'set by gemm_min_rows'}))
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import warn_user
+from ..state import caller_threads
+from . import gemm_cost
+from .gemm_cost import NONE, BreakEven
+
+log = logging.getLogger(__name__)
+
+LADDER: tuple[tuple[int, int], ...] = (
+    (64, 64), (16, 256), (64, 256), (256, 128), (16, 1024), (256, 256), (1024, 128), (64, 512), (64, 1024),
+    (256, 512), (1024, 256), (256, 1024), (1024, 512), (1024, 1024))
+"""The sizes measured, as ``(rows, width)``: a linear layer ``width -> width`` over ``rows`` rows, forward
+operations ``2 * rows * width**2``. Ordered by operations, so the budget cuts the largest."""
+
+MARGIN = 0.1
+"""A size pays where the low dtype's step takes at most ``1 - MARGIN`` of float32's, and does not where it takes
+more than float32's; in between it may go either way (noise)."""
+
+BUDGET_S = {"cpu": 3.0, "cuda": 1.0}
+"""Seconds a measurement may take, by device type."""
+
+MEASURED_ON = ("cpu",)
+"""Device types measured at first need; others use the datasheet table (``AMPFX_GEMM_MIN_FLOPS=measure`` measures
+any device)."""
+
+CACHE_VERSION = 1
+
+MINIMUM = 4
+"""A table is conclusive with at least this many sizes measured, one of them of :data:`LARGE` FLOPs or more."""
+
+LARGE = 2 ** 25
+
+
+@dataclass(frozen=True)
+class Point:
+    """One size measured: ``rows`` x ``width`` (a linear ``width -> width``), the seconds of one training step in
+    float32 and in the low dtype (``low_s`` ``None``: not measured, over the budget)."""
+
+    rows: int
+    width: int
+    float32_s: float
+    low_s: float | None
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * self.width * self.width
+
+    @property
+    def ratio(self) -> float | None:
+        """The low dtype's time over float32's (under 1: the low dtype is faster)."""
+        return None if self.low_s is None else self.low_s / self.float32_s
+
+
+@dataclass(frozen=True)
+class Table:
+    """What :func:`measure` found on one device for one low dtype: the GEMM :class:`Point` s, the cost of casting
+    and of an elementwise op per element (float32 and low, in nanoseconds; ``None`` where not measured), how long
+    measuring took, and ``source``: ``"measured"``, ``"cached"`` (read from :func:`cache_file`)."""
+
+    device: str
+    torch: str
+    dtype: str
+    points: tuple[Point, ...]
+    cast_ns: float | None = None
+    elementwise_ns: tuple[float, float] | None = None
+    seconds: float = 0.0
+    source: str = "measured"
+
+    @property
+    def key(self) -> str:
+        return key_of(self.device, self.torch, self.dtype)
+
+    def break_even(self) -> BreakEven:
+        """The smallest ``(flops, rows)`` from which the measured sizes pay low, fitted with :data:`MARGIN` (see
+        the module docstring); ``never`` where no measured size pays."""
+        seen = [p for p in self.points if p.ratio is not None]
+        pays = [p for p in seen if p.ratio <= 1 - MARGIN]
+        if not pays:
+            return BreakEven(0, 0, never=True)
+        loses = [p for p in seen if p.ratio > 1]
+        def fit(flops: int, rows: int) -> tuple[int, bool, int, int]:  # fewest wrong; a rows criterion if needed
+            wrong = (sum(1 for p in pays if p.flops < flops or p.rows < rows)
+                     + sum(1 for p in loses if p.flops >= flops and p.rows >= rows))
+            return wrong, rows > 0, flops, rows
+
+        best = min(fit(f, r) for f in {0, *(p.flops for p in pays)} for r in {0, *(p.rows for p in pays)})
+        return BreakEven(best[2], best[3])
+
+    @property
+    def conclusive(self) -> bool:
+        """Were enough sizes measured to decide (:data:`MINIMUM`, up to :data:`LARGE` FLOPs)? A measurement cut
+        short by its budget (a busy machine) is not: the datasheet is used instead, and it is not cached."""
+        seen = [p for p in self.points if p.ratio is not None]
+        return len(seen) >= MINIMUM and max(p.flops for p in seen) >= LARGE
+
+    def largest(self) -> Point | None:
+        """The largest size measured in the low dtype."""
+        seen = [p for p in self.points if p.ratio is not None]
+        return max(seen, key=lambda p: p.flops) if seen else None
+
+    def lines(self) -> list[str]:
+        """The table as ``ampfx device`` prints it."""
+        be = self.break_even()
+        when = f"measured now, in {self.seconds:.1f} s" if self.source == "measured" else \
+            f"{self.source}; measuring took {self.seconds:.1f} s"
+        out = [f"{self.device}, torch {self.torch}, {self.dtype} against float32 ({when})",
+               f"  {'rows':>6} {'width':>6} {'FLOPs':>14} {'float32 ms':>11} {self.dtype + ' ms':>12} {'ratio':>6}"]
+        for p in self.points:
+            low = "skipped" if p.low_s is None else f"{p.low_s * 1e3:.3f}"
+            ratio = "" if p.ratio is None else f"{p.ratio:.2f}"
+            out.append(f"  {p.rows:>6} {p.width:>6} {p.flops:>14,} {p.float32_s * 1e3:>11.3f} {low:>12} {ratio:>6}")
+        if self.cast_ns is not None:
+            out.append(f"  a cast float32 -> {self.dtype}: {self.cast_ns:.2f} ns an element")
+        if self.elementwise_ns is not None:
+            out.append(f"  an elementwise op (gelu): float32 {self.elementwise_ns[0]:.2f} ns, {self.dtype} "
+                       f"{self.elementwise_ns[1]:.2f} ns an element")
+        out.append("  break-even: " + describe(be, self))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Table":
+        points = tuple(Point(int(p["rows"]), int(p["width"]), float(p["float32_s"]),
+                             None if p["low_s"] is None else float(p["low_s"])) for p in d["points"])
+        ew = d.get("elementwise_ns")
+        return cls(device=str(d["device"]), torch=str(d["torch"]), dtype=str(d["dtype"]), points=points,
+                   cast_ns=None if d.get("cast_ns") is None else float(d["cast_ns"]),
+                   elementwise_ns=None if ew is None else (float(ew[0]), float(ew[1])),
+                   seconds=float(d.get("seconds", 0.0)), source="cached")
+
+
+def describe(be: BreakEven, table: Table | None = None) -> str:
+    """A break-even in words.
+
+    >>> describe(BreakEven(2**24, 64))
+    'GEMMs of at least 16,777,216 FLOPs a call whose weight is used for at least 64 rows run faster low'
+    >>> describe(BreakEven(0, 0, never=True))
+    'the low dtype is slower than float32 at every size measured: every GEMM stays float32'
+    """
+    if be.never:
+        largest = table.largest() if table is not None else None
+        upto = f" (up to {largest.flops:,} FLOPs)" if largest is not None else ""
+        return f"the low dtype is slower than float32 at every size measured{upto}: every GEMM stays float32"
+    if not be.flops and not be.rows:
+        return "every GEMM measured runs faster low"
+    what = [f"of at least {be.flops:,} FLOPs a call"] if be.flops else []
+    what += [f"whose weight is used for at least {be.rows:,} rows"] if be.rows else []
+    return f"GEMMs {' '.join(what)} run faster low"
+
+
+# ------------------------------------------------------------------ the device and the cache
+def _cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    native = [f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in flags]
+    return f"{name} ({', '.join(native) if native else 'no native bfloat16/float16'})"
+
+
+def device_name(device: Any) -> str:
+    """What a table is measured for: the device type, its name, and on a CPU its native bfloat16 / float16
+    features and the threads torch uses (a table holds only on the same)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        index = torch.device(device).index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda: {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+    if kind == "cpu":
+        return f"cpu: {_cpu_name()}, {caller_threads()} thread{'s' if caller_threads() > 1 else ''}"
+    return kind
+
+
+def key_of(device: str, version: str, dtype: str) -> str:
+    return f"{device} | torch {version} | {dtype}"
+
+
+def cache_file() -> Path:
+    """Where tables are kept: ``$AMPFX_CACHE_DIR/device-cost.json``, else under ``$XDG_CACHE_HOME/ampfx`` or
+    ``~/.cache/ampfx``."""
+    root = os.environ.get("AMPFX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ampfx")
+    return Path(root) / "device-cost.json"
+
+
+def _read_cache(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The cache's entries, and a message where it could not be read (then it is measured again)."""
+    if not path.exists():
+        return {}, None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("tables"),
+                                                                                                  dict):
+            return {}, f"ampfx: {path} is not a device-cost cache of this version: measuring again"
+        return data["tables"], None
+    except (OSError, ValueError) as e:
+        return {}, f"ampfx: cannot read the device-cost cache {path} ({e}): measuring again"
+
+
+def _write_cache(path: Path, table: Table) -> str | None:
+    """Add ``table`` to the cache; a message where it cannot be written."""
+    tables, _ = _read_cache(path)
+    tables[table.key] = table.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "tables": tables}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"ampfx: cannot write the device-cost cache {path} ({e.strerror or e}): the table is kept in memory " \
+               "(set AMPFX_CACHE_DIR to a writable directory)"
+    return None
+
+
+# ------------------------------------------------------------------ measuring
+def _clock(device: torch.device) -> Callable[[], float]:
+    if device.type == "cuda":
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return now
+    return time.perf_counter
+
+
+def _step(rows: int, width: int, low: torch.dtype | None, device: torch.device) -> Callable[[], None]:
+    """One training step of a linear ``width -> width`` over ``rows`` rows: float32, or with its input and weight
+    cast to ``low`` (the gradient reaches the float32 weight through the cast, as in a converted graph)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, width, generator=gen).to(device).requires_grad_()
+    w = (torch.randn(width, width, generator=gen) / width ** 0.5).to(device).requires_grad_()
+    g = torch.randn(rows, width, generator=gen).to(device)
+
+    def run() -> None:
+        if low is None:
+            torch.nn.functional.linear(x, w).backward(g)
+        else:
+            torch.nn.functional.linear(x.to(low), w.to(low)).backward(g.to(low))
+        x.grad = w.grad = None
+    return run
+
+
+def _time(fn: Callable[[], None], now: Callable[[], float], reps: int = 3, least_s: float = 2e-3) -> float:
+    """The least, over ``reps``, of one call's seconds (calls batched to at least ``least_s``)."""
+    fn()
+    t0 = now()
+    fn()
+    once = max(now() - t0, 1e-7)
+    n = max(1, int(least_s / once))
+    best = once
+    for _ in range(reps):
+        t0 = now()
+        for _ in range(n):
+            fn()
+        best = min(best, (now() - t0) / n)
+    return best
+
+
+def _per_element(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, now: Callable[[], float]) -> float:
+    return _time(lambda: fn(x), now) / x.numel() * 1e9
+
+
+def measure(device: Any, dtype: torch.dtype, budget_s: float | None = None) -> Table:
+    """Measure :data:`LADDER` on ``device`` in float32 and ``dtype`` (see the module docstring), within
+    ``budget_s`` seconds (default :data:`BUDGET_S` of the device type). Raises ``RuntimeError`` where the device
+    has no kernel for ``dtype``."""
+    dev = torch.device(device)
+    budget = BUDGET_S.get(dev.type, 3.0) if budget_s is None else budget_s
+    now = _clock(dev)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(caller_threads())  # as the model will run, not as a conversion runs its example
+    try:
+        return _measure(dev, dtype, budget, now)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable[[], float]) -> Table:
+    start = now()
+    points: list[Point] = []
+    per_flop = None  # the least seconds a forward FLOP cost so far, float32 and low together
+    with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev]):
+        for rows, width in LADDER:
+            flops = 2 * rows * width * width
+            spent = now() - start
+            # a size runs about 2 + 3 batched steps of each dtype: skip one whose predicted time would not fit
+            # (the first few always run, within half the budget)
+            early = len(points) < MINIMUM and spent < budget / 2
+            if per_flop is not None and not early and 8 * flops * per_flop > budget - spent:
+                points.append(Point(rows, width, float("nan"), None))
+                continue
+            f32 = _time(_step(rows, width, None, dev), now)
+            low = _time(_step(rows, width, dtype, dev), now)
+            per_flop = min(per_flop or math.inf, (f32 + low) / flops)
+            points.append(Point(rows, width, f32, low))
+        x = torch.randn(1 << 20, device=dev)
+        cast = _per_element(lambda t: t.to(dtype), x, now)
+        elementwise = (_per_element(torch.nn.functional.gelu, x, now),
+                       _per_element(torch.nn.functional.gelu, x.to(dtype), now))
+    return Table(device=device_name(dev), torch=torch.__version__.split("+")[0], dtype=str(dtype).split(".")[-1],
+                 points=tuple(points), cast_ns=cast, elementwise_ns=elementwise, seconds=now() - start)
+
+
+# ------------------------------------------------------------------ the table a conversion uses
+_TABLES: dict[str, Table] = {}
+_LOCK = threading.Lock()
+
+
+def table(device: Any, dtype: torch.dtype, refresh: bool = False,
+          say: Callable[[str], None] | None = None) -> Table:
+    """The measured table for ``device`` and ``dtype``: from this process's memory, else the cache file, else
+    measured now (and cached); ``refresh`` measures again. ``say`` receives the messages (a cache that cannot be
+    read or written). Raises ``RuntimeError`` where measuring fails."""
+    say = say or (lambda message: log.warning(message))
+    key = key_of(device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1])
+    with _LOCK:
+        if not refresh and key in _TABLES:
+            return _TABLES[key]
+        path = cache_file()
+        if not refresh:
+            tables, problem = _read_cache(path)
+            if problem:
+                say(problem)
+            elif key in tables:
+                try:
+                    _TABLES[key] = Table.from_json(tables[key])
+                    return _TABLES[key]
+                except (KeyError, TypeError, ValueError, IndexError) as e:
+                    say(f"ampfx: the device-cost cache {path} has a broken entry for this device ({e!r}): "
+                        "measuring again")
+        log.info("ampfx: measuring where %s GEMMs pay on %s (once; cached in %s)", key, device, path)
+        measured = measure(device, dtype)
+        problem = _write_cache(path, measured) if measured.conclusive else None
+        if problem:
+            say(problem)
+        _TABLES[key] = measured
+        return measured
+
+
+def forget() -> None:
+    """Drop the tables this process holds in memory (the cache file stays)."""
+    with _LOCK:
+        _TABLES.clear()
+
+
+# ------------------------------------------------------------------ the break-even a plan uses
+def measure_on(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """Measure the break-even at first need on these device types (default ``("cpu",)``; ``()``: none, every
+    device uses :data:`ampfx.ops.gemm_cost.BREAK_EVEN`); returns the types before."""
+    global MEASURED_ON
+    before, MEASURED_ON = MEASURED_ON, tuple(kinds)
+    return before
+
+
+def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
+           dtype: Any = None) -> tuple[BreakEven, dict[str, str]]:
+    """The break-even that applies, and where each of its two figures comes from (``{"flops": ..., "rows": ...}``,
+    for the reasons): ``flops`` and ``rows`` (``Policy.gemm_min_flops`` and ``Policy.gemm_min_rows``) where given;
+    else, for ``dtype`` on ``device``, the measured table (:func:`table`: on the device types in
+    :data:`MEASURED_ON`, or any with ``flops="measure"``), or the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`:
+    with ``flops="table"``, on other devices, or where measuring fails: a warning says so); with ``fp8`` (a recipe: the plan is for the GPU whose roofline decides FP8) none
+    for those not given. A given ``flops=0`` turns the rule off: every GEMM low, whatever ``rows``."""
+    kind = str(device).split(":")[0]
+    if flops == 0:
+        return NONE, {"flops": "set by gemm_min_flops", "rows": "set by gemm_min_flops"}
+    given = flops if isinstance(flops, int) else None
+    if fp8 is not None:
+        table, where = NONE, "under fp8= (planned for the FP8 roofline's device)"
+    else:
+        table, where = _device(kind, device, dtype, flops)
+    if table.never and given is None:  # the low dtype is slower at every size: only a given break-even lowers
+        return table, {"flops": where, "rows": where}
+    chosen = BreakEven(table.flops if given is None else given, table.rows if rows is None else rows)
+    return chosen, {"flops": where if given is None else "set by gemm_min_flops",
+                    "rows": where if rows is None else "set by gemm_min_rows"}
+
+
+def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, str]:
+    """The device's break-even for ``dtype`` and where it comes from: measured (:func:`table`) or
+    the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`)."""
+    measuring = dtype is not None and how != "table" and (how == "measure" or kind in MEASURED_ON)
+    if measuring:
+        try:
+            measured = table(device, dtype, say=warn_user)
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # no kernel for the dtype on this device
+            warn_user(f"ampfx: measuring {dtype} GEMMs on {device} failed ({str(e).splitlines()[0][:200]}): the "
+                      "datasheet break-even is used")
+        else:
+            if measured.conclusive:
+                return measured.break_even(), f"measured on {measured.device} ({measured.source})"
+            warn_user(f"ampfx: measuring {dtype} GEMMs on {device} ran out of its time budget before enough sizes "
+                      "were measured (a busy machine?): the datasheet break-even is used; `ampfx device --refresh` "
+                      "measures again")
+    return gemm_cost.BREAK_EVEN.get(kind, NONE), f"on {kind} (datasheet)"

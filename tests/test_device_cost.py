@@ -1,0 +1,226 @@
+"""``ampfx.ops.device_cost``: the break-even of low-precision GEMMs measured on the device, cached per device, and
+the plans it gives. Every test feeds recorded tables (nothing here depends on the machine's speed)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ampfx
+from ampfx.ops import device_cost, gemm_cost
+from ampfx.ops.device_cost import Point, Table
+from ampfx.report.records import Rule
+
+# a CPU with native bfloat16: small GEMMs lose, large ones pay
+NATIVE = (Point(64, 64, 1.0, 2.8), Point(16, 256, 1.0, 1.6), Point(64, 256, 1.0, 1.1), Point(256, 256, 1.0, 0.5),
+          Point(64, 1024, 1.0, 0.55), Point(1024, 1024, 1.0, 0.45))
+# an AVX2-only CPU: bfloat16 emulated, tens of times slower at every size
+EMULATED = (Point(64, 64, 1.0, 9.0), Point(16, 256, 1.0, 30.0), Point(64, 256, 1.0, 41.0),
+            Point(256, 256, 1.0, 50.0), Point(64, 1024, 1.0, 55.0), Point(1024, 1024, 1.0, None))
+
+
+def _table(points, dtype="bfloat16"):
+    return Table(device=device_cost.device_name("cpu"), torch=torch.__version__.split("+")[0], dtype=dtype,
+                 points=tuple(points), seconds=0.5)
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Measuring on, the cache in a fresh directory, and ``measure`` replaced by a recorded table (the list
+    returned counts its calls; ``use(points)`` sets the table)."""
+    monkeypatch.setenv("AMPFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device_cost, "MEASURED_ON", ("cpu",))
+    class Calls(list):
+        def use(self, points):
+            chosen["points"] = points
+
+    calls, chosen = Calls(), {"points": NATIVE}
+
+    def fake(device, dtype, budget_s=None):
+        calls.append((str(device), dtype))
+        return _table(chosen["points"], str(dtype).split(".")[-1])
+
+    monkeypatch.setattr(device_cost, "measure", fake)
+    device_cost.forget()
+    yield calls
+    device_cost.forget()
+
+
+class Mlp(nn.Module):
+    def __init__(self, width=256):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _rules(amp):
+    return {r.module: r.rule for r in amp.ampfx_report.compute if r.op == "linear"}
+
+
+def test_a_recorded_table_gives_its_break_even_pays_never_or_only_large():
+    """Rule: the break-even is the (FLOPs, rows) that separates the sizes that pay by the margin from those slower
+    than float32 with the fewest mistakes (rows only where FLOPs alone do not); a table where no size pays never
+    pays; sizes within the margin go either way."""
+    assert _table(NATIVE).break_even() == gemm_cost.BreakEven(2 * 256 * 256 * 256, 0)
+    assert _table(EMULATED).break_even().never
+    every = _table([Point(64, 64, 1.0, 0.8), Point(1024, 1024, 1.0, 0.5)]).break_even()
+    assert every == gemm_cost.BreakEven(0, 0)
+    noisy = _table([Point(64, 64, 1.0, 1.05), Point(256, 256, 1.0, 0.95), Point(1024, 1024, 1.0, 0.5)])
+    assert noisy.break_even() == gemm_cost.BreakEven(2 * 1024 ** 3, 0)  # 0.95: within the margin, either way
+    rows = _table([Point(16, 1024, 1.0, 1.3), Point(256, 256, 1.0, 0.6), Point(1024, 1024, 1.0, 0.5)])
+    assert rows.break_even() == gemm_cost.BreakEven(0, 256)  # a weight used for 16 rows loses at any size
+
+
+def test_the_measured_table_decides_which_gemms_stay_float32(measuring):
+    """Rule: by default the CPU's break-even is measured at first need and each reason names it; GEMMs under it
+    stay float32, those above run low."""
+    small = ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    large = ampfx.convert(Mlp(256), "bf16", example_inputs=(torch.randn(512, 256),))
+    assert set(_rules(small).values()) == {Rule.COST_SMALL_GEMM}
+    assert set(_rules(large).values()) == {Rule.TABLE}
+    reason = next(r.reason for r in small.ampfx_report.compute if r.op == "linear")
+    assert "measured on cpu:" in reason and "(measured)" in reason or "(cached)" in reason
+    assert len(measuring) == 1  # measured once for both conversions
+
+
+def test_a_device_where_the_low_dtype_never_pays_plans_float32_and_says_so_once(measuring):
+    """Rule: where the low dtype is slower at every size measured (bfloat16 emulated on an AVX2-only CPU), every
+    GEMM stays float32 (rule cost:low-slower), with or without example inputs; a warning and the summary say so
+    with the switch, and gemm_min_flops=0 lowers them anyway."""
+    measuring.use(EMULATED)
+    model = Mlp(256)
+    with pytest.warns(UserWarning, match="no GEMM runs in bfloat16.*measured slower than float32.*"
+                                         "AMPFX_GEMM_MIN_FLOPS=0") as said:
+        amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(512, 256),))
+    assert set(_rules(amp).values()) == {Rule.COST_LOW_SLOWER}
+    assert {w.filename for w in said} == {__file__}  # the warning points at the line that called convert
+    assert "no GEMM runs in bfloat16" in amp.ampfx_report.summary()
+    reasons = {r.reason for r in amp.ampfx_report.compute if r.op == "linear"}
+    assert all("slower than float32 at every size measured on cpu:" in r for r in reasons), reasons
+    with pytest.warns(UserWarning, match="no GEMM runs"):
+        blind = ampfx.convert(Mlp(256), "bf16")  # no example inputs: nothing to count, still float32
+    assert set(_rules(blind).values()) == {Rule.COST_LOW_SLOWER}
+    x = torch.randn(8, 256)
+    torch.testing.assert_close(amp(x), model(x), rtol=0, atol=0)  # float32's plan: float32's numbers
+    forced = ampfx.convert(Mlp(256), "bf16", example_inputs=(torch.randn(512, 256),), gemm_min_flops=0)
+    assert set(_rules(forced).values()) == {Rule.TABLE}
+
+
+def test_a_second_conversion_reads_the_cache_and_measures_nothing(measuring, tmp_path):
+    """Rule: a table measured once is cached on disk per device, torch version and dtype; another process (this
+    one with its memory cleared) reads it and measures nothing; the same cached table gives the same plan."""
+    first = _rules(ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),)))
+    data = json.loads((tmp_path / "device-cost.json").read_text())
+    assert list(data["tables"]) == [_table(NATIVE).key]
+    device_cost.forget()
+    second = _rules(ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),)))
+    assert len(measuring) == 1 and first == second
+    ampfx.convert(Mlp(64), "fp16", example_inputs=(torch.randn(32, 64),))
+    assert len(measuring) == 2 and measuring[-1][1] is torch.float16  # a dtype of its own
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 0, "tables": {}}),
+                                     json.dumps([1, 2, 3])])
+def test_a_corrupt_or_foreign_cache_is_measured_again_with_a_message(measuring, tmp_path, content):
+    """Rule: a cache file that cannot be read, or is of another version, is measured again with a one-line
+    message naming the file, and written anew."""
+    (tmp_path / "device-cost.json").write_text(content)
+    with pytest.warns(UserWarning, match="device-cost.json.*measuring again"):
+        ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    assert len(measuring) == 1
+    assert json.loads((tmp_path / "device-cost.json").read_text())["version"] == device_cost.CACHE_VERSION
+
+
+def test_a_broken_entry_is_measured_again(measuring, tmp_path):
+    key = _table(NATIVE).key
+    (tmp_path / "device-cost.json").write_text(json.dumps({"version": device_cost.CACHE_VERSION,
+                                                           "tables": {key: {"device": "x"}}}))
+    with pytest.warns(UserWarning, match="broken entry.*measuring again"):
+        ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    assert len(measuring) == 1
+
+
+def test_an_unwritable_cache_directory_keeps_the_table_in_memory_with_a_message(measuring, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("AMPFX_CACHE_DIR", str(blocker / "below"))  # under a file: cannot be made
+    with pytest.warns(UserWarning, match="cannot write the device-cost cache.*AMPFX_CACHE_DIR"):
+        ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")  # from memory now: no second message, no second measurement
+        ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    assert not [w for w in said if "device-cost" in str(w.message)]
+    assert len(measuring) == 1
+
+
+def test_a_measurement_that_fails_or_is_cut_short_uses_the_datasheet_and_says_so(measuring, monkeypatch):
+    """Rule: where measuring raises (no kernel for the dtype) or ends with too few sizes (a busy machine), the
+    datasheet break-even is used (the reasons say so) with a one-line warning, and nothing is cached."""
+    def broken(device, dtype, budget_s=None):
+        raise RuntimeError("no kernel for this dtype\nmore lines")
+
+    monkeypatch.setattr(device_cost, "measure", broken)
+    monkeypatch.setitem(gemm_cost.BREAK_EVEN, "cpu", gemm_cost.BreakEven(10 ** 12, 0))
+    with pytest.warns(UserWarning, match=r"measuring torch.bfloat16 GEMMs on cpu failed \(no kernel for this dtype\)"):
+        amp = ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    assert "(datasheet)" in next(r.reason for r in amp.ampfx_report.compute if r.op == "linear")
+
+    monkeypatch.setattr(device_cost, "measure", lambda device, dtype, budget_s=None: _table(NATIVE[:2]))
+    device_cost.forget()
+    with pytest.warns(UserWarning, match="ran out of its time budget"):
+        ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))
+    assert not device_cost.cache_file().exists()
+
+
+def test_gemm_min_flops_table_measures_nothing_and_a_device_without_an_entry_lowers_every_gemm(measuring):
+    """Rule: gemm_min_flops="table" (AMPFX_GEMM_MIN_FLOPS=table) uses the datasheet without measuring; a device type
+    neither measured nor in the datasheet has no break-even (every GEMM low)."""
+    ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),), gemm_min_flops="table")
+    assert measuring == []
+    assert device_cost.limits(None, None, "mps", dtype=torch.bfloat16)[0] == gemm_cost.NONE
+    assert measuring == []
+    assert device_cost.limits("measure", None, "cpu", dtype=torch.bfloat16)[1]["flops"].startswith("measured on cpu")
+
+
+def test_the_variable_takes_measure_and_table_and_refuses_other_words(monkeypatch):
+    monkeypatch.setenv("AMPFX_GEMM_MIN_FLOPS", "tabel")
+    with pytest.raises(ampfx.errors.PolicyError, match="AMPFX_GEMM_MIN_FLOPS='tabel'.*auto, measure, table"):
+        ampfx.convert(Mlp(8), "bf16", example_inputs=(torch.randn(2, 8),))
+    with pytest.raises(ampfx.errors.PolicyError, match="gemm_min_flops='sometimes'"):
+        ampfx.Policy(gemm_min_flops="sometimes")
+    assert ampfx.Policy(gemm_min_flops="Table").gemm_min_flops == "table"
+
+
+def test_the_measurement_itself_runs_and_gives_a_table_within_its_budget():
+    """The real microbenchmark on this machine, tiny budget: it returns a table whose measured sizes have times,
+    skips what does not fit, and prints (the figures are the machine's; nothing is asserted of them)."""
+    table = device_cost.measure("cpu", torch.bfloat16, budget_s=0.3)
+    seen = [p for p in table.points if p.ratio is not None]
+    assert seen and all(p.float32_s > 0 and p.low_s > 0 for p in seen)
+    assert table.device.startswith("cpu: ") and table.dtype == "bfloat16"
+    assert "break-even" in "\n".join(table.lines())
+    again = Table.from_json(json.loads(json.dumps(table.to_json())))
+    assert [(p.rows, p.width, p.low_s) for p in again.points] == [(p.rows, p.width, p.low_s) for p in table.points]
+
+
+def test_ampfx_device_prints_the_table_and_its_cache_and_measures_again_on_request(measuring, tmp_path, capsys):
+    """`ampfx device` prints the measured table, the break-even and where it is cached; a second run reads the
+    cache; `--refresh` measures again; a device that cannot be used is one line, exit 2."""
+    from ampfx.ui.cli import main
+    assert main(["device"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 against float32 (measured now" in out and "break-even: GEMMs of at least 33,554,432" in out
+    assert str(tmp_path / "device-cost.json") in out
+    device_cost.forget()
+    assert main(["device"]) == 0 and len(measuring) == 1
+    assert "(cached; measuring took" in capsys.readouterr().out
+    assert main(["device", "--refresh"]) == 0 and len(measuring) == 2
+    capsys.readouterr()
+    assert main(["device", "--device", "nodevice"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device 'nodevice'" in err[0]
