@@ -8,13 +8,64 @@ from ampfx.ui.cli import main
 
 def test_demo_runs_end_to_end(capsys, tmp_path):
     """The demo says its task, the summary, what stays float32 and why, where the log went, the two runs,
-    and the casts against autocast with what they mean; no full table (its output is docs/getting-started.md's)."""
+    and the casts against autocast with what they mean, then what its step times mean and what ampfx's default plan
+    does here (the tests' device: no break-even, every GEMM low); no full table (its output, without the
+    machine's part, is docs/getting-started.md's)."""
     assert main(["demo", "--steps", "3", "--out", str(tmp_path / "log")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Task: ") and "ampfx: converted" in out and "What stays float32, and why" in out
     assert f"Full log in {tmp_path / 'log'}/" in out and (tmp_path / "log" / "report.html").exists()
     assert "ampfx bfloat16" in out and "torch.autocast" in out and "A cast is" in out
-    assert "┃" not in out and len(out.splitlines()) < 40
+    closing = " ".join(out[out.index("A cast is"):].split())
+    assert "On this machine the ampfx bfloat16 step took" in closing and "Against torch.autocast" in closing
+    assert "its default plan runs every GEMM in bfloat16, as the demo does" in closing
+    assert "┃" not in out and len(out.splitlines()) < 45
+
+
+@pytest.mark.parametrize("times, says", [
+    ({"ampfx": 213.0, "autocast": 239.0, "float32": 57.0},
+     "took 3.7x float32's time: slower than float32 at this model's sizes. Against torch.autocast in bfloat16 it "
+     "took 0.89x the time: faster."),
+    ({"ampfx": 40.0, "autocast": 41.0, "float32": 80.0},
+     "took 0.50x float32's time: faster than float32. Against torch.autocast in bfloat16 it took 0.98x the time: "
+     "about the same."),
+    ({"ampfx": 50.0, "autocast": 40.0, "float32": 52.0},
+     "took 0.96x float32's time: about the same. Against torch.autocast in bfloat16 it took 1.25x the time: slower."),
+], ids=["slower", "faster", "same"])
+def test_the_demo_says_what_its_step_times_mean(times, says):
+    """Rule: the demo's closing text compares the measured step times in words, ampfx against float32 and against
+    autocast (slower, faster, about the same within 10%), not only the losses and accuracies."""
+    import torch
+    from ampfx.ui.demo import _times_in_words
+
+    assert _times_in_words(times, torch.bfloat16) == f"On this machine the ampfx bfloat16 step {says}"
+
+
+@pytest.mark.parametrize("break_even, says", [
+    (None, "On this CPU ampfx takes bfloat16 GEMMs to pay at every size (on cpu (datasheet)): its default plan runs "
+           "every GEMM in bfloat16, as the demo does."),
+    ((2 ** 24, 64, False), "On this CPU bfloat16 GEMMs pay from 16,777,216 FLOPs a call whose weight is used for at "
+                           "least 64 rows (on cpu (datasheet)): this demo's GEMMs are all under it, so ampfx's default "
+                           "plan keeps its 7 GEMM nodes float32 (rule cost:small-gemm); the demo lowers every GEMM"),
+    ((4_000_000, 0, False), "5 of this demo's 7 GEMM nodes are under it: ampfx's default plan keeps those float32 "
+                            "(rule cost:small-gemm) and runs the others in bfloat16"),
+    ((0, 0, True), "On this CPU bfloat16 GEMMs are slower than float32 at every size measured (on cpu (datasheet)): "
+                   "ampfx's default plan keeps every GEMM float32 here (rule cost:low-slower)"),
+], ids=["none", "all-under", "some-under", "never"])
+def test_the_demo_says_what_ampfxs_default_plan_does_with_its_gemms_here(monkeypatch, break_even, says):
+    """Rule: the demo, which lowers every GEMM (gemm_min_flops=0), says what ampfx's default plan would do with its
+    GEMMs on this CPU, from the device's break-even (ampfx.ops.device_cost.limits): every GEMM low where there is
+    none, float32 for those under it (all, or how many), float32 for all where bfloat16 is slower at every size;
+    the default is the default whatever AMPFX_* variables the demo runs under."""
+    import torch
+    from ampfx.ops import gemm_cost
+    from ampfx.ui.demo import DemoClassifier, _default_plan, make_data
+
+    if break_even is not None:
+        monkeypatch.setitem(gemm_cost.BREAK_EVEN, "cpu", gemm_cost.BreakEven(*break_even))
+    monkeypatch.setenv("AMPFX_GEMM_MIN_FLOPS", "0")
+    text = _default_plan(DemoClassifier(), make_data(64)[0], torch.bfloat16)
+    assert says in text, text
 
 
 def test_demo_fp16_plots_the_loss_scale(capsys, tmp_path):
@@ -144,17 +195,19 @@ def test_a_bad_int_range_is_rejected_by_the_parser(capsys, value):
 
 
 def test_every_subcommand_defaults_to_bf16_and_says_so():
-    """--dtype has one default (bfloat16) in every subcommand, and help text that says it."""
+    """--dtype has one default (bfloat16) in every subcommand, and help text that says it. The parser holds
+    its name (it imports no torch); the command gets the torch dtype."""
     import argparse
 
     import torch
 
+    from ampfx.policy.names import parse_dtype
     from ampfx.ui.cli import build_parser
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, sub in subparsers.choices.items():
         dtype = next(a for a in sub._actions if a.dest == "dtype")
-        assert dtype.default == torch.bfloat16, name
+        assert parse_dtype(dtype.default) is torch.bfloat16, name
         assert dtype.help and "bf16 (default)" in dtype.help, name
         for action in sub._actions:
             assert action.help, f"ampfx {name} {action.option_strings or action.dest} has no help"

@@ -40,7 +40,7 @@ def test_fine_tunes_like_the_trainers_own_bf16_without_autocast(tmp_path, autoca
     assert gap(amp, own) <= 2 * gap(own, fp32) + 2e-3
     report = trainer.ampfx_report
     assert report.dtype == torch.bfloat16 and len(report.low()) > 10
-    assert (tmp_path / "ampfx" / "ampfx" / "decisions.jsonl").exists()  # <output_dir>/ampfx
+    assert (tmp_path / "ampfx" / "ampfx-log" / "decisions.jsonl").exists()  # <output_dir>/ampfx-log
     metrics = trainer.evaluate(Data(32))  # eval mode, no gradients: the converted model's other mode
     assert 0 < metrics["eval_loss"] < 1.0 and autocast_spy.entered == 0
 

@@ -54,9 +54,10 @@ def test_trains_like_lightnings_own_bf16_without_autocast(tmp_path, autocast_spy
 
 
 def test_decision_log_is_saved_in_the_trainers_log_dir(tmp_path):
-    """The decision log lands in <log_dir>/ampfx (decisions.jsonl and the HTML page)."""
+    """The decision log lands in <log_dir>/ampfx-log (decisions.jsonl and the HTML page): not a folder named
+    ampfx, which would hide the package from a script run in that directory."""
     _, trainer = fit(tmp_path, epochs=1, plugins=[AmpfxPrecision("bf16")])
-    saved = tmp_path / "ampfx"
+    saved = tmp_path / "ampfx-log"
     assert trainer.precision_plugin.saved_to == saved
     assert (saved / "decisions.jsonl").stat().st_size > 0 and (saved / "report.html").exists()
 

@@ -6,7 +6,7 @@ first batch's ``input_ids``, ``attention_mask``, ``labels``... are the example i
 through ``torch.export``), no autocast is entered, float16 uses a ``GradScaler`` (saved and loaded in
 checkpoints by the Trainer as usual). Leave ``TrainingArguments(bf16=False, fp16=False)``: ampfx does the
 mixed precision, and those flags would turn the Trainer's own autocast on (an error here). The decision log is
-``trainer.ampfx_report`` and is saved in ``<output_dir>/ampfx``; each checkpoint holds ``ampfx_policy.json``, and
+``trainer.ampfx_report`` and is saved in ``<output_dir>/ampfx-log``; each checkpoint holds ``ampfx_policy.json``, and
 resuming from one written with another policy raises :class:`~ampfx.errors.PolicyMismatchError`.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class AmpfxTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own set-up, with an :class:`AmpfxAccelerator` in place of ``Accelerator``."""
-        report_dir = os.path.join(self.args.output_dir, "ampfx") if self.args.output_dir else None
+        report_dir = os.path.join(self.args.output_dir, "ampfx-log") if self.args.output_dir else None
 
         def make(**accelerator_kwargs: Any) -> AmpfxAccelerator:
             return AmpfxAccelerator(**self._ampfx, report_dir=report_dir, mixed_precision="no", **accelerator_kwargs)

@@ -16,7 +16,7 @@ only plugins of its own package: :class:`AmpfxPrecision` is a ``Precision`` of e
 - float16: a ``torch.amp.GradScaler`` for the loss's device scales the loss, unscales the gradients before
   clipping and ``on_before_optimizer_step``, and skips the step where they are not finite (as Lightning's
   ``MixedPrecision`` does). bfloat16 uses no scaler.
-- the decision log is saved under the trainer's ``log_dir`` in ``ampfx/`` (rank zero), and is
+- the decision log is saved under the trainer's ``log_dir`` in ``ampfx-log/`` (a folder named ``ampfx`` in the working directory would hide the package from scripts run there) (rank zero), and is
   :attr:`AmpfxPrecision.report` (``trainer.precision_plugin.report``).
 - checkpoints keep the scaler's state and the policy; resuming with another policy raises
   :class:`~ampfx.errors.PolicyMismatchError` naming the difference, and
@@ -70,7 +70,7 @@ class AmpfxPrecision(*_PRECISIONS):  # a Precision of each package: either's Tra
     ``dtype``: ``"bf16"`` (the default, or ``policy.dtype``) or ``"fp16"`` (or a torch dtype); ``policy`` or
     keyword options (the fields of :class:`ampfx.Policy`, ``tracer``, ``dynamic_dims``) as for
     :func:`ampfx.convert`. ``scaler``: a ``torch.amp.GradScaler`` to use under float16 (default: one made for the
-    loss's device). ``log_dir``: where the decision log goes (default: ``<trainer.log_dir>/ampfx``; ``False``: not
+    loss's device). ``log_dir``: where the decision log goes (default: ``<trainer.log_dir>/ampfx-log``; ``False``: not
     saved).
     """
 
@@ -139,7 +139,7 @@ class AmpfxPrecision(*_PRECISIONS):  # a Precision of each package: either's Tra
         # trainer.log_dir broadcasts rank 0's folder under DDP: every rank asks (each converts at its first call),
         # or rank 0 waits for the others until the process group's timeout
         where = self.log_dir if self.log_dir not in (None, True) else (
-            Path(trainer.log_dir or trainer.default_root_dir) / "ampfx" if trainer is not None else None)
+            Path(trainer.log_dir or trainer.default_root_dir) / "ampfx-log" if trainer is not None else None)
         if where is not None and (trainer is None or trainer.is_global_zero):
             self.saved_to = report.save(where)
             log.info("AmpfxPrecision: decision log saved to %s", self.saved_to)
