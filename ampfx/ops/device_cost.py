@@ -369,9 +369,49 @@ def table(device: Any, dtype: torch.dtype, refresh: bool = False,
           say: Callable[[str], None] | None = None) -> Table:
     """The measured table for ``device`` and ``dtype``: from this process's memory, else the cache file, else
     measured now (and cached); ``refresh`` measures again. ``say`` receives the messages (a cache that cannot be
-    read or written). Raises ``RuntimeError`` where measuring fails."""
+    read or written). Raises ``RuntimeError`` where measuring fails.
+
+    In a run of several processes (``torch.distributed`` initialised), every rank plans from rank 0's table: the
+    first need of each table after the process group is made is a broadcast from rank 0 (every rank converts the
+    same model, so each reaches it at the same point), so the ranks' plans, and FSDP2's gathers that follow them,
+    cannot differ."""
     say = say or (lambda message: log.warning(message))
     key = key_of(device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1])
+    group = _group()
+    if group is not None:
+        shared = f"{key} | ranks {id(group)}"
+        with _LOCK:
+            if not refresh and shared in _TABLES:
+                return _TABLES[shared]
+        made: list[Any] = [None]
+        if _rank() == 0:
+            try:
+                made = [_local(device, dtype, key, refresh, say).to_json()]
+            except (RuntimeError, NotImplementedError, TypeError) as e:  # every rank learns it failed: none waits
+                made = [{"error": f"{type(e).__name__}: {e}"}]
+        torch.distributed.broadcast_object_list(made, src=0)
+        if "error" in made[0]:
+            raise RuntimeError(f"on rank 0: {made[0]['error']}")
+        with _LOCK:
+            _TABLES[shared] = dataclasses.replace(Table.from_json(made[0]), source="rank 0's")
+            return _TABLES[shared]
+    return _local(device, dtype, key, refresh, say)
+
+
+def _group() -> Any:
+    """The default process group where torch.distributed runs several processes, else ``None``."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _local(device: Any, dtype: torch.dtype, key: str, refresh: bool, say: Callable[[str], None]) -> Table:
+    """:func:`table` in this process alone."""
     with _LOCK:
         if not refresh and key in _TABLES:
             return _TABLES[key]

@@ -159,3 +159,11 @@ def test_compile_of_the_converted_model():
     got.backward()
     assert abs(got.item() - want.item()) < 1e-2
     _close(workers.full_grads(amp), grads, 2e-2)
+
+
+def test_every_rank_plans_from_rank_zeros_measured_table(tmp_path):
+    """Rule: in a run of several processes the device's table is rank 0's, broadcast at its first need: ranks that
+    measured differently still make the same plan (FSDP2's gathers follow it)."""
+    results = harness.run(workers.plan_from_rank_zero, str(tmp_path))
+    assert results[0]["rules"] == results[1]["rules"] == ["table", "table"]
+    assert all("rank 0's" in r["source"] for r in results)

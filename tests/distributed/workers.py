@@ -208,3 +208,26 @@ def train(rank: int, world: int, how: str, steps: int = 3) -> dict[str, Any]:
     state = get_model_state_dict(amp, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"losses": losses, "gathered": gathered, "state": {k: (type(v).__name__, v.dtype, v.clone())
                                                                for k, v in state.items()}}
+
+
+def plan_from_rank_zero(rank: int, world: int, cache: str) -> dict[str, Any]:
+    """Each rank's plan of a model whose GEMMs sit between the two ranks' measured break-evens: rank 0 measured
+    bfloat16 paying from 2^20 FLOPs, rank 1 from 2^30 (a noisy machine); both plan from rank 0's table."""
+    import os
+
+    import ampfx
+    from ampfx.ops import device_cost
+    from ampfx.ops.device_cost import Point, Table
+    os.environ["AMPFX_CACHE_DIR"] = f"{cache}/rank{rank}"  # each its own cache: only the broadcast can agree them
+    device_cost.measure_on(("cpu",))
+    pays_from = 64 if rank == 0 else 1024
+
+    def measured(device, dtype, budget_s=None):
+        return Table(device_cost.device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1],
+                     tuple(Point(r, w, 1.0, 0.5 if r * w * w >= pays_from ** 3 else 2.0)
+                           for r, w in ((64, 64), (256, 256), (1024, 1024), (64, 256))))
+    device_cost.measure = measured
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(256, 256),))
+    source = device_cost.limits(None, None, "cpu", None, torch.bfloat16)[1]["flops"]
+    return {"rules": [r.rule.value for r in amp.ampfx_report.compute if r.op == "linear"], "source": source}
