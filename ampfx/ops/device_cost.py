@@ -371,43 +371,63 @@ def table(device: Any, dtype: torch.dtype, refresh: bool = False,
     measured now (and cached); ``refresh`` measures again. ``say`` receives the messages (a cache that cannot be
     read or written). Raises ``RuntimeError`` where measuring fails.
 
-    In a run of several processes (``torch.distributed`` initialised), every rank plans from rank 0's table: the
-    first need of each table after the process group is made is a broadcast from rank 0 (every rank converts the
-    same model, so each reaches it at the same point), so the ranks' plans, and FSDP2's gathers that follow them,
-    cannot differ."""
+    In a run of several processes (``torch.distributed`` initialised), every rank plans from rank 0's table, passed
+    through the process group's store (rank 0 writes it, the others wait for it: :func:`_shared`), so the ranks'
+    plans, and FSDP2's gathers that follow them, do not differ."""
     say = say or (lambda message: log.warning(message))
     key = key_of(device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1])
-    group = _group()
-    if group is not None:
-        shared = f"{key} | ranks {id(group)}"
+    store = _store()
+    if store is not None:
+        shared = f"{key} | ranks {id(store)}"
         with _LOCK:
             if not refresh and shared in _TABLES:
                 return _TABLES[shared]
-        made: list[Any] = [None]
-        if _rank() == 0:
-            try:
-                made = [_local(device, dtype, key, refresh, say).to_json()]
-            except (RuntimeError, NotImplementedError, TypeError) as e:  # every rank learns it failed: none waits
-                made = [{"error": f"{type(e).__name__}: {e}"}]
-        torch.distributed.broadcast_object_list(made, src=0)
-        if "error" in made[0]:
-            raise RuntimeError(f"on rank 0: {made[0]['error']}")
+        got = _shared(store, key, lambda: _local(device, dtype, key, refresh, say), say)
+        if got is None:  # rank 0's did not come in time: this rank's own, said
+            return _local(device, dtype, key, refresh, say)
         with _LOCK:
-            _TABLES[shared] = dataclasses.replace(Table.from_json(made[0]), source="rank 0's")
-            return _TABLES[shared]
+            _TABLES[shared] = got
+            return got
     return _local(device, dtype, key, refresh, say)
 
 
-def _group() -> Any:
-    """The default process group where torch.distributed runs several processes, else ``None``."""
+RANK_WAIT_S = 120.0
+"""How long a rank other than 0 waits for rank 0's table before it uses its own (with a warning)."""
+
+
+def _store() -> Any:
+    """The default process group's store where torch.distributed runs several processes, else ``None``."""
     dist = getattr(torch, "distributed", None)
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    return dist.distributed_c10d._get_default_group()
+    return dist.distributed_c10d._get_default_store()
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank()
+def _shared(store: Any, key: str, local: Callable[[], Table], say: Callable[[str], None]) -> Table | None:
+    """Rank 0's table through the process group's store: rank 0 makes it and writes it (a failure too, which every
+    rank then raises); the others wait for it (:data:`RANK_WAIT_S`), ``None`` where it does not come. No rank
+    waits on another's collective: a rank that converts alone never hangs."""
+    import datetime
+
+    name = f"ampfx/device-cost/{key}"
+    if torch.distributed.get_rank() == 0:
+        try:
+            made = local().to_json()
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            store.set(name, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
+        store.set(name, json.dumps(made))
+        return dataclasses.replace(Table.from_json(made), source="rank 0's")
+    try:
+        store.wait([name], datetime.timedelta(seconds=RANK_WAIT_S))
+        made = json.loads(store.get(name))
+    except (RuntimeError, ValueError) as e:  # DistStoreError (a RuntimeError): it did not come in time
+        say(f"ampfx: rank 0's device-cost table did not come within {RANK_WAIT_S:.0f} s ({str(e).splitlines()[0]}): "
+            "this rank measures its own, and its plan may differ from rank 0's")
+        return None
+    if "error" in made:
+        raise RuntimeError(f"on rank 0: {made['error']}")
+    return dataclasses.replace(Table.from_json(made), source="rank 0's")
 
 
 def _local(device: Any, dtype: torch.dtype, key: str, refresh: bool, say: Callable[[str], None]) -> Table:

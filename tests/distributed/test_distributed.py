@@ -167,3 +167,11 @@ def test_every_rank_plans_from_rank_zeros_measured_table(tmp_path):
     results = harness.run(workers.plan_from_rank_zero, str(tmp_path))
     assert results[0]["rules"] == results[1]["rules"] == ["table", "table"]
     assert all("rank 0's" in r["source"] for r in results)
+
+
+def test_a_rank_that_converts_alone_does_not_hang(tmp_path):
+    """Rule: the table passes through the process group's store, not a collective: a rank converting alone never
+    waits on the others' collective; rank 1 without rank 0's table uses its own after a while, and says so."""
+    results = harness.run(workers.convert_alone, str(tmp_path), deadline=120.0)
+    assert results[0]["said"] == [] and len(results[1]["said"]) == 1
+    assert "rank 0's device-cost table did not come" in results[1]["said"][0]

@@ -231,3 +231,26 @@ def plan_from_rank_zero(rank: int, world: int, cache: str) -> dict[str, Any]:
     amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(256, 256),))
     source = device_cost.limits(None, None, "cpu", None, torch.bfloat16)[1]["flops"]
     return {"rules": [r.rule.value for r in amp.ampfx_report.compute if r.op == "linear"], "source": source}
+
+
+def convert_alone(rank: int, world: int, cache: str) -> dict[str, Any]:
+    """Only one rank converts (rank 0 to inspect, or rank 1 alone): rank 0 never waits; rank 1 waits for rank 0's
+    table a short while, then uses its own, with a warning. Neither hangs."""
+    import os
+    import warnings
+
+    import ampfx
+    from ampfx.ops import device_cost
+    from ampfx.ops.device_cost import Point, Table
+    os.environ["AMPFX_CACHE_DIR"] = f"{cache}/rank{rank}"
+    device_cost.measure_on(("cpu",))
+    device_cost.RANK_WAIT_S = 1.0
+    device_cost.measure = lambda device, dtype, budget_s=None: Table(
+        device_cost.device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1],
+        tuple(Point(r, w, 1.0, 0.5) for r, w in ((64, 64), (256, 256), (1024, 1024), (64, 256))))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if rank == 1:  # rank 0 converts nothing: rank 1 waits for a table that never comes
+            ampfx.convert(nn.Sequential(nn.Linear(8, 8)), "bf16", example_inputs=(torch.randn(4, 8),))
+    dist.barrier()
+    return {"said": [str(w.message) for w in said if "device-cost" in str(w.message)]}
