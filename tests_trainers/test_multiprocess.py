@@ -60,7 +60,7 @@ def test_hf_trainer_in_two_processes(tmp_path):
     assert gap(zero["ampfx_bf16"], zero["own_bf16"]) <= 2 * own + 1e-3
     assert gap(zero["ampfx_fp16"], zero["fp32"]) <= 2 * own + 1e-3
     saved = sorted(p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("summary.txt"))
-    assert saved == ["ampfx/ampfx", "fp16/ampfx"], saved
+    assert saved == ["ampfx/ampfx-log", "fp16/ampfx-log"], saved
     assert (tmp_path / "ampfx" / "checkpoint-4" / "ampfx_policy.json").is_file()
 
 
@@ -80,4 +80,4 @@ def test_lightning_ddp_in_two_processes(tmp_path):
     assert gap(zero["ampfx_bf16"], zero["own_bf16"]) <= 2 * own + 1e-3
     assert gap(zero["ampfx_fp16"], zero["fp32"]) <= 2 * own + 1e-3
     saved = sorted(p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("summary.txt"))
-    assert saved == ["ampfx/ampfx", "fp16/ampfx", "report"], saved
+    assert saved == ["ampfx/ampfx-log", "fp16/ampfx-log", "report"], saved
