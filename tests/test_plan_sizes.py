@@ -99,3 +99,20 @@ def test_a_plan_without_size_dependent_decisions_has_no_size_check():
     amp = ampfx.convert(_model(), "bf16", example_inputs=(torch.randn(4, 64),), gemm_min_flops=0)
     rt = amp.__dict__["_ampfx_runtime"]
     assert rt.guard is None or rt.guard.signature.scale is None
+
+
+def test_a_plan_made_again_at_a_call_leaves_the_callers_autograd_graph_alone():
+    """Rule: the conversion a call makes runs on the call's tensors detached: its own backward neither frees what
+    the caller's backward needs nor adds to the caller's gradients (an input computed from one of the module's own
+    parameters, as a language model's head reads hidden states made from its tied embedding)."""
+    model = _model()
+    amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(4, 64),), gemm_min_flops=BREAK_EVEN,
+                        gemm_min_rows=0)
+    tied = model[0].bias  # the input is made from one of the module's own parameters (a tied embedding)
+    base = torch.randn(256, 64)
+    amp(base * tied).float().sum().backward()  # plans again inside this call
+    assert len(amp.variants()) == 1
+    got = tied.grad.clone()
+    model.zero_grad()
+    model(base * tied).sum().backward()
+    torch.testing.assert_close(got, tied.grad, rtol=3e-2, atol=3e-2 * float(tied.grad.abs().max()))

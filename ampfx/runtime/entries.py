@@ -199,7 +199,7 @@ class Runtime:
             training, pending = self.alt
             if not isinstance(pending, PendingMode):  # made by another thread while this one waited
                 return pending
-            args, kwargs = pending.arguments(gm.__dict__["_ampfx_model"], call)
+            args, kwargs = _detached(*pending.arguments(gm.__dict__["_ampfx_model"], call))
             name = "train" if training else "eval"
             log.info("ampfx: converting %s in %s mode, at its first use in that mode", self.name(), name)
             try:
@@ -242,7 +242,7 @@ class Runtime:
         log.info("ampfx: %s: %s; converting it again (%d of at most %d)", name, "; ".join(changes[:3]),
                  len(variants) + 1, make.limit)
         try:
-            variant = make(gm, args, kwargs, changes)
+            variant = make(gm, *_detached(args, kwargs), changes)
         except StaleModelError:
             raise
         except Exception as e:
@@ -270,11 +270,14 @@ class Runtime:
         if entry is not _NONE:
             return entry
         make = self.reconvert
-        if make is None or len(self.variants) >= make.limit:
+        inside = _inside_autograd()
+        if make is None or len(self.variants) >= make.limit or inside:
             if not self.size_said:
                 self.size_said = True
-                log.warning("%s; no plan can be made for them (reconvert_limit reached, or a loaded copy): the plan "
-                            "made for other sizes runs", str(error).removeprefix("ampfx: "))
+                why = (f"it is called {inside}, where a conversion's own runs cannot be made" if inside else
+                       "reconvert_limit reached, or a loaded copy")
+                log.warning("%s; no plan can be made for them (%s): the plan made for other sizes runs",
+                            str(error).removeprefix("ampfx: "), why)
             return None
         what = str(error).removeprefix("ampfx: ").split(" (planned again", 1)[0]
         return self._made(self._accepting, gm, args, kwargs, None, [what])
@@ -286,6 +289,26 @@ class Runtime:
 
     def name(self) -> str:
         return f"model.{self.where}" if self.where else "the model"
+
+
+def _detached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments as a conversion may run them: each tensor detached from the caller's autograd graph
+    (its runs' backward must not reach, and free, what the caller's own backward needs)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+
+
+def _inside_autograd() -> str | None:
+    """Where a call runs inside autograd's own machinery, which a conversion (it runs the model forward and
+    backward) must not enter: under activation checkpointing (saved-tensor hooks active) or inside a backward (a
+    recompute); ``None`` elsewhere."""
+    if torch._C._current_graph_task_id() != -1:
+        return "inside a backward (activation checkpointing's recompute)"
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(False) is not None:
+        return "under saved-tensor hooks (activation checkpointing)"
+    return None
 
 
 _NONE = object()
