@@ -137,3 +137,12 @@ def test_a_module_converted_by_hand_is_refused():
 
     with pytest.raises(ArgumentError, match="already a module converted by ampfx.convert"):
         AmpfxAccelerator("bf16", cpu=True).prepare(ampfx.convert(model(), "bf16"))
+
+
+def test_a_plan_with_no_gemm_low_is_said_through_the_accelerator(monkeypatch):
+    """Rule: where ampfx's plan keeps every GEMM float32, the accelerator's conversion warns so, with the switch."""
+    monkeypatch.setenv("AMPFX_GEMM_MIN_FLOPS", str(10 ** 12))
+    acc = AmpfxAccelerator("bf16")
+    with pytest.warns(UserWarning, match=r"no GEMM runs in bfloat16.*AMPFX_GEMM_MIN_FLOPS=0"):
+        train(acc)
+    assert "no GEMM runs in bfloat16" in acc.report.summary()

@@ -101,3 +101,11 @@ def test_ampfx_trainer_overrides_no_private_method_and_pins_the_one_seam_it_patc
     assert private == []
     assert hasattr(transformers.trainer, "Accelerator")
     assert "Accelerator(" in inspect.getsource(Trainer.create_accelerator_and_postprocess)
+
+
+def test_a_plan_with_no_gemm_low_is_said_through_the_trainer(tmp_path, monkeypatch):
+    """Rule: where ampfx's plan keeps every GEMM float32, AmpfxTrainer's conversion warns so, with the switch."""
+    monkeypatch.setenv("AMPFX_GEMM_MIN_FLOPS", str(10 ** 12))
+    with pytest.warns(UserWarning, match=r"no GEMM runs in bfloat16.*AMPFX_GEMM_MIN_FLOPS=0"):
+        trainer, _ = train(tmp_path, cls=AmpfxTrainer, ampfx="bf16", steps=2)
+    assert "no GEMM runs in bfloat16" in trainer.ampfx_report.summary()

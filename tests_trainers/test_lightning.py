@@ -233,3 +233,13 @@ def test_fp8_linears_train_through_the_plugin_and_its_checkpoint_keeps_the_fp8_o
     with pytest.raises(PolicyMismatchError, match="fp8"):
         fit(tmp_path / "c", epochs=4, plugins=[AmpfxPrecision("bf16", fp8="rowwise", fp8_modules=("net.0",))],
             ckpt_path=ckpt)
+
+
+def test_a_plan_with_no_gemm_low_is_said_through_the_plugin(tmp_path, monkeypatch):
+    """Rule: where ampfx's plan keeps every GEMM float32 (a break-even above them), training through the plugin
+    warns so, with the switch, and the report's summary says it: the trainer's 'bf16-mixed' is not taken for a
+    bfloat16 run."""
+    monkeypatch.setenv("AMPFX_GEMM_MIN_FLOPS", str(10 ** 12))
+    with pytest.warns(UserWarning, match=r"no GEMM runs in bfloat16.*AMPFX_GEMM_MIN_FLOPS=0"):
+        _, trainer = fit(tmp_path, epochs=1, plugins=[AmpfxPrecision("bf16")])
+    assert "no GEMM runs in bfloat16" in trainer.precision_plugin.report.summary()
