@@ -54,6 +54,33 @@ class ExampleInputs:
             return cls(tuple(args))
         return cls((), {**dict(zip(_parameters(module), args)), **kwargs})
 
+    def rows(self, k: int = 8, least: int = 1 << 20) -> "ExampleInputs | None":
+        """These inputs cut to their first ``k`` rows, where they hold at least ``least`` elements: each tensor whose
+        first size is the largest tensor's (the batch, or the tokens of a 2-D input) sliced to ``k``; ``None``
+        where they are smaller, or the rows fewer than ``2 * k`` (nothing to save).
+
+        >>> ExampleInputs((torch.ones(4096, 256), torch.zeros(4096, dtype=torch.long), 3)).rows().args[0].shape
+        torch.Size([8, 256])
+        >>> ExampleInputs((torch.ones(16, 4),)).rows() is None
+        True
+        """
+        tensors = [t for t in self.tensors() if t.dim()]
+        if not tensors or sum(t.numel() for t in tensors) < least:
+            return None
+        n = max(tensors, key=lambda t: t.numel()).shape[0]
+        if n < 2 * k:
+            return None
+
+        def cut(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n:
+                return v[:k]
+            if isinstance(v, (tuple, list)):
+                return type(v)(cut(x) for x in v) if type(v) in (tuple, list) else v
+            if isinstance(v, dict) and type(v) is dict:
+                return {key: cut(x) for key, x in v.items()}
+            return v
+        return ExampleInputs(tuple(cut(a) for a in self.args), {key: cut(v) for key, v in self.kwargs.items()})
+
     def bind(self, fn: Callable[..., Any]) -> inspect.BoundArguments:
         """These inputs bound to ``fn``'s signature, defaults applied."""
         bound = inspect.signature(fn).bind(*self.args, **self.kwargs)
