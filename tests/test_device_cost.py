@@ -224,3 +224,9 @@ def test_ampfx_device_prints_the_table_and_its_cache_and_measures_again_on_reque
     assert main(["device", "--device", "nodevice"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device 'nodevice'" in err[0]
+
+
+def test_a_break_even_given_whole_measures_nothing(measuring):
+    """Rule: with both gemm_min_flops and gemm_min_rows given, nothing is measured (and nothing said of it)."""
+    ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),), gemm_min_flops=10, gemm_min_rows=0)
+    assert measuring == []

@@ -116,3 +116,24 @@ def test_a_plan_made_again_at_a_call_leaves_the_callers_autograd_graph_alone():
     model.zero_grad()
     model(base * tied).sum().backward()
     torch.testing.assert_close(got, tied.grad, rtol=3e-2, atol=3e-2 * float(tied.grad.abs().max()))
+
+
+def test_a_plan_for_new_sizes_that_cannot_be_made_leaves_the_plan_there_is(monkeypatch, caplog):
+    """Rule: where making the plan for a call's sizes fails, the call runs the plan there is (right numbers), the
+    log says so once, and it is not tried again at every call."""
+    from ampfx.errors import StaleModelError
+    from ampfx.runtime import entries
+    model = _model()
+    amp = ampfx.convert(model, "bf16", example_inputs=(torch.randn(4, 64),), gemm_min_flops=BREAK_EVEN,
+                        gemm_min_rows=0)
+    tries = []
+
+    def failing(self, *args, **kwargs):
+        tries.append(1)
+        raise StaleModelError("out of memory in the conversion's own run")
+    monkeypatch.setattr(entries.Runtime, "convert_again", failing)
+    big = torch.randn(256, 64)
+    with caplog.at_level(logging.WARNING, logger="ampfx.runtime.graph_module"):
+        torch.testing.assert_close(amp(big), model(big), rtol=0, atol=0)
+        amp(big)
+    assert tries == [1] and caplog.text.count("planning again for them failed") == 1

@@ -363,6 +363,7 @@ def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable
 # ------------------------------------------------------------------ the table a conversion uses
 _TABLES: dict[str, Table] = {}
 _LOCK = threading.Lock()
+_SAID: set[str] = set()  # the tables whose cut-short measurement was said (once each)
 
 
 def table(device: Any, dtype: torch.dtype, refresh: bool = False,
@@ -383,8 +384,8 @@ def table(device: Any, dtype: torch.dtype, refresh: bool = False,
             if not refresh and shared in _TABLES:
                 return _TABLES[shared]
         got = _shared(store, key, lambda: _local(device, dtype, key, refresh, say), say)
-        if got is None:  # rank 0's did not come in time: this rank's own, said
-            return _local(device, dtype, key, refresh, say)
+        if got is None:  # rank 0's did not come in time: this rank's own, said once (no second wait)
+            got = _local(device, dtype, key, refresh, say)
         with _LOCK:
             _TABLES[shared] = got
             return got
@@ -413,7 +414,7 @@ def _shared(store: Any, key: str, local: Callable[[], Table], say: Callable[[str
     if torch.distributed.get_rank() == 0:
         try:
             made = local().to_json()
-        except (RuntimeError, NotImplementedError, TypeError) as e:
+        except Exception as e:  # every rank learns it failed: none waits for it
             store.set(name, json.dumps({"error": f"{type(e).__name__}: {e}"}))
             raise
         store.set(name, json.dumps(made))
@@ -460,6 +461,7 @@ def forget() -> None:
     """Drop the tables this process holds in memory (the cache file stays)."""
     with _LOCK:
         _TABLES.clear()
+        _SAID.clear()
 
 
 # ------------------------------------------------------------------ the break-even a plan uses
@@ -483,6 +485,8 @@ def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
     if flops == 0:
         return NONE, {"flops": "set by gemm_min_flops", "rows": "set by gemm_min_flops"}
     given = flops if isinstance(flops, int) else None
+    if given is not None and rows is not None:  # both given: nothing to measure
+        return BreakEven(given, rows), {"flops": "set by gemm_min_flops", "rows": "set by gemm_min_rows"}
     if fp8 is not None:
         table, where = NONE, "under fp8= (planned for the FP8 roofline's device)"
     else:
@@ -507,7 +511,9 @@ def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, st
         else:
             if measured.conclusive:
                 return measured.break_even(), f"measured on {measured.device} ({measured.source})"
-            warn_user(f"ampfx: measuring {dtype} GEMMs on {device} ran out of its time budget before enough sizes "
-                      "were measured (a busy machine?): the datasheet break-even is used; `ampfx device --refresh` "
-                      "measures again")
+            if measured.key not in _SAID:
+                _SAID.add(measured.key)
+                warn_user(f"ampfx: measuring {dtype} GEMMs on {device} ran out of its time budget before enough "
+                          "sizes were measured (a busy machine?): the datasheet break-even is used; `ampfx device "
+                          "--refresh` measures again")
     return gemm_cost.BREAK_EVEN.get(kind, NONE), f"on {kind} (datasheet)"

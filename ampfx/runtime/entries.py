@@ -87,6 +87,7 @@ class Runtime:
     stale: str | None = None  # why the next call raises StaleModelError
     rebind: tuple | None = None  # a pickle's: what `fixed` is bound to again when loaded
     size_said: bool = False  # a call's sizes crossed the plan's and no plan could be made: logged once
+    sizes_failed: bool = False  # making a plan for a call's sizes failed once: not tried again
 
     def __repr__(self) -> str:
         on = [s.field for s in CALL_STEPS if getattr(self, s.field) is not None]
@@ -271,7 +272,9 @@ class Runtime:
             return entry
         make = self.reconvert
         inside = _inside_autograd()
-        if make is None or len(self.variants) >= make.limit or inside:
+        if make is None or len(self.variants) >= make.limit or inside or self.sizes_failed:
+            if self.sizes_failed:
+                return None
             if not self.size_said:
                 self.size_said = True
                 why = (f"it is called {inside}, where a conversion's own runs cannot be made" if inside else
@@ -280,7 +283,14 @@ class Runtime:
                             str(error).removeprefix("ampfx: "), why)
             return None
         what = str(error).removeprefix("ampfx: ").split(" (planned again", 1)[0]
-        return self._made(self._accepting, gm, args, kwargs, None, [what])
+        try:
+            return self._made(self._accepting, gm, args, kwargs, None, [what])
+        except StaleModelError as e:  # the plan for these sizes could not be made: the plan there is runs
+            self.size_said = True
+            self.sizes_failed = True
+            log.warning("%s; planning again for them failed (%s): the plan made for other sizes runs, and no other "
+                        "plan for sizes is tried", what, str(e).splitlines()[0][:300])
+            return None
 
     def _accepting(self, gm: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The entry made again whose fixed values hold and whose guard takes the call; ``_NONE`` where none does."""
