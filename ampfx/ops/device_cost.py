@@ -488,12 +488,12 @@ def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
     if given is not None and rows is not None:  # both given: nothing to measure
         return BreakEven(given, rows), {"flops": "set by gemm_min_flops", "rows": "set by gemm_min_rows"}
     if fp8 is not None:
-        table, where = NONE, "under fp8= (planned for the FP8 roofline's device)"
+        device_be, where = NONE, "under fp8= (planned for the FP8 roofline's device)"
     else:
-        table, where = _device(kind, device, dtype, flops)
-    if table.never and given is None:  # the low dtype is slower at every size: only a given break-even lowers
-        return table, {"flops": where, "rows": where}
-    chosen = BreakEven(table.flops if given is None else given, table.rows if rows is None else rows)
+        device_be, where = _device(kind, device, dtype, flops)
+    if device_be.never and given is None:  # the low dtype is slower at every size: only a given break-even lowers
+        return device_be, {"flops": where, "rows": where}
+    chosen = BreakEven(device_be.flops if given is None else given, device_be.rows if rows is None else rows)
     return chosen, {"flops": where if given is None else "set by gemm_min_flops",
                     "rows": where if rows is None else "set by gemm_min_rows"}
 

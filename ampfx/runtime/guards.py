@@ -139,15 +139,17 @@ class Scale:
     below: str = ""
     above: str = ""
 
+    def holds(self, n: int) -> bool:
+        """Do ``n`` elements keep the plan? (Two comparisons: the call-time check.)"""
+        return self.low * self.elements <= n < self.high * self.elements
+
     def check(self, n: int) -> str | None:
         """``None`` where ``n`` elements keep the plan, else what crossed (for the error and the log)."""
-        if n < self.low * self.elements:
-            return (f"the call's tensors hold {n:,} elements, {n / self.elements:.3g}x the {self.elements:,} the plan "
-                    f"was made for: under the size from which {self.below} pays in the low dtype")
-        if n >= self.high * self.elements:
-            return (f"the call's tensors hold {n:,} elements, {n / self.elements:.3g}x the {self.elements:,} the plan "
-                    f"was made for: past the size from which {self.above} pays in the low dtype")
-        return None
+        if self.holds(n):
+            return None
+        side, node = ("under", self.below) if n < self.low * self.elements else ("past", self.above)
+        return (f"the call's tensors hold {n:,} elements, {n / self.elements:.3g}x the {self.elements:,} the plan was "
+                f"made for: {side} the size from which {node} pays in the low dtype")
 
 
 class Guard:
@@ -199,10 +201,11 @@ class Guard:
         if seen is not None:
             _check_symbols(self, seen)
         if self._scale is not None:
-            crossed = self._scale.check(elements(values))
-            if crossed is not None:
+            n = elements(values)
+            if not self._scale.holds(n):
                 where = f" {self.signature.module!r}" if self.signature.module else ""
-                raise PlanSizeError(f"ampfx: converted module{where}: {crossed} (planned again for these sizes)")
+                raise PlanSizeError(f"ampfx: converted module{where}: {self._scale.check(n)} (planned again for these "
+                                    "sizes)")
 
     def _leaves(self, g: ParamGuard, value: Any) -> Any:
         """The leaves of ``value``, which must have ``g``'s structure (a ``dict`` and an ``OrderedDict`` with
