@@ -84,7 +84,7 @@ def test_the_measured_table_decides_which_gemms_stay_float32(measuring):
     assert set(_rules(small).values()) == {Rule.COST_SMALL_GEMM}
     assert set(_rules(large).values()) == {Rule.TABLE}
     reason = next(r.reason for r in small.ampfx_report.compute if r.op == "linear")
-    assert "measured on cpu:" in reason and "(measured)" in reason or "(cached)" in reason
+    assert "measured on cpu:" in reason and ("(measured)" in reason or "(cached)" in reason), reason
     assert len(measuring) == 1  # measured once for both conversions
 
 
