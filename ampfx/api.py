@@ -31,7 +31,7 @@ from .runtime.inference import store_low
 from .inputs import ExampleInputs
 from .policy import Policy
 from .report import Report
-from .ops import ENTRIES, Category
+from .ops import ENTRIES, Category, device_cost
 from .report.records import Rule, dtype_name
 from .request import Asked, Request, build, log_path_name, resolve
 from .state import copy_tree, one_thread, untouched
@@ -297,18 +297,35 @@ def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple
 
 
 def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
-    """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`),
-    unless the policy turns that off; the note saying which."""
-    if not policy.runtime.weight_cache:
+    """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`):
+    every one (``weight_cache=True``), those the device's costs and the calls decide (``"auto"``) or none; the note
+    saying which."""
+    how = policy.runtime.weight_cache
+    if how is False:
         return ("weight cache: off: weights are cast at every forward, as autocast casts them (weight_cache=True or "
                 "AMPFX_WEIGHT_CACHE=1 keeps low copies between steps)",)
-    count = numel = 0
-    for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
-        cache = weight_cache.install(gm, policy.dtype)
+    graphs = [m for m in result.modules() if isinstance(m, AmpGraphModule)]
+    auto_from = where = None
+    if how == "auto":
+        device = next((p.device for gm in graphs for p in gm.parameters()), torch.device("cpu"))
+        auto_from, where = device_cost.cache_limit(device, policy.dtype, policy.gemm_min_flops)
+    count = numel = large = 0
+    for gm in graphs:
+        count += len(weight_cache.cast_weights(gm, policy.dtype))
+        cache = weight_cache.install(gm, policy.dtype, auto_from)
+        if cache is None:
+            continue
         gm._install_dispatch()
-        count += len(cache.entries)
-        numel += sum(e.owner[e.name].numel() for e in cache.entries)
+        chosen = cache.entries if cache.auto is None else cache.auto.large
+        large += len(chosen)
+        numel += sum(e.owner[e.name].numel() for e in chosen)
     nbytes = numel * torch.finfo(policy.dtype).bits // 8
+    if how == "auto":
+        return (f"weight cache: auto: {large} of {count} cast weights are large enough that a cached "
+                f"{dtype_name(policy.dtype)} copy pays (from {auto_from:,} elements, {where}); they are cached while "
+                f"a graph runs more than once between weight updates (gradient accumulation, recompute, evaluation; "
+                f"up to {nbytes:,} bytes), and cast at every forward otherwise (weight_cache=True caches every "
+                "weight always, False none: ampfx.runtime.weight_cache)",)
     return (f"weight cache: on, {count} weights cast to {dtype_name(policy.dtype)} once per change of their float32 "
             f"masters and reused by every forward, backward and recompute ({nbytes:,} bytes held between steps; "
             "off inside FSDP2 and torch.compile: ampfx.runtime.weight_cache)",)

@@ -1,19 +1,20 @@
-"""Casts and bytes written per optimizer step with gradient accumulation: ampfx (weight cache on and off)
-against ``torch.autocast`` (not a test: prints figures for docs/benchmarks.md).
+"""Casts and bytes written per optimizer step with gradient accumulation: ampfx (weight cache off, ``"auto"``, the
+default, and on) against ``torch.autocast`` (not a test: prints figures for docs/benchmarks.md).
 
 One optimizer step is ``k`` micro-batches (forward, float32 cross-entropy, backward), an SGD step and
 ``zero_grad(set_to_none=True)``, counted at the ATen level with :class:`ampfx.tools.measure.CastCounter`: the
 dtype-changing copies (``_to_copy``, and each pair of the cache's ``_foreach_copy_``) and the bytes every op
 writes. The second step is counted (the first fills the cache; the second pays the refresh after the first
 step's update, as every later step does). The loss is computed the same way for every run: the output in
-float32, cross-entropy inside autocast's region. Models: a small GPT (4 pre-norm blocks, width 64, kept as
-blocks) and a CNN with batch norm (4 conv / batch-norm / ReLU stages); each with ``k`` = 1 and 4 micro-batches,
+float32, cross-entropy inside autocast's region; every GEMM is low (``gemm_min_flops=0``, the plan autocast makes),
+so that the casts compare. Models: a small GPT (4 pre-norm blocks, width 64 and 512, kept as blocks) and a CNN
+with batch norm (4 conv / batch-norm / ReLU stages); each with ``k`` = 1 and 4 micro-batches,
 with and without activation checkpointing of each block (``checkpoint_wrapper``, non-reentrant).
 "Cache MB" is what the cache holds between steps (2 bytes per cached bf16 element).
 
-``--time`` prints median CPU step times instead (one thread, the three runs interleaved, ``--reps`` steps
-each) of the transformer at widths 64 and 512: what the saved casts buy against the Python autograd node the
-cache adds per weight and micro-batch.
+``--time`` prints median CPU step times instead (one thread, the four runs interleaved, ``--reps`` steps
+each; ampfx's default plan) of the transformer at widths 64 and 512: what the saved casts buy against the Python
+autograd node the cache adds per weight and micro-batch.
 
     python benchmarks/weight_cache.py [--dtype bf16] [--ks 1,4] [--time [--widths 64,512] [--reps 15]]
 """
@@ -99,6 +100,7 @@ def models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     idx = torch.randint(0, 128, (4, 32))
     return {"transformer": (GPT(), idx, torch.roll(idx, -1, 1)),
+            "transformer512": (GPT(d=512, heads=8), idx, torch.roll(idx, -1, 1)),
             "cnn+bn": (CNN(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))}
 
 
@@ -118,13 +120,19 @@ def step_of(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     return step
 
 
-def prepared(how: str, base: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, Any]:
-    """A fresh copy of ``base``, what runs it (itself under autocast; ampfx's conversion with or without the
-    weight cache) and the region its loss is computed in."""
+def prepared(how: str, base: nn.Module, x: torch.Tensor, dtype: torch.dtype,
+             **options: Any) -> tuple[nn.Module, nn.Module, Any]:
+    """A fresh copy of ``base``, what runs it (itself under autocast; ampfx's conversion with ``options`` and each
+    weight cache of :data:`CACHE`) and the region its loss is computed in."""
     model = copy.deepcopy(base)
     if how == "autocast":
         return model, model, lambda: torch.autocast("cpu", dtype)
-    return model, ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=how == "ampfx"), contextlib.nullcontext
+    amp = ampfx.convert(model, dtype, example_inputs=(x,), weight_cache=CACHE[how], **options)
+    return model, amp, contextlib.nullcontext
+
+
+CACHE = {"ampfx, no cache": False, "ampfx, auto": "auto", "ampfx, cache": True}
+"""The runs besides autocast: ampfx's conversion with each ``weight_cache`` (``"auto"`` is the default)."""
 
 
 def rows(dtype: torch.dtype, ks: list[int]) -> None:
@@ -132,8 +140,8 @@ def rows(dtype: torch.dtype, ks: list[int]) -> None:
         for ckpt in (False, True):
             for k in ks:
                 counted = {}
-                for how in ("autocast", "ampfx, no cache", "ampfx"):
-                    model, run, region = prepared(how, base, x, dtype)
+                for how in ("autocast", *CACHE):
+                    model, run, region = prepared(how, base, x, dtype, gemm_min_flops=0)
                     if ckpt:
                         blocks = set(run.blocks)
                         apply_activation_checkpointing(run, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -142,7 +150,7 @@ def rows(dtype: torch.dtype, ks: list[int]) -> None:
                     step()  # fills the cache; the counted step pays the refresh after this one's update
                     with CastCounter() as c:
                         step()
-                    held = sum(cache.nbytes() for _, cache in weight_cache.caches(run)) if how == "ampfx" else 0
+                    held = sum(cache.nbytes() for _, cache in weight_cache.caches(run)) if how != "autocast" else 0
                     counted[how] = (c.count, c.written, held)
                 ac = counted["autocast"]
                 for how, (casts, written, held) in counted.items():
@@ -159,7 +167,7 @@ def timings(dtype: torch.dtype, ks: list[int], widths: list[int], reps: int) -> 
         y = torch.roll(idx, -1, 1)
         for k in ks:
             steps = {}
-            for how in ("autocast", "ampfx, no cache", "ampfx"):
+            for how in ("autocast", *CACHE):
                 model, run, region = prepared(how, base, idx, dtype)
                 steps[how] = step_of(model, run, idx, y, k, region)
                 steps[how]()

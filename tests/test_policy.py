@@ -213,7 +213,7 @@ def test_each_fields_variable_is_defined_once_on_the_field():
     from ampfx.policy import ENV_FIELDS, ENV_VARS
 
     assert {f.name for f in ENV_FIELDS.values()} >= {"weight_cache", "pad", "log_path", "fp32_modules", "disable"}
-    samples = {"int": "7", "int_or_auto": "5", "number_or_off": "off", "word": "never", "path": "/tmp/ampfx-log", "append": "head",
+    samples = {"int": "7", "bool_or_auto": "1", "int_or_auto": "5", "number_or_off": "off", "word": "never", "path": "/tmp/ampfx-log", "append": "head",
                "keep": "none", "append_leaves": "head"}
     base = Policy()
     for var, f in ENV_FIELDS.items():
@@ -259,7 +259,7 @@ def test_every_variable_is_documented_and_every_field_set_by_one_saves_and_loads
     rows = {line.split("|")[1] for line in page.splitlines() if line.startswith("| `AMPFX_")}
     documented = {var.strip(" `") for row in rows for var in row.split(",")}
     assert set(ENV_VARS) - documented == set()
-    samples = {"int": "7", "int_or_auto": "5", "number_or_off": "3", "word": "never", "append": "head", "keep": "head",
+    samples = {"int": "7", "bool_or_auto": "1", "int_or_auto": "5", "number_or_off": "3", "word": "never", "append": "head", "keep": "head",
                "append_leaves": "head"}
     for var, f in ENV_FIELDS.items():
         kind = f.metadata["kind"]

@@ -288,10 +288,11 @@ def test_copies_and_pickles_hold_no_copies_of_the_originals():
     torch.testing.assert_close(loaded(X), amp(X), rtol=0, atol=0)
 
 
-def test_off_by_default_by_policy_environment_and_in_inference_mode():
-    """The cache is off by default (with one micro-batch a step it saves no cast); weight_cache=True and
-    AMPFX_WEIGHT_CACHE=1 turn it on; weight_cache=False, AMPFX_WEIGHT_CACHE=0 and mode='inference' (which keeps its
-    own low copies) install none; the report says whether the cache is on and its memory."""
+def test_auto_by_default_on_and_off_by_policy_and_environment_and_none_in_inference_mode():
+    """The cache is "auto" by default (tests/test_weight_cache_auto.py: these weights are too small for it to
+    cache any); weight_cache=True and AMPFX_WEIGHT_CACHE=1 cache every cast weight; weight_cache=False,
+    AMPFX_WEIGHT_CACHE=0 and mode='inference' (which keeps its own low copies) install none; the report says whether
+    the cache is on and its memory."""
     torch.manual_seed(0)
     model = Net()
     on = ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=True)
@@ -302,8 +303,10 @@ def test_off_by_default_by_policy_environment_and_in_inference_mode():
     on(X)
     assert weight_cache.status(on).count(": on,") == 3 and f"{2 * numel:,} bytes" not in weight_cache.status(on)
     assert sum(c.nbytes() for _, c in weight_cache.caches(on)) == 2 * numel
-    for off in (ampfx.convert(model, "bf16", example_inputs=(X,)),
-                ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=False),
+    auto = ampfx.convert(model, "bf16", example_inputs=(X,), gemm_min_flops=0)
+    assert weight_cache.caches(auto) == []  # none large enough: nothing installed
+    assert any(n.startswith("weight cache: auto: 0 of ") for n in auto.ampfx_report.notes)
+    for off in (ampfx.convert(model, "bf16", example_inputs=(X,), weight_cache=False),
                 ampfx.convert(model, "bf16", example_inputs=(X,), environ={"AMPFX_WEIGHT_CACHE": "0"})):
         assert not weight_cache.caches(off)
         assert any(n.startswith("weight cache: off") for n in off.ampfx_report.notes)

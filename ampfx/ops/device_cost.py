@@ -76,7 +76,13 @@ MEASURED_ON = ("cpu",)
 """Device types measured at first need; others use the datasheet table (``AMPFX_GEMM_MIN_FLOPS=measure`` measures
 any device)."""
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+
+CACHE_MIN_NUMEL = 1 << 16
+"""The datasheet's smallest weight (elements) whose cached low copy pays (:func:`cache_limit`), for a device
+without a measured table: a cast's fixed cost is a few microseconds, as is the Python autograd node that hands a
+cached copy to the graph, and from about this size the cast's own work (two of them: the weight in the forward,
+its gradient in the backward) is larger."""
 
 MINIMUM = 4
 """A table is conclusive with at least this many sizes measured, one of them of :data:`LARGE` FLOPs or more."""
@@ -116,6 +122,7 @@ class Table:
     points: tuple[Point, ...]
     cast_ns: float | None = None
     elementwise_ns: tuple[float, float] | None = None
+    handoff_ns: float | None = None
     seconds: float = 0.0
     source: str = "measured"
 
@@ -146,6 +153,19 @@ class Table:
         seen = [p for p in self.points if p.ratio is not None]
         return len(seen) >= MINIMUM and max(p.flops for p in seen) >= LARGE
 
+    def cache_min_numel(self) -> int:
+        """The smallest weight (elements) whose cached low copy pays here: a cached read saves a cast of the
+        weight in the forward and of its gradient in the backward (``2 * numel * cast_ns``) and costs the node
+        that hands the copy to the graph (``handoff_ns`` more than a cast's fixed cost); it pays where the saving
+        is larger, with :data:`MARGIN`. :data:`CACHE_MIN_NUMEL` where either was not measured.
+
+        >>> Table("cpu: example", "2.13", "bfloat16", (), cast_ns=0.25, handoff_ns=9000.0).cache_min_numel()
+        20000
+        """
+        if self.cast_ns is None or self.handoff_ns is None or self.cast_ns <= 0:
+            return CACHE_MIN_NUMEL
+        return max(0, math.ceil(self.handoff_ns / (2 * self.cast_ns * (1 - MARGIN))))
+
     def largest(self) -> Point | None:
         """The largest size measured in the low dtype."""
         seen = [p for p in self.points if p.ratio is not None]
@@ -167,6 +187,9 @@ class Table:
         if self.elementwise_ns is not None:
             out.append(f"  an elementwise op (gelu): float32 {self.elementwise_ns[0]:.2f} ns, {self.dtype} "
                        f"{self.elementwise_ns[1]:.2f} ns an element")
+        if self.handoff_ns is not None:
+            out.append(f"  handing a cached weight to a graph: {self.handoff_ns / 1e3:.1f} us more than casting it; "
+                       f"the weight cache pays from {self.cache_min_numel():,} elements")
         out.append("  break-even: " + describe(be, self))
         return out
 
@@ -183,6 +206,7 @@ class Table:
         return cls(device=str(d["device"]), torch=str(d["torch"]), dtype=str(d["dtype"]), points=points,
                    cast_ns=None if d.get("cast_ns") is None else float(d["cast_ns"]),
                    elementwise_ns=None if ew is None else (float(ew[0]), float(ew[1])),
+                   handoff_ns=None if d.get("handoff_ns") is None else float(d["handoff_ns"]),
                    seconds=float(d.get("seconds", 0.0)), source="cached")
 
 
@@ -319,6 +343,34 @@ def _per_element(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, now: Callab
     return _time(lambda: fn(x), now) / x.numel() * 1e9
 
 
+class _Handoff(torch.autograd.Function):
+    """A cached low copy handed to a graph as the weight cache hands it (:mod:`ampfx.runtime.weight_cache`): a
+    Python autograd node whose backward sends the gradient to the float32 master. Only its cost is measured here."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.master = master
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.master.dtype), None
+
+
+def _handoff_ns(dev: torch.device, dtype: torch.dtype, now: Callable[[], float]) -> float:
+    """What handing a cached copy of a small weight to a graph costs more than casting it (forward and backward:
+    the fixed costs, the elements' own work being :attr:`Table.cast_ns`), in nanoseconds."""
+    w = torch.randn(64, device=dev, requires_grad=True)
+    low = w.detach().to(dtype)
+
+    def cast() -> None:
+        w.to(dtype).sum().backward()
+
+    def handed() -> None:
+        _Handoff.apply(w, low).sum().backward()
+    return (_time(handed, now, reps=5) - _time(cast, now, reps=5)) * 1e9
+
+
 def measure(device: Any, dtype: torch.dtype, budget_s: float | None = None) -> Table:
     """Measure :data:`LADDER` on ``device`` in float32 and ``dtype`` (see the module docstring), within
     ``budget_s`` seconds (default :data:`BUDGET_S` of the device type). Raises ``RuntimeError`` where the device
@@ -356,8 +408,10 @@ def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable
         cast = _per_element(lambda t: t.to(dtype), x, now)
         elementwise = (_per_element(torch.nn.functional.gelu, x, now),
                        _per_element(torch.nn.functional.gelu, x.to(dtype), now))
+        handoff = _handoff_ns(dev, dtype, now)
     return Table(device=device_name(dev), torch=torch.__version__.split("+")[0], dtype=str(dtype).split(".")[-1],
-                 points=tuple(points), cast_ns=cast, elementwise_ns=elementwise, seconds=now() - start)
+                 points=tuple(points), cast_ns=cast, elementwise_ns=elementwise, handoff_ns=handoff,
+                 seconds=now() - start)
 
 
 # ------------------------------------------------------------------ the table a conversion uses
@@ -517,3 +571,26 @@ def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, st
                           "sizes were measured (a busy machine?): the datasheet break-even is used; `ampfx device "
                           "--refresh` measures again")
     return gemm_cost.BREAK_EVEN.get(kind, NONE), f"on {kind} (datasheet)"
+
+
+def cache_limit(device: Any, dtype: torch.dtype, how: Any = None) -> tuple[int, str]:
+    """The smallest weight (elements) whose cached low copy pays on ``device`` (:meth:`Table.cache_min_numel`), and
+    where that comes from: the device's measured table where the GEMM break-even is measured (``how``: the policy's
+    ``gemm_min_flops``; a number or ``"table"`` measures nothing, as in :func:`limits`), else
+    :data:`CACHE_MIN_NUMEL` (the datasheet).
+
+    >>> before = measure_on(())
+    >>> cache_limit("cpu", torch.bfloat16)
+    (65536, 'on cpu (datasheet)')
+    >>> _ = measure_on(before)
+    """
+    kind = str(device).split(":")[0]
+    if how != "table" and not isinstance(how, int) and (how == "measure" or kind in MEASURED_ON):
+        try:
+            measured = table(device, dtype, say=warn_user)
+        except (RuntimeError, NotImplementedError, TypeError):  # said where the GEMM break-even was asked for
+            pass
+        else:
+            if measured.conclusive and measured.handoff_ns is not None:
+                return measured.cache_min_numel(), f"measured on {measured.device} ({measured.source})"
+    return CACHE_MIN_NUMEL, f"on {kind} (datasheet)"

@@ -570,6 +570,13 @@ def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
     kind = f.metadata["kind"]
     if kind == "bool":
         return _bool_env(var, value, f.default)
+    if kind == "bool_or_auto":
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _bool_env(var, value, f.default)
+        except PolicyError:
+            raise PolicyError(f"{var}={value!r}: use auto, 1 or 0 (true/false, yes/no also work)") from None
     if kind == "int":
         return _int_env(var, value, f.metadata.get("example", f.default))
     if kind == "int_or_auto":
@@ -596,8 +603,8 @@ def _env_value(var: str, value: str, f: dataclasses.Field, current: Any) -> Any:
     raise AssertionError(f"{f.name}: unknown environment kind {kind!r}")
 
 
-ENV_KINDS = ("bool", "int", "int_or_auto", "number_or_off", "word", "path", "append", "keep", "append_leaves")
-"""How a field's variable is read: a flag, a whole number, a whole number or ``auto``, a number or ``off``, a lower-cased word, a path
+ENV_KINDS = ("bool", "bool_or_auto", "int", "int_or_auto", "number_or_off", "word", "path", "append", "keep", "append_leaves")
+"""How a field's variable is read: a flag, a flag or ``auto``, a whole number, a whole number or ``auto``, a number or ``off``, a lower-cased word, a path
 (empty: none), names added to the field's, names replacing it (``none``: none), leaf names or classes added."""
 
 

@@ -98,12 +98,16 @@ class RuntimeOptions:
         "AMPFX_RECONVERT_LIMIT", "int", "how many times a converted graph is converted again at a call when a value "
         f"it fixed changed (default {RECONVERT_LIMIT}; 0: raise StaleModelError at the first change)"))
     #: training mode: each weight a low op reads is cast once and reused by every forward, backward and recompute
-    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held between
-    #: steps). Off by default: it pays only with gradient accumulation or recompute over large weights
-    weight_cache: bool = field(default=False, metadata=env(
-        "AMPFX_WEIGHT_CACHE", "bool", "1 to keep low copies of the weights in training mode, made again only when a "
-        "weight changes, instead of casting them at every forward (default 0; pays with gradient accumulation over "
-        "large weights)"))
+    #: until its float32 master changes (ampfx.runtime.weight_cache; 2 bytes per cached bf16/fp16 element held while
+    #: in use). "auto" (the default): a weight large enough that a cached read pays on the device (measured with the
+    #: GEMM break-even, ampfx.ops.device_cost), cached only while its graph runs more than once between writes of its
+    #: weights (gradient accumulation, recompute, evaluation) or reads it twice in a call. True: every cast weight,
+    #: always. False: none
+    weight_cache: bool | str = field(default="auto", metadata=env(
+        "AMPFX_WEIGHT_CACHE", "bool_or_auto", "1 to keep low copies of every cast weight in training mode, made "
+        "again only when a weight changes; 0 to cast weights at every forward; auto (default) to cache the weights "
+        "large enough that a cached copy pays on the device, while a graph runs more than once between weight "
+        "updates (gradient accumulation, recompute, evaluation)"))
     #: children of a module that keeps its Python (its control flow could not be captured) hand each other low
     #: values through its Python where it only moves them (ampfx.runtime.handing). Off by default: its per-op
     #: interception of the parent's Python costs more step time than the casts it saves (docs/benchmarks.md)
@@ -112,7 +116,9 @@ class RuntimeOptions:
         "low values through it (fewer casts, but every op of that Python is intercepted; default 0)"))
 
     def __post_init__(self) -> None:
-        check_bools(self, "weight_cache", "hand_low")
+        check_bools(self, "hand_low")
+        if self.weight_cache != "auto" and not isinstance(self.weight_cache, bool):
+            raise PolicyError(f"weight_cache={self.weight_cache!r}: use True, False or 'auto' (the default)")
         limit = self.reconvert_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise PolicyError(f"reconvert_limit={limit!r}: use an integer >= 0 (default {RECONVERT_LIMIT}; 0 raises "

@@ -53,9 +53,9 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
         have = value.dtype
         if have != dtype and have in CASTABLE:
-            if CACHES[0]:  # a weight's copy, made once (weight_cache=True)
-                active = None if is_compiling() else getattr(WEIGHTS, "active", None)
-                cached = active[-1].low(value, dtype) if active else None
+            if CACHES[0]:  # a weight's copy, made once (ampfx.runtime.weight_cache)
+                active = getattr(WEIGHTS, "active", None)
+                cached = active[-1].low(value, dtype) if active and not is_compiling() else None
                 if cached is not None:
                     return cached
             return value.to(dtype=dtype)  # by keyword: Tensor.to's parser tries its device overload first (0.6 us)

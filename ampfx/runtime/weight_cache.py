@@ -4,55 +4,33 @@ In training mode a converted graph reads the float32 master of every weight and
 casts it where a GEMM or convolution reads it low, as autocast does: one cast per
 weight per forward, so gradient accumulation over ``k`` micro-batches casts every
 weight ``k`` times per optimizer step (and activation checkpointing once more per
-recompute). With the cache (``weight_cache=True`` or ``AMPFX_WEIGHT_CACHE=1``; off
-by default: with one micro-batch a step it saves no cast and costs a Python step per
-weight, see docs/benchmarks.md) each graph module keeps a low copy of every
-parameter its graph casts to the low dtype; while the graph runs, those casts
+recompute). With the cache each graph module keeps a low copy of parameters its
+graph casts to the low dtype; while the graph runs, those casts
 (:func:`ampfx.runtime.cast`) return the copy through :class:`_CachedCast`, whose
 backward sends the gradient to the float32 master. The graph itself is unchanged.
+
+Which weights, and when (``weight_cache``, ``AMPFX_WEIGHT_CACHE``):
+
+- ``"auto"`` (the default) decides per weight and per call (:class:`_Auto`). A cached read saves a cast of the
+  weight and of its gradient, and costs a Python autograd node: it pays for a weight of at least
+  :func:`ampfx.ops.device_cost.cache_limit` elements (measured on the device with the GEMM break-even, or the
+  datasheet's), and only where the copy is read again before its master changes: while the graph runs more than
+  once between writes of its weights (gradient accumulation, activation checkpointing's recompute, an evaluation
+  loop; a write seen on its largest trained weight marks a new step), for a frozen weight (``requires_grad``
+  False, nothing steps it), and for a weight its graph casts more than once a call. Elsewhere (one forward a step,
+  the usual case) nothing is cached, no copy is held, and the cache costs a check a call.
+- ``True``: every cast weight, at every call (``AMPFX_WEIGHT_CACHE=1``).
+- ``False``: none; weights are cast at every forward, as autocast casts them (``AMPFX_WEIGHT_CACHE=0``).
+
 The copy is made again at the first call after its master changed: in the first
 micro-batch of a step (``.grad`` is None) by the graph's own cast, whose result is
 kept (that micro-batch runs exactly as without the cache); otherwise (no grad, or
 ``.grad`` already there) all stale ones together in one ``torch._foreach_copy_``
 before the graph runs, writing over copies nothing else holds. A master counts as
 changed when it was:
-
-- written by anything in the process (an optimizer step, fused ones too, ``copy_``,
-  ``load_state_dict``, a write through ``.data`` such as a teacher's momentum update or a
-  hand-written SGD step): :mod:`ampfx.runtime.written`;
-- re-pointed (``p.data = t``, ``vector_to_parameters``, ``model.to(device)``) or moved to
-  shared memory (then it is cast at every call: other processes write it);
-- replaced (``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``):
-  another object sits in the module's parameter dict.
-
-A copy an autograd graph still holds (a forward not yet backpropagated) is never
-written over: that graph keeps the values it was built with, as with a per-call cast.
-
-Gradients: the first micro-batch's weight gradient reaches the master as a cast
-would send it (autograd casts it to float32, ``AccumulateGrad`` keeps it as
-``.grad``). When ``.grad`` already exists, :class:`_CachedCast` adds the low
-gradient into it in place (a mixed-dtype ``add_``: the same float32 sum, without a
-float32 temporary), but only where nothing else watches the accumulation: no
-tensor hook or post-accumulate-grad hook on the master, no process group (DDP's
-reducer hooks ``AccumulateGrad``, invisibly from Python), no ``create_graph``,
-not ``autograd.grad`` (which must return the gradient, not accumulate it), not
-under torch.compile. Elsewhere the gradient takes the ordinary path. A hook put on
-the master's ``AccumulateGrad`` node itself (``p.view_as(p).grad_fn.next_functions[0][0]
-.register_hook``) cannot be seen from Python: in one process, with such a hook, set
-``weight_cache=False``.
-
-The cache stands aside (the graph casts the master per call, as without it) inside
-FSDP2 (a sharded module, or DTensor parameters: FSDP2 owns the low weights with a
-``MixedPrecisionPolicy``, and cached unsharded copies would undo its sharding) and
-while torch.compile traces the module (inductor fuses the casts into the graph),
-and under ``torch.inference_mode`` (a copy made there could not serve autograd later).
-``mode="inference"`` keeps its own low copies (:mod:`ampfx.runtime.inference`) and no cache.
-Memory: 2 bytes per cached bfloat16/float16 element, held between steps
-(:func:`status` says how much each graph module holds).
-
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
->>> amp = ampfx.convert(m, "bf16", example_inputs=(torch.ones(4, 8),), weight_cache=True)
+>>> amp = ampfx.convert(m, "bf16", example_inputs=(torch.ones(4, 8),), weight_cache=True)  # every weight
 >>> x = torch.ones(4, 8)
 >>> amp(x).sum().backward()                      # first call: the weights are cast
 >>> ampfx.count_casts(lambda: amp(x).sum().backward())   # same weights: only the input and output casts
@@ -134,16 +112,49 @@ class _Entry:
 
 
 @dataclass(eq=False)
+class _Auto:
+    """``weight_cache="auto"``: which entries a call caches (see the module docstring). A write seen on
+    ``watch`` (the largest trained weight) starts a new step; from the second call of a step, and from the first
+    where the last step had several, every weight in ``large`` is cached; otherwise only ``steady`` ones (read
+    twice a call, or frozen: checked at each new step), and copies held before are let go."""
+
+    large: list[_Entry]  # weights large enough that a cached read pays on the device
+    several: list[_Entry]  # of those, the ones the graph casts more than once a call
+    watch: _Entry | None  # whose writes mark a step (None: no trained weight is large enough to watch)
+    key: Any = None  # ``watch``'s master's stamp
+    calls: int = 0  # calls since the watched weight was last written
+    last: int = 0  # calls between its last two writes
+    steady: list[_Entry] = field(default_factory=list)
+
+    def entries(self) -> list[_Entry]:
+        """The entries this call caches."""
+        w = self.watch
+        if w is not None:
+            master = w.owner.get(w.name)
+            if master is None or not written.unwritten(master, self.key):  # a new step (or the first call)
+                self.last, self.calls = self.calls, 0
+                self.key = written.stamp(master) if master is not None else None
+                self.steady = self.several + [e for e in self.large if e not in self.several
+                                              and not getattr(e.owner.get(e.name), "requires_grad", True)]
+        self.calls += 1
+        return self.large if (self.calls >= 2 or self.last >= 2 or w is None) else self.steady
+
+
+@dataclass(eq=False)
 class WeightCache:
     """The low copies of one graph module's weights (see the module docstring). While its graph runs
     (:meth:`used`), :func:`ampfx.runtime.cast` takes a cached weight's copy from :meth:`low`."""
 
     dtype: torch.dtype
     entries: list[_Entry] = field(default_factory=list)
+    #: ``weight_cache="auto"``: which entries each call caches (``None``: all of them, always)
+    auto: _Auto | None = None
     #: why the last call ran without the cache (``None``: it used it)
     off: str | None = None
     #: copies made since conversion (one per weight per refresh)
     casts: int = 0
+    #: the entries the last call cached
+    live: list[_Entry] = field(default_factory=list, repr=False)
     #: during a call: each cached master's id, to its entry
     _by_id: dict[int, _Entry] = field(default_factory=dict, repr=False)
 
@@ -159,7 +170,13 @@ class WeightCache:
 
     def _anew(self, owner: Callable[[dict], dict]) -> "WeightCache":
         """A cache over ``owner(parameter dict)`` with no copies yet (a copy's masters are other tensors)."""
-        return WeightCache(self.dtype, [_Entry(owner(e.owner), e.name, e.path) for e in self.entries])
+        entries = [_Entry(owner(e.owner), e.name, e.path) for e in self.entries]
+        auto = None
+        if self.auto is not None:
+            same = dict(zip(map(id, self.entries), entries))
+            auto = _Auto([same[id(e)] for e in self.auto.large], [same[id(e)] for e in self.auto.several],
+                         None if self.auto.watch is None else same[id(self.auto.watch)])
+        return WeightCache(self.dtype, entries, auto)
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":
         return self._anew(lambda d: copy.deepcopy(d, memo))
@@ -171,13 +188,14 @@ class WeightCache:
         """Bytes the low copies hold now."""
         return sum(e.low.numel() * e.low.element_size() for e in self.entries if e.low is not None)
 
-    def refresh(self, at_use: bool = False) -> int:
-        """Make again every copy whose master was replaced, re-pointed or written since it was made, all in one
-        ``torch._foreach_copy_``; the number made. With ``at_use`` (a forward with gradients), a master whose
-        ``.grad`` is None (the first micro-batch of a step) is left to its first cast in the graph, which makes
-        its copy (:meth:`low`): that cast and its gradient then run as without the cache."""
+    def refresh(self, at_use: bool = False, entries: list[_Entry] | None = None) -> int:
+        """Make again every copy of ``entries`` (default: those the last call cached) whose master was replaced,
+        re-pointed or written since it was made, all in one ``torch._foreach_copy_``; the number made. With
+        ``at_use`` (a forward with gradients), a master whose ``.grad`` is None (the first micro-batch of a step)
+        is left to its first cast in the graph, which makes its copy (:meth:`low`): that cast and its gradient
+        then run as without the cache."""
         stale, masters = [], []
-        for e in self.entries:
+        for e in self.live if entries is None else entries:
             master = e.owner.get(e.name)
             if master is None:
                 raise StaleModelError(f"parameter {e.path!r}, which the converted graph reads, was removed from the "
@@ -205,19 +223,33 @@ class WeightCache:
             self.casts += len(stale)
         return len(stale)
 
+    def _let_go(self, keep: list[_Entry]) -> None:
+        """Drop the copies of the entries not in ``keep`` (no longer cached: their memory is freed)."""
+        kept = set(map(id, keep))
+        for e in self.live:
+            if id(e) not in kept:
+                e.master = e.key = e.low = None
+                e.pending = False
+        self.live = keep
+
     @contextlib.contextmanager
     def used(self, gm: nn.Module) -> Iterator[None]:
         """Around a call of ``gm``'s graph: the copies made again where stale, and handed to the graph's casts;
-        or, where the cache stands aside (:func:`_why_off`), nothing (the graph casts its masters)."""
-        self.off = _why_off(gm, self.entries)
+        or, where the cache stands aside (:func:`_why_off`) or caches nothing this call (``"auto"``), nothing
+        (the graph casts its masters)."""
+        self.off = _why_off(gm, self.entries) or (_auto_off() if self.auto is not None else None)
         if self.off is not None:
-            for e in self.entries:  # copies made before (the module was sharded since) are let go
-                e.master = e.key = e.low = None
-                e.pending = False
+            self._let_go([])  # copies made before (the module was sharded since) are let go
             yield
             return
-        self.refresh(at_use=torch.is_grad_enabled())
-        self._by_id = {id(e.master): e for e in self.entries if e.low is not None or e.pending}
+        now = self.entries if self.auto is None else self.auto.entries()
+        if now is not self.live:
+            self._let_go(now)
+        if not now:
+            yield
+            return
+        self.refresh(at_use=torch.is_grad_enabled(), entries=now)
+        self._by_id = {id(e.master): e for e in now if e.low is not None or e.pending}
         active = runtime.WEIGHTS.__dict__.setdefault("active", [])
         active.append(self)
         try:
@@ -285,6 +317,15 @@ def _why_off(gm: nn.Module, entries: list[_Entry]) -> str | None:
     return None
 
 
+def _auto_off() -> str | None:
+    """Why ``"auto"`` stands aside in this process (``None``: it does not): FSDP2 loaded in a run of several
+    processes, where a block sharded through a ``fully_shard`` on one of its parents is not recognised by
+    :func:`_why_off`, and cached copies of its gathered weights would hold the memory FSDP2 frees."""
+    if _fsdp_module() is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "FSDP2 is loaded in a run of several processes (weight_cache=True caches anyway)"
+    return None
+
+
 def _fsdp_module() -> type | None:
     """FSDP2's module class, or ``None`` (torch built without distributed, or before FSDP2); imported when first
     needed (it takes about half a second), and only where FSDP could have sharded anything already."""
@@ -297,14 +338,15 @@ def _fsdp_module() -> type | None:
     return FSDPModule
 
 
-def install(gm: fx.GraphModule, low: torch.dtype) -> WeightCache:
-    """Give ``gm`` a weight cache over each float parameter its graph casts to ``low`` (its ``get_attr`` feeds a
-    :func:`ampfx.runtime.cast` to ``low``; tied parameters share one entry). The graph is not changed."""
-    cache = WeightCache(low)
-    seen: set[int] = set()
+def cast_weights(gm: fx.GraphModule, low: torch.dtype) -> list[tuple[dict, str, str, int]]:
+    """Each float parameter ``gm``'s graph casts to ``low`` (a ``get_attr`` feeding a :func:`ampfx.runtime.cast` to
+    ``low``; tied parameters once), as ``(the parameter dict holding it, its name there, its path, how many casts a
+    call makes of it)``."""
+    found: dict[int, list] = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or not any(u.op == "call_function" and u.target is runtime.cast and u.args[0] is node
-                                            and u.args[1] == low for u in node.users):
+        casts = sum(1 for u in node.users if u.op == "call_function" and u.target is runtime.cast
+                    and u.args[0] is node and u.args[1] == low)
+        if node.op != "get_attr" or not casts:
             continue
         owner_path, _, leaf = str(node.target).rpartition(".")
         try:
@@ -312,9 +354,26 @@ def install(gm: fx.GraphModule, low: torch.dtype) -> WeightCache:
         except AttributeError:
             continue
         param = owner._parameters.get(leaf)
-        if isinstance(param, nn.Parameter) and param.dtype in runtime.CASTABLE and id(param) not in seen:
-            seen.add(id(param))
-            cache.entries.append(_Entry(owner._parameters, leaf, str(node.target)))
+        if isinstance(param, nn.Parameter) and param.dtype in runtime.CASTABLE:
+            found.setdefault(id(param), [owner._parameters, leaf, str(node.target), 0])[3] += casts
+    return [tuple(f) for f in found.values()]
+
+
+def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None) -> WeightCache | None:
+    """Give ``gm`` a weight cache over each parameter of :func:`cast_weights`. With ``auto_from`` (elements), the
+    ``"auto"`` cache over those of at least that size (:class:`_Auto`), and none where no parameter is that large
+    (``None``: nothing to check at each call); without it, every one at every call. The graph is not changed."""
+    weights = cast_weights(gm, low)
+    sized = [w for w in weights if auto_from is None or w[0][w[1]].numel() >= auto_from]
+    if not sized:
+        return None
+    cache = WeightCache(low, [_Entry(owner, name, path) for owner, name, path, _ in weights])
+    if auto_from is not None:
+        entry = {w[2]: e for w, e in zip(weights, cache.entries)}
+        trained = [(owner[name].numel(), i, entry[path]) for i, (owner, name, path, _) in enumerate(sized)
+                   if owner[name].requires_grad]
+        cache.auto = _Auto([entry[w[2]] for w in sized], [entry[w[2]] for w in sized if w[3] > 1],
+                           max(trained)[2] if trained else None)
     gm.set_step("weights", cache)
     return cache
 
@@ -337,9 +396,18 @@ def status(module: nn.Module) -> str:
     """
     found = caches(module)
     if not found:
-        return "no weight cache (off by default: weight_cache=True / AMPFX_WEIGHT_CACHE=1; mode='inference'; or no cast weights)"
-    return "\n".join(f"{path or '<root>'}: {'on' if c.off is None else 'off: ' + c.off}, {len(c.entries)} weights, "
-                     f"{c.nbytes():,} bytes" for path, c in found)
+        return "no weight cache (weight_cache=False / AMPFX_WEIGHT_CACHE=0; mode='inference'; or no cast weights)"
+    return "\n".join(f"{path or '<root>'}: {_state(c)}, {c.nbytes():,} bytes" for path, c in found)
+
+
+def _state(c: WeightCache) -> str:
+    if c.off is not None:
+        return "off: " + c.off
+    if c.auto is None:
+        return f"on, {len(c.entries)} weights"
+    a = c.auto
+    return (f"auto, {len(c.live)} of {len(c.entries)} weights cached ({len(a.large)} large enough; "
+            f"{a.calls} call{'s' if a.calls != 1 else ''} since the last weight update, {a.last} before it)")
 
 
 def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
@@ -360,7 +428,7 @@ def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
     found = [c for _, c in caches(module)] if isinstance(module, nn.Module) else []
     if not found:
         raise ValueError("attach(optimizer, module): the module has no weight cache (not a converted module, "
-                         "mode='inference', or the cache off: it is unless weight_cache=True / AMPFX_WEIGHT_CACHE=1)")
+                         "mode='inference', or weight_cache=False / AMPFX_WEIGHT_CACHE=0)")
 
     def refresh(opt: Any, args: Any, kwargs: Any) -> None:
         for cache in found:

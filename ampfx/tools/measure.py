@@ -17,12 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+_LAZY_CLONE = getattr(torch.ops.aten, "_lazy_clone", None)
+
+
 class CastCounter(TorchDispatchMode):
     """Counts ``aten._to_copy`` calls that change dtype (forward and backward,
     autocast's casts included) and each dtype-changing pair of an
     ``aten._foreach_copy_`` (the weight cache's refresh), and the bytes they write (``bytes``), and the
     bytes written by every op's tensor outputs, casts included (``written``: a
-    measure of the memory traffic a dtype choice causes, views excluded)."""
+    measure of the memory traffic a dtype choice causes, views excluded, and ``_lazy_clone``, which copies
+    nothing: :mod:`ampfx.runtime.written` stamps a tensor with it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +49,7 @@ class CastCounter(TorchDispatchMode):
                     self.count += 1
                     self.bytes += nbytes
             return out
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket is not _LAZY_CLONE:
             self.written += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
