@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from .policy import module_match
 from .runtime import view, weight_cache
-from .errors import ENTRY_ERRORS, ArgumentError, PathError, warn_user
+from . import ranks
+from .errors import ENTRY_ERRORS, ArgumentError, PathError, PlanMismatchError, warn_user
 from .policy.decide import check_tuned
 from .runtime.follow import follow
 from .runtime.graph_module import AmpGraphModule
@@ -111,7 +112,12 @@ def convert(
                         environ=environ)
     except ENTRY_ERRORS as e:  # the user's mistake, raised from here: the traceback ends at their call
         raise e.with_traceback(None) from None
-    return convert_request(model, request, given_a_view=given is not model)
+    result = convert_request(model, request, given_a_view=given is not model)
+    try:
+        ranks.agree(result.ampfx_report.records, type(model).__name__)  # several processes: the same plan on each
+    except PlanMismatchError as e:
+        raise e.with_traceback(None) from None
+    return result
 
 
 @converting()

@@ -112,6 +112,11 @@ class AutocastConflictError(RuntimeError):
     step)."""
 
 
+class PlanMismatchError(RuntimeError):
+    """In a run of several processes, a rank converted a model to another plan than rank 0 did (:mod:`ampfx.ranks`):
+    the message names the first node that differs, its dtype on both ranks, and the fix."""
+
+
 class PolicyMismatchError(PolicyError):
     """A trainer checkpoint was written with another policy than the one the resumed run was given."""
 

@@ -175,3 +175,14 @@ def test_a_rank_that_converts_alone_does_not_hang(tmp_path):
     results = harness.run(workers.convert_alone, str(tmp_path), deadline=120.0)
     assert results[0]["said"] == [] and len(results[1]["said"]) == 1
     assert "rank 0's device-cost table did not come" in results[1]["said"][0]
+
+
+def test_a_rank_whose_plan_differs_from_rank_zeros_is_refused(tmp_path):
+    """Rule: in a run of several processes every conversion's plan is compared with rank 0's (ampfx.ranks): the same
+    example on each rank passes; an example whose size puts a GEMM over the break-even on rank 0 only makes rank 1
+    raise PlanMismatchError, naming the node, both dtypes and the fix, instead of training apart."""
+    results = harness.run(workers.plans_compared, str(tmp_path), deadline=120.0)
+    assert results[0]["error"] is None
+    said = results[1]["error"]
+    assert said is not None and "rank 1 converted Sequential to another plan than rank 0" in said
+    assert "runs in float32 on rank 1, in bfloat16 on rank 0" in said and "example inputs of the same sizes" in said

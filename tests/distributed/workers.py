@@ -245,6 +245,7 @@ def convert_alone(rank: int, world: int, cache: str) -> dict[str, Any]:
     os.environ["AMPFX_CACHE_DIR"] = f"{cache}/rank{rank}"
     device_cost.measure_on(("cpu",))
     device_cost.RANK_WAIT_S = 1.0
+    ampfx.ranks.WAIT_S = 1.0  # nor for its plan
     device_cost.measure = lambda device, dtype, budget_s=None: Table(
         device_cost.device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1],
         tuple(Point(r, w, 1.0, 0.5) for r, w in ((64, 64), (256, 256), (1024, 1024), (64, 256))))
@@ -254,3 +255,27 @@ def convert_alone(rank: int, world: int, cache: str) -> dict[str, Any]:
             ampfx.convert(nn.Sequential(nn.Linear(8, 8)), "bf16", example_inputs=(torch.randn(4, 8),))
     dist.barrier()
     return {"said": [str(w.message) for w in said if "device-cost" in str(w.message)]}
+
+
+def plans_compared(rank: int, world: int, cache: str) -> dict[str, Any]:
+    """Two conversions on every rank: one on the same example (the same plan), one on an example of 256 rows on rank
+    0 and 4 rows on rank 1, whose GEMMs are over the (recorded) break-even on rank 0 only: rank 1 refuses it."""
+    import os
+
+    import ampfx
+    from ampfx.errors import PlanMismatchError
+    from ampfx.ops import device_cost
+    from ampfx.ops.device_cost import Point, Table
+    os.environ["AMPFX_CACHE_DIR"] = f"{cache}/rank{rank}"
+    device_cost.measure_on(("cpu",))
+    device_cost.measure = lambda device, dtype, budget_s=None: Table(
+        device_cost.device_name(device), torch.__version__.split("+")[0], str(dtype).split(".")[-1],
+        tuple(Point(r, w, 1.0, 0.5 if r * w * w >= 256 ** 3 else 2.0)
+              for r, w in ((64, 64), (256, 256), (1024, 1024), (4, 256))))
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    ampfx.convert(model, "bf16", example_inputs=(torch.randn(256, 256),))
+    try:
+        ampfx.convert(model, "bf16", example_inputs=(torch.randn(256 if rank == 0 else 4, 256),))
+    except PlanMismatchError as e:
+        return {"error": str(e)}
+    return {"error": None}
