@@ -242,8 +242,15 @@ class Guard:
 
 
 def elements(values: Any) -> int:
-    """The elements of the tensors in ``values`` (a call's arguments), all together."""
-    return sum(t.numel() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
+    """The elements of the tensors in ``values`` (a call's arguments), all together (a tensor argument counted
+    without flattening: the call-time check of every graph with a size decision)."""
+    n = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            n += value.numel()
+        elif value is not None and value is not _MISSING and not isinstance(value, (bool, int, float, str)):
+            n += sum(t.numel() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return n
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:
