@@ -494,3 +494,40 @@ def test_the_dgl_plugins_old_name_is_the_same_module():
 
     assert ampfx.integrations.dgl is ampfx.libraries.dgl
     assert ampfx.integrations.dgl.call_dgl_low is ampfx.libraries.dgl.call_dgl_low
+
+
+PARAMETER_READS = "ampfx.runtime.reads"
+"""The one module that scans a converted graph for the dtypes its parameters are read in."""
+
+
+def parameter_scanners(found: dict[str, Path] | None = None) -> list[str]:
+    """Functions of the runtime and the integrations, :data:`PARAMETER_READS` aside, that scan a graph's ``get_attr``
+    nodes for the casts or low module calls that read them (a second answer to "which parameters does this graph
+    read low")."""
+    bad = []
+    for name, path in (found or modules()).items():
+        if not name.startswith(("ampfx.runtime", "ampfx.integrations")) or name == PARAMETER_READS:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            strings = {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant)}
+            names = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)} | \
+                {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+            if "get_attr" in strings and names & {"cast", "cast_pad", "call_module_low"} and \
+                    any(isinstance(n, ast.Attribute) and n.attr == "users" for n in ast.walk(fn)):
+                bad.append(f"{name}.{fn.name}")
+    return bad
+
+
+def test_no_module_but_one_scans_a_graph_for_the_dtypes_its_parameters_are_read_in():
+    """Rule: the weight cache, inference copies and FSDP2's gather dtype ask ampfx.runtime.reads, which scans the
+    graph once per question; none scans it itself."""
+    assert parameter_scanners() == []
+
+
+def test_the_parameter_scan_check_sees_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def low(gm, runtime):\n    return [n for n in gm.graph.nodes if n.op == 'get_attr'\n"
+                   "            and any(u.target is runtime.cast for u in n.users)]\n")
+    assert parameter_scanners({"ampfx.runtime.bad": bad}) == ["ampfx.runtime.bad.low"]

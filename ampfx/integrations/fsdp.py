@@ -32,11 +32,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.nn.utils import parametrize
 
-from .. import runtime
 from ..errors import ArgumentError
 from ..runtime.graph_module import AmpGraphModule
+from ..runtime.reads import reads
 
 aten = torch.ops.aten
 
@@ -171,37 +170,22 @@ def _graphs(amp: nn.Module) -> Iterator[AmpGraphModule]:
 
 
 def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[tuple[nn.Parameter, bool, str]]:
-    """``(parameter, read low, by what)`` for each read of a parameter in ``gm``'s graph (a converted module it
-    calls reads its own, in its own graph)."""
+    """``(parameter, read low, by what)`` for each read of a parameter in ``gm``'s graph
+    (:func:`ampfx.runtime.reads.reads`): low where a cast to ``low`` or a module run in ``low`` reads it."""
     name = str(low).replace("torch.", "")
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            for p in _own(gm.get_submodule(node.target)):
-                yield p, False, f"read by {node.target}'s own forward"
-        if node.op != "get_attr":
-            continue
-        owner, _, attr = node.target.rpartition(".")
-        try:
-            value = getattr(gm.get_submodule(owner), attr)
-        except AttributeError:
-            continue
-        if isinstance(value, nn.Parameter):
-            for user in node.users:
-                if user.target is runtime.cast and user.args[1] == low:
-                    yield value, True, f"cast to {name} for {_users(user)}"
-                else:
-                    yield value, False, f"read as it is by {_users_of(user)}"
-        elif isinstance(value, nn.Module):
-            for user in node.users:
-                is_low = (user.target is runtime.call_module_low and user.args[1] == low
-                          and not any(parametrize.is_parametrized(m) for m in value.modules()))
-                why = (f"read by {node.target} run in {name}" if is_low else
-                       f"read in float32 by {node.target} (kept float32)"
-                       if user.target is runtime.call_module_float32 else
-                       f"read in float32 by {node.target}'s parametrization" if user.target is runtime.call_module_low
-                       else f"read by {node.target}'s own forward")
-                for p in _own(value):
-                    yield p, is_low, why
+    for r in reads(gm, low):
+        if r.how == "cast" and r.dtype == low:
+            yield r.param, True, f"cast to {name} for {r.by}"
+        elif r.how == "module_low" and r.dtype == low:
+            yield r.param, True, f"read by {r.by}"
+        elif r.how in ("cast", "cast_pad"):  # to another dtype, or padded
+            yield r.param, False, f"read as it is by {r.how}"
+        elif r.how == "as_is":
+            yield r.param, False, f"read as it is by {r.by}"
+        elif r.how == "module_float32":
+            yield r.param, False, f"read in float32 by {r.by}"
+        elif r.how == "module":
+            yield r.param, False, f"read by {r.by}"
 
 
 def _eager(amp: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -211,24 +195,6 @@ def _eager(amp: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for path, m in amp.named_modules():
         if id(m) not in covered:
             yield path, m
-
-
-def _own(module: nn.Module) -> Iterator[nn.Parameter]:
-    """The parameters ``module``'s own Python reads: those of its tree but of the converted modules in it (each
-    reads its own in its graph)."""
-    if isinstance(module, AmpGraphModule):
-        return
-    yield from module.parameters(recurse=False)
-    for child in module.children():
-        yield from _own(child)
-
-
-def _users_of(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.name
-
-
-def _users(node: fx.Node) -> str:
-    return ", ".join(sorted({_users_of(u) for u in node.users})) or "nothing"
 
 
 def decide(amp: nn.Module) -> list[GatherDecision]:

@@ -38,7 +38,6 @@ True
 from __future__ import annotations
 
 import copy
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -48,24 +47,17 @@ import torch.nn as nn
 
 from .. import runtime
 from . import written
+from .reads import reads
 from ..errors import StaleModelError
 
 
 def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
-    """``get_attr`` targets of parameters every graph use of which is a cast to ``low``."""
+    """``get_attr`` targets of parameters every graph use of which is a cast to ``low`` (:func:`reads`)."""
     wanted: dict[str, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
+    for r in reads(gm, low):
+        if r.owner is None or r.param.dtype not in runtime.CASTABLE:
             continue
-        try:
-            obj = operator.attrgetter(str(node.target))(gm)
-        except AttributeError:  # a constant the graph holds outside the module tree (a generator the model owns)
-            continue
-        if isinstance(obj, nn.Parameter) and obj.dtype in runtime.CASTABLE:
-            low_use = all(u.op == "call_function" and u.target in (runtime.cast, runtime.cast_pad)
-                          and u.args[1] == low for u in node.users)
-            key = str(node.target)
-            wanted[key] = wanted.get(key, True) and low_use and bool(node.users)
+        wanted[r.path] = wanted.get(r.path, True) and r.how in ("cast", "cast_pad") and r.dtype == low
     return {k for k, ok in wanted.items() if ok}
 
 

@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from .. import runtime
 from .entries import runtime_of
+from .reads import reads
 from . import written
 from ..errors import StaleModelError
 
@@ -339,23 +340,13 @@ def _fsdp_module() -> type | None:
 
 
 def cast_weights(gm: fx.GraphModule, low: torch.dtype) -> list[tuple[dict, str, str, int]]:
-    """Each float parameter ``gm``'s graph casts to ``low`` (a ``get_attr`` feeding a :func:`ampfx.runtime.cast` to
-    ``low``; tied parameters once), as ``(the parameter dict holding it, its name there, its path, how many casts a
-    call makes of it)``."""
+    """Each float parameter ``gm``'s graph casts to ``low`` (:func:`ampfx.runtime.reads.reads`: a ``get_attr``
+    feeding a :func:`ampfx.runtime.cast` to ``low``; tied parameters once), as ``(the parameter dict holding it, its
+    name there, its path, how many casts a call makes of it)``."""
     found: dict[int, list] = {}
-    for node in gm.graph.nodes:
-        casts = sum(1 for u in node.users if u.op == "call_function" and u.target is runtime.cast
-                    and u.args[0] is node and u.args[1] == low)
-        if node.op != "get_attr" or not casts:
-            continue
-        owner_path, _, leaf = str(node.target).rpartition(".")
-        try:
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-        except AttributeError:
-            continue
-        param = owner._parameters.get(leaf)
-        if isinstance(param, nn.Parameter) and param.dtype in runtime.CASTABLE:
-            found.setdefault(id(param), [owner._parameters, leaf, str(node.target), 0])[3] += casts
+    for r in reads(gm, low):
+        if r.how == "cast" and r.dtype == low and r.owner is not None and r.param.dtype in runtime.CASTABLE:
+            found.setdefault(id(r.param), [r.owner, r.name, r.path, 0])[3] += 1
     return [tuple(f) for f in found.values()]
 
 
