@@ -18,6 +18,8 @@ _MODULES = {"weight_cache"}  # public names that are modules themselves
 
 _PUBLIC = {  # public name -> the module defining it (or, for _MODULES, that module)
     "convert": "ampfx.api",
+    "plan": "ampfx.api",
+    "Plan": "ampfx.api",
     "Policy": "ampfx.policy",
     "PolicyError": "ampfx.errors",
     "Category": "ampfx.ops",
@@ -47,7 +49,7 @@ __all__ = list(_PUBLIC)
 __version__ = "0.1.0"
 
 if _typing.TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports each at its first use
-    from .api import convert
+    from .api import Plan, convert, plan
     from .errors import NonFiniteError, PolicyError, TuneError
     from .integrations.dynamo import Backend, backend
     from .ops import Category

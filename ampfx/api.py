@@ -29,6 +29,8 @@ from .policy.decide import check_tuned
 from .runtime.follow import follow
 from .runtime.graph_module import AmpGraphModule
 from .runtime.inference import store_low
+from .runtime.reads import reads
+from .capture.base import copied_graph
 from .inputs import ExampleInputs
 from .policy import Policy
 from .report import Report
@@ -118,6 +120,68 @@ def convert(
     except PlanMismatchError as e:
         raise e.with_traceback(None) from None
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the compiler half of ampfx makes of a model (:func:`plan`): nothing in it runs ampfx's runtime.
+
+    ``graph``: the converted graph as a plain ``torch.fx.GraphModule`` over the model's own parameters and buffers
+    (``None`` where the model did not convert as one graph: its parts, in ``report.parts``, say why); ``report``: the
+    decision log, as ``convert`` gives it; ``reads``: the dtype the graph reads each parameter in, by its path
+    (the low dtype where every read is a cast to it, float32 where any read takes it as it is)."""
+
+    graph: Any
+    report: Report
+    reads: Mapping[str, torch.dtype]
+
+
+def plan(model: nn.Module, dtype: torch.dtype | str | None = None, example_inputs: Any = None,
+         policy: Policy | None = None, *, tracer: str = "auto", mode: str = "train",
+         environ: Mapping[str, str] | None = None, **policy_options: Any) -> Plan:
+    """The dtype plan of ``model`` (an ``nn.Module``, or a ``torch.fx.GraphModule`` such as the graphs
+    ``torch.compile`` hands a backend) as :func:`convert` makes it, the same lists, rules, casts and log, without
+    the converted module's runtime (its view of the model, call-time checks, conversions made again, weight
+    copies): a :class:`Plan` whose ``graph`` another compiler takes (ampfx's ``torch.compile`` backend hands it to
+    inductor). The arguments are :func:`convert`'s.
+
+    >>> import torch, ampfx
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softmax(-1))
+    >>> p = ampfx.plan(net, "bf16", example_inputs=(torch.randn(4, 8),), gemm_min_flops=0)
+    >>> isinstance(p.graph, torch.fx.GraphModule), p.graph(torch.randn(4, 8)).dtype, dict(p.reads)
+    (True, torch.float32, {'0.weight': torch.bfloat16, '0.bias': torch.float32})
+    >>> p.graph.get_parameter("0.weight") is net[0].weight
+    True
+    """
+    try:
+        model = _model_of(model)
+        request = build(model, Asked(dtype, example_inputs, policy, policy_options, tracer=tracer, mode=mode),
+                        environ=environ)
+    except ENTRY_ERRORS as e:
+        raise e.with_traceback(None) from None
+    return _plan(model, request)
+
+
+@converting()
+def _plan(model: nn.Module, request: Request) -> Plan:
+    work = copy_tree(model)  # shares the model's parameters and buffers: the graph reads them
+    inputs = request.inputs.tensors() if request.inputs is not None else ()
+    with untouched(model, *inputs), one_thread(model, *inputs):
+        result, report = convert_tree(work, request)
+    check_tuned(request.policy, report.records)
+    report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
+                          notes=report.notes + nothing_low(request.policy.dtype, report))
+    graph, table = None, {}
+    if isinstance(result, AmpGraphModule):
+        graph = torch.fx.GraphModule(result, copied_graph(result.graph), class_name=type(model).__name__)
+        low, paths = request.policy.dtype, {id(p): n for n, p in result.named_parameters()}
+        for r in reads(result, low):
+            low_read = r.how in ("cast", "module_low") and r.dtype == low
+            path = paths.get(id(r.param))
+            if path is not None:
+                table[path] = low if low_read and table.get(path, low) == low else torch.float32
+    _save(report, request.policy)
+    return Plan(graph, report, table)
 
 
 @converting()

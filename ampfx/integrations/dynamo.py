@@ -1,9 +1,10 @@
 """ampfx as a ``torch.compile`` backend: ``torch.compile(model, backend="ampfx")``.
 
 Dynamo captures the model's Python as graphs, splits it where it cannot (a graph break: a ``print``, a
-data-dependent branch, a call it does not trace) and guards each graph. Given as the backend, ampfx converts each
-graph dynamo hands it, as :func:`ampfx.convert` converts a model (the same lists, rules, casts and log), and hands
-the converted graph to an inner backend (inductor by default) to compile. Dynamo's guards decide when a graph is
+data-dependent branch, a call it does not trace) and guards each graph. Given as the backend, ampfx plans each
+graph dynamo hands it with :func:`ampfx.plan`, the compiler half of :func:`ampfx.convert` (the same lists, rules,
+casts and log, none of the converted module's runtime), and hands the converted graph to an inner backend
+(inductor by default) to compile. Dynamo's guards decide when a graph is
 captured again (a new shape, a changed attribute, the other training mode): that graph is converted again, so
 nothing ampfx fixed while converting can go stale, and the converted graph needs none of :func:`ampfx.convert`'s
 call-time checks.
@@ -52,15 +53,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..api import convert
+from ..api import plan
 from ..errors import ArgumentError
 from ..report import Report
 from ..report.records import Part
 from ..policy import fp8 as fp8_vocabulary
 from ..policy import from_env
-from ..capture.base import copied_graph
 from ..request import MODES, check_options, policy_of
-from ..runtime.graph_module import AmpGraphModule
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +138,11 @@ class Backend:
             if self.log_path:
                 self.report.save(self.log_path)
             return lookup_backend(self.inner)(gm, example_inputs)
-        converted = convert(gm, self.given_dtype, example_inputs=_example(example_inputs), policy=self.policy,
-                            tracer="fx", mode=self.mode, environ=self.environ, **self.options)
-        report = converted.ampfx_report
-        if isinstance(converted, AmpGraphModule):
-            graph = fx.GraphModule(converted, copied_graph(converted.graph), class_name=type(gm).__name__)
+        planned = plan(gm, self.given_dtype, example_inputs=_example(example_inputs), policy=self.policy,
+                       tracer="fx", mode=self.mode, environ=self.environ, **self.options)
+        report = planned.report
+        if planned.graph is not None:
+            graph = planned.graph
             graph.meta.update(gm.meta)
             self.graphs.append(CompiledGraph(compile_id, reason, report))
         else:  # the graph did not convert whole (its parts' steps say why): compiled as dynamo captured it

@@ -1,0 +1,79 @@
+"""ampfx.plan: the compiler half alone (graph in, plan out): the same decisions as convert, a plain torch.fx graph
+over the model's own parameters, no runtime; the compile backend uses it."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import ampfx
+from ampfx.runtime.graph_module import AmpGraphModule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return torch.softmax(self.fc2(torch.relu(self.norm(self.fc1(x)))), -1)
+
+
+X = torch.randn(8, 16)
+
+
+def test_a_plan_makes_convert_s_decisions_as_a_plain_graph_over_the_model_s_parameters():
+    torch.manual_seed(0)
+    model = Net()
+    p = ampfx.plan(model, "bf16", example_inputs=(X,), gemm_min_flops=0)
+    amp = ampfx.convert(model, "bf16", example_inputs=(X,), gemm_min_flops=0)
+    assert [(d.node, d.dtype, d.rule) for d in p.report.records] == \
+        [(d.node, d.dtype, d.rule) for d in amp.ampfx_report.records]
+    assert type(p.graph).__mro__[1] is torch.fx.GraphModule and not isinstance(p.graph, AmpGraphModule)
+    assert not any(k.startswith("_ampfx") for k in vars(p.graph))  # no runtime: no checks, no view, no cache
+    assert {n: t for n, t in p.graph.named_parameters()}.keys() == {n for n, _ in model.named_parameters()}
+    assert all(p.graph.get_parameter(n) is t for n, t in model.named_parameters())
+    torch.testing.assert_close(p.graph(X), amp(X), rtol=0, atol=0)
+    p.graph(X).sum().backward()  # gradients reach the model's own parameters
+    assert all(t.grad is not None for t in model.parameters())
+
+
+def test_the_reads_table_says_the_dtype_each_parameter_is_read_in():
+    """The table is FSDP2's gather dtype of the converted model (ampfx.integrations.fsdp.decide: the same scan): the
+    GEMM weights low, the norm's parameters float32 (LayerNorm is on the deny list), each bias as its GEMM reads it."""
+    from ampfx.integrations import fsdp
+
+    torch.manual_seed(0)
+    model = Net()
+    p = ampfx.plan(model, "bf16", example_inputs=(X,), gemm_min_flops=0)
+    gathered = {d.name: d.dtype for d in fsdp.decide(ampfx.convert(model, "bf16", example_inputs=(X,),
+                                                                   gemm_min_flops=0))}
+    assert dict(p.reads) == gathered
+    assert (p.reads["fc1.weight"], p.reads["norm.weight"]) == (torch.bfloat16, torch.float32)
+
+
+def test_a_model_that_does_not_convert_as_one_graph_has_no_graph_and_says_why():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent: the model keeps its Python, its child converts alone
+                return self.fc(x)
+            return -self.fc(x)
+
+    p = ampfx.plan(Branchy(), "bf16", example_inputs=(X,), gemm_min_flops=0, tracer="fx")
+    assert p.graph is None and p.reads == {} and len(p.report.parts) > 1
+
+
+def test_the_compile_backend_plans_and_does_not_convert():
+    """Rule: the backend takes the compiler half (ampfx.plan) and arms no runtime it would discard."""
+    tree = ast.parse((ROOT / "ampfx" / "integrations" / "dynamo.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "plan" in called and "convert" not in called | imported
