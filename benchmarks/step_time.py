@@ -16,7 +16,8 @@ Needs the models lane's environment (torchvision, timm, transformers; diffusers 
     bash scripts/test-models.sh --co -q       # makes .venv-models once
     .venv-models/bin/python benchmarks/step_time.py [--models a,b] [--dtype bf16] [--reps 11] [--compile]
 
-Each row also says how many GEMM nodes ampfx kept float32 as under the device's break-even (rule
+Each row also counts the casts of one step (``ampfx.count_casts``: dtype-changing copies, forward and backward) of
+autocast and of ampfx's default, and says how many GEMM nodes ampfx kept float32 as under the device's break-even (rule
 ``cost:small-gemm``: on a CPU, most GEMMs of these small models); ``--all-low`` adds a fourth run interleaved with
 the others, ampfx with every GEMM low (``gemm_min_flops=0``), to tell what that rule brings from what the runtime
 costs.
@@ -266,6 +267,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
             runs[tool]()
             wall = time.perf_counter() - t0
         r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
+    for tool in ("autocast", "ampfx"):  # dtype-changing copies of one step (forward, backward, the SGD step)
+        r[f"{tool}_casts"] = ampfx.count_casts(runs[tool])
     r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
     r["best_ratio"] = r["ampfx_ms"] / min(r["float32_ms"], r["autocast_ms"])
     if all_low:
@@ -335,6 +338,7 @@ def main() -> None:
                   f"{res['ratio']:5.2f}x  ampfx/best {res['best_ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
                   f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}"
                   f"  small GEMMs float32 {res.get('small_gemms', 0)} of {res.get('gemm_nodes', 0)}"
+                  f"  casts: autocast {res['autocast_casts']} ampfx {res['ampfx_casts']}"
                   + (f"  every GEMM low {res['all_low_ms']:8.2f} ({res['all_low_ratio']:.2f}x)" if args.all_low else "")
                   + (f"  backend {res['backend_ms']:8.2f} ({res['backend_ratio']:.2f}x)" if compiled else ""),
                   flush=True)
@@ -344,6 +348,9 @@ def main() -> None:
             continue
         ratios = [r["ratio"] for r in done]
         best = [r["best_ratio"] for r in done]
+        more = [r["model"] for r in done if r["ampfx_casts"] > r["autocast_casts"]]
+        print(f"{'compiled' if compiled else 'eager'}: casts a step, ampfx's default over autocast's: "
+              f"{more or 'none'}")
         print(f"{'compiled' if compiled else 'eager'}: ampfx / min(float32, autocast): median "
               f"{statistics.median(best):.2f}x, above 1.10x: {[r['model'] for r in done if r['best_ratio'] > 1.10] or 'none'}")
         above = [r["model"] for r in done if r["ratio"] > 1.05]
