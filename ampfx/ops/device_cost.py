@@ -1,4 +1,5 @@
-"""Does a low-precision GEMM pay on this device, at these sizes? Measured on the device, cached per device.
+"""Does a low-precision GEMM pay on this device, at these sizes? Measured on the device, cached per device; for FP8,
+the roofline of the device the plan is for.
 
 Whether a GEMM runs faster in bfloat16 or float16 than in float32 is a fact of the device and of the sizes, not of
 the op: on a CPU with avx512_bf16 or AMX a bfloat16 GEMM pays from some tens of millions of operations, on an
@@ -22,6 +23,9 @@ first time a conversion needs it, as TensorRT's builder times layers and keeps a
   second conversion measures nothing. ``ampfx device`` prints it and measures again on request. A cache that
   cannot be read (corrupt, foreign) is measured again with a message; one that cannot be written is used from
   memory with a message.
+- FP8 GEMMs are planned for a GPU that is not here (``fp8_roofline``): :class:`Roofline` is that device's cost model,
+  from its datasheet (where an FP8 GEMM's time saved exceeds its operands' quantisation).
+- The weight cache asks the same table which weights a cached low copy pays for (:meth:`Table.cache_min_numel`).
 - ``gemm_min_flops="table"`` (``AMPFX_GEMM_MIN_FLOPS=table``) measures nothing and uses the datasheet table
   (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`); so does a device this measures nothing on (GPUs for now: not checked
   on one here) and a measurement that fails (no kernel for the dtype), which the plan says.
@@ -52,7 +56,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import warn_user
+from ..errors import PolicyError, warn_user
 from ..state import caller_threads
 from . import gemm_cost
 from .gemm_cost import NONE, BreakEven
@@ -227,6 +231,63 @@ def describe(be: BreakEven, table: Table | None = None) -> str:
     what = [f"of at least {be.flops:,} FLOPs a call"] if be.flops else []
     what += [f"whose weight is used for at least {be.rows:,} rows"] if be.rows else []
     return f"GEMMs {' '.join(what)} run faster low"
+
+
+# ------------------------------------------------------------------ FP8: the roofline of a device not here
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The cost model of a device that is not here, from its datasheet: its dense GEMM rates (TFLOP/s, bfloat16
+    and FP8) and memory bandwidth (TB/s), and how many bytes current scaling moves per operand element to quantise it
+    from 16 bits (read for the amax, read again and write one byte: 5). FP8 plans are made for such a device
+    (``fp8_roofline``, :func:`ampfx.policy.fp8.roofline`): the ``fp8:cost`` rule asks :meth:`pays`."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    bandwidth_tbs: float
+    quantize_bytes: float = 5.0
+
+    def __post_init__(self) -> None:
+        for which in ("bf16_tflops", "fp8_tflops", "bandwidth_tbs", "quantize_bytes"):
+            value = getattr(self, which)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise PolicyError(f"Roofline {self.name!r}: {which}={value!r}: use a positive number")
+
+    @property
+    def threshold(self) -> float:
+        """``M*N/(M+N)`` above which an FP8 GEMM pays: its time saved, ``2MNK (1/bf16 - 1/fp8)``, is more than the
+        time its operands take to quantise, ``quantize_bytes (M + N) K / bandwidth``. K cancels out.
+
+        >>> round(ROOFLINES["h100"].threshold)
+        1475
+        """
+        saved = 2 * (1 / self.bf16_tflops - 1 / self.fp8_tflops) / 1e12
+        if saved <= 0:
+            return float("inf")
+        return self.quantize_bytes / (self.bandwidth_tbs * 1e12) / saved
+
+    def pays(self, m: int | None, n: int) -> tuple[bool, str]:
+        """Does an FP8 GEMM with ``m`` rows (``None``: unknown, taken as large) and ``n`` outputs pay here, and the
+        reason in words.
+
+        >>> ROOFLINES["h100"].pays(8192, 4096)[0], ROOFLINES["h100"].pays(8192, 1024)[0]
+        (True, False)
+        """
+        top = self.threshold
+        if m is None:
+            size, said = float(n), f"N={n} (M unknown, taken as large)"
+        else:
+            size, said = m * n / (m + n), f"M={m}, N={n}: M*N/(M+N)={m * n / (m + n):.0f}"
+        if size > top:
+            return True, f"{said} > {top:.0f}, where FP8 pays on {self.name}"
+        rates = f"{self.bf16_tflops:g}/{self.fp8_tflops:g} TFLOP/s bf16/fp8, {self.bandwidth_tbs:g} TB/s"
+        return False, (f"{said} <= {top:.0f}: on {self.name} ({rates}) quantising the operands costs more than the "
+                       "FP8 GEMM saves (fp8_roofline='none' ignores cost)")
+
+
+ROOFLINES: dict[str, Roofline] = {r.name: r for r in (
+    Roofline("h100", 989.0, 1979.0, 3.35), Roofline("h200", 989.0, 1979.0, 4.8), Roofline("b200", 2250.0, 4500.0, 8.0))}
+"""Dense peak rates of the presets (vendor datasheets, SXM parts, without sparsity)."""
 
 
 # ------------------------------------------------------------------ the device and the cache

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError, did_you_mean
+from ..ops.device_cost import ROOFLINES, Roofline  # noqa: F401 (the option names a device of the cost model)
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2")
 """Does the installed torch have the FP8 dtypes (torch >= 2.1)?"""
@@ -108,61 +109,6 @@ def recipe(value: Any) -> Recipe | None:
                           "(torch.float8_e4m3fn, torch.float8_e5m2); FP8 needs torch >= 2.1. Convert without fp8=, or "
                           "upgrade torch.")
     return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """A target device's dense GEMM rates (TFLOP/s, bfloat16 and FP8) and memory bandwidth (TB/s), and how many
-    bytes current scaling moves per operand element to quantise it from 16 bits (read for the amax, read again
-    and write one byte: 5). The ``fp8:cost`` rule reads it (:meth:`pays`)."""
-
-    name: str
-    bf16_tflops: float
-    fp8_tflops: float
-    bandwidth_tbs: float
-    quantize_bytes: float = 5.0
-
-    def __post_init__(self) -> None:
-        for which in ("bf16_tflops", "fp8_tflops", "bandwidth_tbs", "quantize_bytes"):
-            value = getattr(self, which)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise PolicyError(f"Roofline {self.name!r}: {which}={value!r}: use a positive number")
-
-    @property
-    def threshold(self) -> float:
-        """``M*N/(M+N)`` above which an FP8 GEMM pays: its time saved, ``2MNK (1/bf16 - 1/fp8)``, is more than the
-        time its operands take to quantise, ``quantize_bytes (M + N) K / bandwidth``. K cancels out.
-
-        >>> round(ROOFLINES["h100"].threshold)
-        1475
-        """
-        saved = 2 * (1 / self.bf16_tflops - 1 / self.fp8_tflops) / 1e12
-        if saved <= 0:
-            return float("inf")
-        return self.quantize_bytes / (self.bandwidth_tbs * 1e12) / saved
-
-    def pays(self, m: int | None, n: int) -> tuple[bool, str]:
-        """Does an FP8 GEMM with ``m`` rows (``None``: unknown, taken as large) and ``n`` outputs pay here, and the
-        reason in words.
-
-        >>> ROOFLINES["h100"].pays(8192, 4096)[0], ROOFLINES["h100"].pays(8192, 1024)[0]
-        (True, False)
-        """
-        top = self.threshold
-        if m is None:
-            size, said = float(n), f"N={n} (M unknown, taken as large)"
-        else:
-            size, said = m * n / (m + n), f"M={m}, N={n}: M*N/(M+N)={m * n / (m + n):.0f}"
-        if size > top:
-            return True, f"{said} > {top:.0f}, where FP8 pays on {self.name}"
-        rates = f"{self.bf16_tflops:g}/{self.fp8_tflops:g} TFLOP/s bf16/fp8, {self.bandwidth_tbs:g} TB/s"
-        return False, (f"{said} <= {top:.0f}: on {self.name} ({rates}) quantising the operands costs more than the "
-                       "FP8 GEMM saves (fp8_roofline='none' ignores cost)")
-
-
-ROOFLINES: dict[str, Roofline] = {r.name: r for r in (
-    Roofline("h100", 989.0, 1979.0, 3.35), Roofline("h200", 989.0, 1979.0, 4.8), Roofline("b200", 2250.0, 4500.0, 8.0))}
-"""Dense peak rates of the presets (vendor datasheets, SXM parts, without sparsity)."""
 
 
 DEFAULT_ROOFLINE = "h100"
