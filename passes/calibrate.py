@@ -94,8 +94,7 @@ def _fp8_stats(args: tuple, low: torch.dtype, spec: Any) -> dict[str, float] | N
         want = torch.nn.functional.linear(xl, w.to(low), bl).float()
         got = fp8_runtime.linear_fp8(xl, w, bl, spec).float()
         recipe = from_spec(spec)
-        q, _ = fp8_runtime.quantize(xl.reshape(-1, x.shape[-1]).float(), getattr(torch, recipe.forward),
-                                    1 if recipe.rowwise else None, recipe.power_of_2_scales)
+        q, _ = fp8_runtime.quantize(xl.reshape(-1, x.shape[-1]).float(), *recipe.scaling("input"))
         nonzero = xl.reshape(-1, x.shape[-1]) != 0
         lost = ((q.float() == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)
         norm = want.norm()

@@ -67,10 +67,31 @@ class Recipe:
             if getattr(self, which) not in ("float8_e4m3fn", "float8_e5m2"):
                 raise PolicyError(f"Recipe {self.name!r}: {which}={value!r}: use 'float8_e4m3fn' or 'float8_e5m2'")
 
+    def scaling(self, operand: str) -> tuple[torch.dtype, int | None, bool]:
+        """How this recipe quantises ``operand`` of an FP8 linear layer's three GEMMs (:data:`OPERANDS`): its FP8
+        dtype, the axis its scales run along (``None``: one scale for the tensor) and whether scales are powers of
+        two. The one description the runtime (:mod:`ampfx.runtime.fp8`) and calibration
+        (:mod:`ampfx.passes.calibrate`) both quantise by.
+
+        >>> RECIPES["rowwise"].scaling("input"), RECIPES["tensorwise"].scaling("grad")
+        ((torch.float8_e4m3fn, 1, True), (torch.float8_e5m2, None, False))
+        """
+        which, axis = OPERANDS[operand]
+        return getattr(torch, getattr(self, which)), axis if self.rowwise else None, self.power_of_2_scales
+
     @property
     def spec(self) -> tuple[Any, ...]:
         """The recipe as a converted graph's code holds it (names, booleans): :func:`from_spec` reads it back."""
         return dataclasses.astuple(self)
+
+
+OPERANDS: dict[str, tuple[str, int]] = {
+    "input": ("forward", 1), "weight": ("forward", 1),  # x [M, K] @ w [N, K].T: both scaled along K
+    "grad": ("backward", 1), "weight_t": ("forward", 0),  # g [M, N] @ w [N, K]: along N
+    "grad_t": ("backward", 1), "input_t": ("forward", 0),  # g.T [N, M] @ x [M, K]: along M
+}
+"""Each operand of an FP8 linear layer's GEMMs: the recipe's dtype that quantises it (``forward`` or ``backward``)
+and the axis of the tensor as the GEMM reads it along which a row-wise recipe keeps its scales."""
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (

@@ -171,14 +171,12 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe, history: AmaxHistory | None,
                 call: tuple[bool, bool]) -> torch.Tensor:
-        rows = 1 if recipe.rowwise else None  # x [M, K], w [N, K]: scaled along K
-        forward, p2 = getattr(torch, recipe.forward), recipe.power_of_2_scales
         ax = aw = seen = None
         if history is not None:  # delayed scaling: the backward quantises x and w as this forward does
             ax, seen = history.scale_amax(AmaxHistory.INPUT, x, *call)
             aw = w.detach().abs().amax().float()  # the weight: its own amax at every call
-        qx, sx = quantize(x, forward, rows, p2, ax)
-        qw, sw = quantize(w, forward, rows, p2, aw)
+        qx, sx = quantize(x, *recipe.scaling("input"), ax)
+        qw, sw = quantize(w, *recipe.scaling("weight"), aw)
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.history, ctx.amax, ctx.seen = recipe, history, (ax, aw), seen
         return scaled_mm(qx, sx, qw.t(), sw.t() if recipe.rowwise else sw, x.dtype)
@@ -187,23 +185,21 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, w = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
-        forward, backward = getattr(torch, recipe.forward), getattr(torch, recipe.backward)
-        p2 = recipe.power_of_2_scales
         ax, aw = ctx.amax
         ag = seen_g = None
         if ctx.history is not None:
             ag, seen_g = ctx.history.scale_amax(AmaxHistory.GRAD, g, record=False, recompute=False)
         gx = gw = None
         if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: scaled along N
-            qg, sg = quantize(g, backward, 1 if recipe.rowwise else None, p2, ag)
-            qw, sw = quantize(w, forward, 0 if recipe.rowwise else None, p2, aw)
+            qg, sg = quantize(g, *recipe.scaling("grad"), ag)
+            qw, sw = quantize(w, *recipe.scaling("weight_t"), aw)
             gx = scaled_mm(qg, sg, qw, sw, x.dtype)
         if ctx.needs_input_grad[1]:  # g.T [N, M] @ x [M, K]: scaled along M
             if recipe.weight_grad_high_precision:
                 gw = (g.t().to(x.dtype) @ x).to(w.dtype)
             else:
-                qg, sg = quantize(g.t(), backward, 1 if recipe.rowwise else None, p2, ag)
-                qx, sx = quantize(x, forward, 0 if recipe.rowwise else None, p2, ax)
+                qg, sg = quantize(g.t(), *recipe.scaling("grad_t"), ag)
+                qx, sx = quantize(x, *recipe.scaling("input_t"), ax)
                 gw = scaled_mm(qg, sg, qx, sx, torch.float32).to(w.dtype)
         if ctx.history is not None:
             ctx.history.commit(ctx.seen, seen_g, gx, gw)
