@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import logging
 import warnings
@@ -37,7 +38,7 @@ from .report import Report
 from .ops import ENTRIES, Category, device_cost
 from .report.records import Rule, dtype_name
 from .request import Asked, Request, build, log_path_name, resolve
-from .state import copy_tree, one_thread, untouched
+from .state import copy_tree, one_thread, origin_of, same_contents, untouched
 from .threads import converting
 from .tree import Memo, convert_module, convert_tree
 
@@ -116,7 +117,7 @@ def convert(
         raise e.with_traceback(None) from None
     result = convert_request(model, request, given_a_view=given is not model)
     try:
-        ranks.agree(result.ampfx_report.records, type(model).__name__)  # several processes: the same plan on each
+        ranks.agree(model, result.ampfx_report.records)  # several processes: the same plan on each
     except PlanMismatchError as e:
         raise e.with_traceback(None) from None
     return result
@@ -164,24 +165,44 @@ def plan(model: nn.Module, dtype: torch.dtype | str | None = None, example_input
 
 @converting()
 def _plan(model: nn.Module, request: Request) -> Plan:
+    if request.policy.log.disable:  # AMPFX_DISABLE=1: nothing planned, the graph stays as it was captured
+        return Plan(None, _disabled_copy(model, request).ampfx_report, {})
     work = copy_tree(model)  # shares the model's parameters and buffers: the graph reads them
     inputs = request.inputs.tensors() if request.inputs is not None else ()
     with untouched(model, *inputs), one_thread(model, *inputs):
         result, report = convert_tree(work, request)
     check_tuned(request.policy, report.records)
+    notes = report.notes + _fp8_unused(request.policy, report) + nothing_low(request.policy.dtype, report)
     report = Report.merge(request.policy.dtype, [report], policy=_policy_log(request), shapes=report.shapes,
-                          notes=report.notes + nothing_low(request.policy.dtype, report))
+                          notes=notes)
     graph, table = None, {}
     if isinstance(result, AmpGraphModule):
-        graph = torch.fx.GraphModule(result, copied_graph(result.graph), class_name=type(model).__name__)
-        low, paths = request.policy.dtype, {id(p): n for n, p in result.named_parameters()}
+        graph = torch.fx.GraphModule(_targets(result), copied_graph(result.graph), class_name=type(model).__name__)
+        low = request.policy.dtype
+        paths: dict[int, list[str]] = {}
+        for n, p in result.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+            paths.setdefault(id(p), []).append(n)
         for r in reads(result, low):
             low_read = r.how in ("cast", "module_low") and r.dtype == low
-            path = paths.get(id(r.param))
-            if path is not None:
+            for path in paths.get(id(r.param), ()):
                 table[path] = low if low_read and table.get(path, low) == low else torch.float32
     _save(report, request.policy)
     return Plan(graph, report, table)
+
+
+def _targets(gm: AmpGraphModule) -> dict[str, Any]:
+    """What the converted graph's ``get_attr`` and ``call_module`` nodes name, by target: the model's own module
+    where the conversion's copy of it was left as it was (so its training flag, hooks and attributes are the
+    model's), else what the conversion made (a graph module of a kept part, a tensor it holds)."""
+    found: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("get_attr", "call_module") or node.target in found:
+            continue
+        value = operator.attrgetter(node.target)(gm)
+        origin = origin_of(value) if isinstance(value, nn.Module) and not isinstance(value, AmpGraphModule) else None
+        found[node.target] = origin if origin is not None and type(origin) is type(value) and same_contents(
+            origin._modules, value._modules) else value
+    return found
 
 
 @converting()

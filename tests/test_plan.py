@@ -77,3 +77,44 @@ def test_the_compile_backend_plans_and_does_not_convert():
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "plan" in called and "convert" not in called | imported
+
+
+def test_a_module_the_graph_calls_is_the_model_s_own_and_a_tied_weight_is_read_under_each_name():
+    """A leaf the graph calls as it is (here a Dropout) is the model's module, so the model's eval() reaches it;
+    a tied weight is in the reads table under both of its names."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.drop, self.b = nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.drop(self.a(x)))
+
+    model = Tied()
+    p = ampfx.plan(model, "bf16", example_inputs=(X,), gemm_min_flops=0, leaf_modules=[nn.Dropout])
+    assert p.graph.get_submodule("drop") is model.drop
+    model.eval()
+    assert torch.equal(p.graph(X), p.graph(X))  # dropout off: the model's flag reached the graph
+    assert p.reads["a.weight"] == p.reads["b.weight"] == torch.bfloat16
+
+
+def test_disabled_plans_nothing_and_the_report_says_so():
+    """AMPFX_DISABLE=1 (or disable=True) turns ampfx off for plan as for convert: no graph (the compile backend then
+    compiles the graph as captured), a report that says the conversion was disabled."""
+    p = ampfx.plan(Net(), "bf16", example_inputs=(X,), environ={"AMPFX_DISABLE": "1"})
+    assert p.graph is None and p.reads == {} and p.report.disabled
+
+
+def test_plan_says_when_fp8_was_asked_and_no_gemm_got_it():
+    """As convert: fp8= with no GEMM in FP8 is a note and a warning, never silent."""
+    import warnings
+
+    from ampfx.policy.fp8 import HAS_FP8
+    if not HAS_FP8:
+        return
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        p = ampfx.plan(Net(), "bf16", example_inputs=(X,), gemm_min_flops=0, fp8="tensorwise")
+    assert any("fp8" in n.lower() and "no gemm" in n.lower() for n in p.report.notes), p.report.notes
+    assert any("fp8" in str(w.message).lower() for w in said)

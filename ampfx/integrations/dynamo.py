@@ -146,7 +146,8 @@ class Backend:
             graph.meta.update(gm.meta)
             self.graphs.append(CompiledGraph(compile_id, reason, report))
         else:  # the graph did not convert whole (its parts' steps say why): compiled as dynamo captured it
-            why = "; ".join(s for p in report.parts for s in p.steps[-1:]) or "not converted whole"
+            why = ("conversion disabled (AMPFX_DISABLE / disable=True)" if report.disabled else
+                   "; ".join(s for p in report.parts for s in p.steps[-1:]) or "not converted whole")
             log.warning("ampfx backend: graph %s is compiled as captured, without mixed precision: %s", compile_id, why)
             graph = gm
             self.graphs.append(CompiledGraph(compile_id, reason, report, converted=False, why=why))
