@@ -5,10 +5,13 @@ reads it in: ranks whose plans differ (converted on example batches of other siz
 device's break-even on one rank and under it on another; an ``AMPFX_*`` variable set on one rank only) would train
 apart in silence or hang in a gather. So in a run of several processes (``torch.distributed`` initialised, world
 size over 1) each :func:`ampfx.convert` publishes its plan (each node's dtype) in the default process group's
-store, under the number of the conversion in its process, and each rank other than 0 compares its plan with rank
-0's: a difference raises :class:`ampfx.errors.PlanMismatchError` naming the first node that differs, both dtypes
-and the fix. The store is not a collective: rank 0 never waits, and another rank waits at most :data:`WAIT_S` for
-rank 0's plan, then says once that it could not compare (a rank that converts alone never hangs).
+store, under the model's fingerprint (its class and its parameters' names and shapes) and the number of conversions
+of such a model so far in its process, and each rank other than 0 compares its plan with rank 0's of the same:
+a difference raises :class:`ampfx.errors.PlanMismatchError` naming the first node that differs, both dtypes and the
+fix. The store is not a collective: rank 0 never waits, and another rank waits at most :data:`WAIT_S` for rank 0's
+plan, then says once per model that it could not compare and never waits for that model again (a model only some
+ranks convert, as a pipeline stage, costs one wait). Only the ranks that differ raise; a launcher such as
+``torchrun`` then stops the others.
 
 Plans made again at a call (a value the graph fixed changed, sizes crossed a break-even) are each rank's own and
 are not compared: their numbers are right, and the gradients DDP averages are float32 on every rank.
@@ -16,7 +19,7 @@ are not compared: their numbers are right, and the gradients DDP averages are fl
 from __future__ import annotations
 
 import datetime
-import itertools
+import hashlib
 import json
 from typing import Any, Callable
 
@@ -24,11 +27,19 @@ import torch
 
 from .errors import PlanMismatchError, warn_user
 
-WAIT_S = 180.0
-"""How long a rank other than 0 waits for rank 0's plan of the same conversion before it gives up comparing (rank 0
+WAIT_S = 60.0
+"""How long a rank other than 0 waits for rank 0's plan of the same model before it gives up comparing it (rank 0
 may convert a large model more slowly)."""
 
-_NUMBERS = itertools.count()  # conversions compared in this process, in order (the same order on every rank)
+_SEEN: dict[str, int] = {}  # conversions of each model fingerprint so far in this process
+_ALONE: set[str] = set()  # fingerprints rank 0 did not plan in time: not waited for again
+
+
+def fingerprint(model: Any) -> str:
+    """The model as the ranks pair their conversions: its class and its parameters' names and shapes, hashed."""
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()] if hasattr(model, "named_parameters") else []
+    text = f"{type(model).__module__}.{type(model).__qualname__}|{named}"
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _store() -> Any:
@@ -43,25 +54,29 @@ def plan_of(records: Any) -> list[list[str]]:
     return [[r.module, r.node, str(r.dtype).replace("torch.", "")] for r in records]
 
 
-def agree(records: Any, what: str, say: Callable[[str], None] = warn_user) -> None:
-    """In a run of several processes, publish this conversion's plan (:func:`plan_of` of ``records``) and, on a rank
-    other than 0, compare it with rank 0's (see the module docstring); ``what`` names the model in messages. Nothing
-    where torch.distributed runs one process or none."""
+def agree(model: Any, records: Any, say: Callable[[str], None] = warn_user) -> None:
+    """In a run of several processes, publish the plan of this conversion of ``model`` (:func:`plan_of` of
+    ``records``) and, on a rank other than 0, compare it with rank 0's (see the module docstring). Nothing where
+    torch.distributed runs one process or none."""
     store = _store()
     if store is None:
         return
-    rank = torch.distributed.get_rank()
-    key = f"ampfx/plan/{next(_NUMBERS)}"
+    rank, what, mark = torch.distributed.get_rank(), type(model).__name__, fingerprint(model)
+    count = _SEEN[mark] = _SEEN.get(mark, -1) + 1
+    key = f"ampfx/plan/{mark}/{count}"
     mine = plan_of(records)
     if rank == 0:
         store.set(key, json.dumps(mine))
+        return
+    if mark in _ALONE:
         return
     try:
         store.wait([key], datetime.timedelta(seconds=WAIT_S))
         theirs = json.loads(store.get(key))
     except (RuntimeError, ValueError) as e:  # DistStoreError (a RuntimeError): rank 0 made no such conversion
-        say(f"ampfx: rank {rank} could not compare its plan of {what} with rank 0's (none came within {WAIT_S:.0f} "
-            f"s: {str(e).splitlines()[0][:120]}); convert the model on every rank, in the same order")
+        _ALONE.add(mark)
+        say(f"ampfx: rank {rank} could not compare its plan of {what} with rank 0's (rank 0 planned no such model "
+            f"within {WAIT_S:.0f} s: {str(e).splitlines()[0][:120]}); not compared again for this model")
         return
     if theirs != mine:
         raise PlanMismatchError(_difference(mine, theirs, rank, what))

@@ -186,3 +186,12 @@ def test_a_rank_whose_plan_differs_from_rank_zeros_is_refused(tmp_path):
     said = results[1]["error"]
     assert said is not None and "rank 1 converted Sequential to another plan than rank 0" in said
     assert "runs in float32 on rank 1, in bfloat16 on rank 0" in said and "example inputs of the same sizes" in said
+
+
+def test_ranks_that_convert_models_of_their_own_compare_only_the_models_they_share():
+    """Rule: conversions are paired by the model's fingerprint: a pipeline stage only one rank converts is not
+    compared with another rank's stage (rank 1 waits once for it, and says so once), and the model both convert is
+    compared with no error."""
+    results = harness.run(workers.plans_of_other_models, deadline=120.0)
+    assert results[0]["said"] == []
+    assert len(results[1]["said"]) == 1 and "rank 1 could not compare its plan of Sequential" in results[1]["said"][0]

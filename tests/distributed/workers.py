@@ -279,3 +279,20 @@ def plans_compared(rank: int, world: int, cache: str) -> dict[str, Any]:
     except PlanMismatchError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def plans_of_other_models(rank: int, world: int) -> dict[str, Any]:
+    """Pipeline-like: each rank converts a model of its own first (rank 1's is not on rank 0: it waits once, says it
+    could not compare, and is not held up again for that model), then both convert the same model, compared."""
+    import warnings
+
+    import ampfx
+    ampfx.ranks.WAIT_S = 1.0
+    stage = nn.Sequential(nn.Linear(8, 8)) if rank == 0 else nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ampfx.convert(stage, "bf16", example_inputs=(torch.randn(4, 8),), gemm_min_flops=0)
+        ampfx.convert(nn.Linear(8, 8), "bf16", example_inputs=(torch.randn(4, 8),), gemm_min_flops=0)
+    dist.barrier()
+    return {"said": [str(w.message) for w in said if "compare its plan" in str(w.message)]}
