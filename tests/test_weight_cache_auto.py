@@ -166,3 +166,20 @@ def test_the_environment_sets_auto_on_or_off_and_names_a_bad_value():
         ampfx.convert(model, "bf16", environ={"AMPFX_WEIGHT_CACHE": "sometimes"})
     with pytest.raises(ampfx.PolicyError, match="weight_cache='yes': use True, False or 'auto'"):
         ampfx.convert(model, "bf16", weight_cache="yes")
+
+
+def test_a_weight_frozen_after_conversion_no_longer_marks_the_steps():
+    """The weight whose writes mark a step is the largest trained one; frozen after conversion (fine-tuning), it is
+    written no more, and another trained weight marks the steps: with one micro-batch a step nothing stays cached."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDE, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE))
+    amp = convert(model)
+    (_, cache), = weight_cache.caches(amp)
+    watched_first = cache.auto.watch.path
+    model.get_submodule(watched_first.split(".")[0]).weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(4):
+        step(amp, model, opt, 1)
+    assert cache.auto.watch.path != watched_first
+    # the frozen weight is cached (read unchanged every call), the trained one is not (written every step)
+    assert [e.path for e in cache.live] == [watched_first]

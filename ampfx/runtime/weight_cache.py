@@ -130,6 +130,9 @@ class _Auto:
     def entries(self) -> list[_Entry]:
         """The entries this call caches."""
         w = self.watch
+        if w is not None and not getattr(w.owner.get(w.name), "requires_grad", True):  # frozen since: watch another
+            self.watch = w = watched(self.large)
+            self.key = None
         if w is not None:
             master = w.owner.get(w.name)
             if master is None or not written.unwritten(master, self.key):  # a new step (or the first call)
@@ -139,6 +142,14 @@ class _Auto:
                                               and not getattr(e.owner.get(e.name), "requires_grad", True)]
         self.calls += 1
         return self.large if (self.calls >= 2 or self.last >= 2 or w is None) else self.steady
+
+
+def watched(entries: list[_Entry]) -> _Entry | None:
+    """The entry whose writes mark an optimizer step for :class:`_Auto`: the largest trained weight (``None``: none
+    is trained)."""
+    trained = [(e.owner[e.name].numel(), i, e) for i, e in enumerate(entries)
+               if e.name in e.owner and e.owner[e.name].requires_grad]
+    return max(trained)[2] if trained else None
 
 
 @dataclass(eq=False)
@@ -361,10 +372,8 @@ def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None) 
     cache = WeightCache(low, [_Entry(owner, name, path) for owner, name, path, _ in weights])
     if auto_from is not None:
         entry = {w[2]: e for w, e in zip(weights, cache.entries)}
-        trained = [(owner[name].numel(), i, entry[path]) for i, (owner, name, path, _) in enumerate(sized)
-                   if owner[name].requires_grad]
-        cache.auto = _Auto([entry[w[2]] for w in sized], [entry[w[2]] for w in sized if w[3] > 1],
-                           max(trained)[2] if trained else None)
+        large = [entry[w[2]] for w in sized]
+        cache.auto = _Auto(large, [entry[w[2]] for w in sized if w[3] > 1], watched(large))
     gm.set_step("weights", cache)
     return cache
 
