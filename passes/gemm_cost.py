@@ -28,7 +28,8 @@ model converted on a small batch and trained on a large one gets the large batch
 contracted size (a linear's or a product's last input size, a convolution's input channels per group times its
 kernel size; a transposed convolution from its input), attention ``2 * L * S * (E + Ev)`` per batch and head,
 ``nn.MultiheadAttention`` its projections and attention, a recurrent module (``nn.LSTM``, ``nn.GRU``, a cell)
-``2`` times its steps and rows times its weight matrices' sizes. ``W`` is the weight's elements (a linear's,
+``2`` times its rows times its weight matrices' sizes (every step's rows where one fused kernel runs the sequence,
+one step's where its GEMMs run a step at a time). ``W`` is the weight's elements (a linear's,
 a convolution's, a product's parameter operand's, the attention module's projections', the recurrent matrices');
 the rows count only the operations that read the weight (not attention's own products); products of two
 activations have no weight and are decided by ``F`` alone.
@@ -187,9 +188,12 @@ def _attention_module(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | Non
 
 
 def _recurrent(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
-    """A recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, a cell): ``2 * steps * rows * sum(numel(W))`` over
-    its input-to-hidden, hidden-to-hidden and projection matrices (every layer and direction), steps times rows
-    being its input's size without the feature dimension."""
+    """A recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, a cell): ``2 * rows * sum(numel(W))`` over its
+    input-to-hidden, hidden-to-hidden and projection matrices (every layer and direction). Where one fused kernel
+    runs the whole sequence (cuDNN on a GPU; oneDNN's LSTM on a CPU) ``rows`` is every step's batch together;
+    elsewhere (a GRU or an RNN on a CPU, a cell) its GEMMs run a step at a time, the hidden state of a step being
+    the input of the next, and ``rows`` is **one step's** batch: many small GEMMs do not pay low where one large
+    one would."""
     module = _module(node, gm)
     x = _shape(node, gm, 0, "input")
     size = getattr(module, "input_size", None)
@@ -197,7 +201,23 @@ def _recurrent(node: fx.Node, gm: fx.GraphModule, out: Any) -> Work | None:
         return None
     weights = sum(p.numel() for name, p in module.named_parameters(recurse=False)
                   if name.startswith(("weight_ih", "weight_hh", "weight_hr")))
-    return Work(2 * _prod(x[:-1]) * weights, weights) if weights else None
+    if not weights:
+        return None
+    if isinstance(module, torch.nn.RNNBase) and _fused(module):
+        rows = _prod(x[:-1])
+    elif isinstance(module, torch.nn.RNNBase):  # (steps, batch, features), batch first, or unbatched (steps, features)
+        rows = 1 if len(x) == 2 else x[0] if getattr(module, "batch_first", False) else x[1]
+    else:  # a cell: (batch, features) or (features,)
+        rows = x[0] if len(x) == 2 else 1
+    return Work(2 * rows * weights, weights)
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    """Does one kernel run ``module``'s whole sequence: cuDNN on a GPU, oneDNN's LSTM on a CPU (torch's own CPU
+    GRU and RNN loop over the steps)?"""
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    return device == "cuda" or (device == "cpu" and isinstance(module, torch.nn.LSTM)
+                                and torch.backends.mkldnn.is_available())
 
 
 COUNTS = {"linear": _linear, "matmul": _product(0, "input"), "addmm": _product(1, "mat1", "batch1"), "conv": _conv,

@@ -97,20 +97,38 @@ def test_convert_keeps_small_gemms_float32_and_the_numbers_are_float32s():
     assert "small GEMM" in amp.ampfx_report.summary()
 
 
-def test_a_recurrent_module_counts_each_weight_matrix_once_per_step_and_row():
-    """nn.GRU(8, 16, num_layers=2) over 5 steps of 3 rows: 2 * 15 * (3*16*8 + 3*16*16 + 3*16*16 + 3*16*16)."""
+def test_a_recurrent_module_counts_one_time_step_of_each_weight_matrix():
+    """nn.GRU(8, 16, num_layers=2) over 5 steps of 3 rows on a CPU: torch runs its GEMMs a step at a time, each over
+    the batch of 3: 2 * 3 * (3*16*8 + 3*16*16 + 3*16*16 + 3*16*16), the same for 5 steps or 500 (many small GEMMs
+    do not pay low where one large one would); batch first, the batch is the first size. An LSTM, which oneDNN runs
+    as one kernel over the sequence, counts every step."""
     class Recurrent(nn.Module):
-        def __init__(self):
+        def __init__(self, batch_first=False):
             super().__init__()
-            self.rnn = nn.GRU(8, 16, num_layers=2)
+            self.rnn = nn.GRU(8, 16, num_layers=2, batch_first=batch_first)
 
         def forward(self, x):
             return self.rnn(x)[0]
 
-    gm, _ = run(Recurrent(), (torch.randn(5, 3, 8),), gemm_min_flops=10**9, **COST)
-    rnn = next(n for n in gm.graph.nodes if n.op == "call_module")
-    assert int(gemm_cost.flops(rnn, gm)) == 2 * 15 * (3 * 16 * 8 + 3 * 3 * 16 * 16)
-    assert rec(gm, rnn.name).rule == "cost:small-gemm"
+    per_step = 2 * 3 * (3 * 16 * 8 + 3 * 3 * 16 * 16)
+    for model, x in ((Recurrent(), torch.randn(5, 3, 8)), (Recurrent(), torch.randn(500, 3, 8)),
+                     (Recurrent(batch_first=True), torch.randn(3, 50, 8))):
+        gm, _ = run(model, (x,), gemm_min_flops=10**9, **COST)
+        rnn = next(n for n in gm.graph.nodes if n.op == "call_module")
+        assert int(gemm_cost.flops(rnn, gm)) == per_step
+        assert rec(gm, rnn.name).rule == "cost:small-gemm"
+    if torch.backends.mkldnn.is_available():
+        class Long(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rnn = nn.LSTM(8, 16)
+
+            def forward(self, x):
+                return self.rnn(x)[0]
+
+        gm, _ = run(Long(), (torch.randn(5, 3, 8),), gemm_min_flops=10**9, **COST)
+        rnn = next(n for n in gm.graph.nodes if n.op == "call_module")
+        assert int(gemm_cost.flops(rnn, gm)) == 2 * 15 * (4 * 16 * 8 + 4 * 16 * 16)
 
 
 def test_the_break_even_is_read_from_the_environment_and_a_bad_one_is_refused():
@@ -185,7 +203,8 @@ def test_attention_modules_transposed_convolutions_keyword_operands_and_projecti
     tokens = 2 * 5
     assert got == {"attn": 2 * (tokens * 3 * 8 * 8 + tokens * 8 * 8) + 4 * tokens * 5 * 8,
                    "up": 2 * (4 * 6 * 6) * (2 * 3 * 3), "mm": 2 * 3 * 2 * 7,
-                   "lstm": 2 * tokens * (4 * 16 * 8 + 4 * 16 * 4 + 4 * 16)}
+                   "lstm": 2 * (tokens if torch.backends.mkldnn.is_available() else 5)  # oneDNN: every step
+                   * (4 * 16 * 8 + 4 * 16 * 4 + 4 * 16)}
 
 
 def test_a_weight_used_for_few_rows_stays_float32_and_a_product_of_activations_is_decided_by_its_flops():
