@@ -174,10 +174,8 @@ def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[tuple[nn.Parameter,
     (:func:`ampfx.runtime.reads.reads`): low where a cast to ``low`` or a module run in ``low`` reads it."""
     name = str(low).replace("torch.", "")
     for r in reads(gm, low):
-        if r.how == "cast" and r.dtype == low:
-            yield r.param, True, f"cast to {name} for {r.by}"
-        elif r.how == "module_low" and r.dtype == low:
-            yield r.param, True, f"read by {r.by}"
+        if r.takes(low):
+            yield r.param, True, f"cast to {name} for {r.by}" if r.how == "cast" else f"read by {r.by}"
         elif r.how in ("cast", "cast_pad"):  # to another dtype, or padded
             yield r.param, False, f"read as it is by {r.how}"
         elif r.how == "as_is":

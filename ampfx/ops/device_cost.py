@@ -613,11 +613,16 @@ def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
                     "rows": where if rows is None else "set by gemm_min_rows"}
 
 
+def _measures(kind: str, how: Any) -> bool:
+    """Is a table measured for this device type, given the policy's ``gemm_min_flops`` (``how``): on the types in
+    :data:`MEASURED_ON`, or any with ``"measure"``; never with ``"table"``."""
+    return how != "table" and (how == "measure" or kind in MEASURED_ON)
+
+
 def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, str]:
     """The device's break-even for ``dtype`` and where it comes from: measured (:func:`table`) or
     the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`)."""
-    measuring = dtype is not None and how != "table" and (how == "measure" or kind in MEASURED_ON)
-    if measuring:
+    if dtype is not None and _measures(kind, how):
         try:
             measured = table(device, dtype, say=warn_user)
         except (RuntimeError, NotImplementedError, TypeError) as e:  # no kernel for the dtype on this device
@@ -646,7 +651,7 @@ def cache_limit(device: Any, dtype: torch.dtype, how: Any = None) -> tuple[int, 
     >>> _ = measure_on(before)
     """
     kind = str(device).split(":")[0]
-    if how != "table" and not isinstance(how, int) and (how == "measure" or kind in MEASURED_ON):
+    if not isinstance(how, int) and _measures(kind, how):  # a break-even given as a number measures nothing
         try:
             measured = table(device, dtype, say=warn_user)
         except (RuntimeError, NotImplementedError, TypeError):  # said where the GEMM break-even was asked for

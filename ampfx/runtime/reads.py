@@ -46,6 +46,12 @@ class Read:
     owner: dict | None = None
     name: str = ""
 
+    def takes(self, low: torch.dtype) -> bool:
+        """Does this read take the parameter in ``low`` whole (a cast to it, or a module run in it; a padded cast
+        reads a larger tensor)? A parameter every read of which does is read in ``low`` (FSDP2 gathers it so,
+        :attr:`ampfx.Plan.reads` says so)."""
+        return self.how in ("cast", "module_low") and self.dtype == low
+
 
 def reads(gm: fx.GraphModule, low: torch.dtype) -> list[Read]:
     """Every use of a parameter in ``gm``'s graph (a converted module the graph calls reads its own, in its own
