@@ -183,9 +183,8 @@ def _plan(model: nn.Module, request: Request) -> Plan:
         for n, p in result.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
             paths.setdefault(id(p), []).append(n)
         for r in reads(result, low):
-            low_read = r.how in ("cast", "module_low") and r.dtype == low
             for path in paths.get(id(r.param), ()):
-                table[path] = low if low_read and table.get(path, low) == low else torch.float32
+                table[path] = low if r.takes(low) and table.get(path, low) == low else torch.float32
     _save(report, request.policy)
     return Plan(graph, report, table)
 
@@ -402,8 +401,9 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
         auto_from, where = device_cost.cache_limit(device, policy.dtype, policy.gemm_min_flops)
     count = numel = large = 0
     for gm in graphs:
-        count += len(weight_cache.cast_weights(gm, policy.dtype))
-        cache = weight_cache.install(gm, policy.dtype, auto_from)
+        weights = weight_cache.cast_weights(gm, policy.dtype)
+        count += len(weights)
+        cache = weight_cache.install(gm, policy.dtype, auto_from, weights)
         if cache is None:
             continue
         gm._install_dispatch()

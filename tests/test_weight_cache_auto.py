@@ -183,3 +183,23 @@ def test_a_weight_frozen_after_conversion_no_longer_marks_the_steps():
     assert cache.auto.watch.path != watched_first
     # the frozen weight is cached (read unchanged every call), the trained one is not (written every step)
     assert [e.path for e in cache.live] == [watched_first]
+
+
+def test_a_hand_written_step_through_data_is_never_read_stale():
+    """A step outside torch.optim, through .data, moves no version counter: "auto" may take it for one step of
+    several calls and cache, but each copy is checked against its master, so the weights trained equal those
+    without a cache."""
+    def hand(**options):
+        torch.manual_seed(0)
+        model = Block()
+        amp = convert(model, **options)
+        for i in range(4):
+            amp(X + i).float().pow(2).mean().backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+                p.grad = None
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    auto, off = hand(), hand(weight_cache=False)
+    for n in off:
+        torch.testing.assert_close(auto[n], off[n], rtol=1e-5, atol=1e-6)

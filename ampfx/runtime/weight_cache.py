@@ -15,8 +15,8 @@ Which weights, and when (``weight_cache``, ``AMPFX_WEIGHT_CACHE``):
   weight and of its gradient, and costs a Python autograd node: it pays for a weight of at least
   :func:`ampfx.ops.device_cost.cache_limit` elements (measured on the device with the GEMM break-even, or the
   datasheet's), and only where the copy is read again before its master changes: while the graph runs more than
-  once between writes of its weights (gradient accumulation, activation checkpointing's recompute, an evaluation
-  loop; a write seen on its largest trained weight marks a new step), for a frozen weight (``requires_grad``
+  once between optimizer steps (gradient accumulation, activation checkpointing's recompute, an evaluation
+  loop; an optimizer step, or a write of its largest trained weight, marks a new step), for a frozen weight (``requires_grad``
   False, nothing steps it), and for a weight its graph casts more than once a call. Elsewhere (one forward a step,
   the usual case) nothing is cached, no copy is held, and the cache costs a check a call.
 - ``True``: every cast weight, at every call (``AMPFX_WEIGHT_CACHE=1``).
@@ -28,6 +28,41 @@ kept (that micro-batch runs exactly as without the cache); otherwise (no grad, o
 ``.grad`` already there) all stale ones together in one ``torch._foreach_copy_``
 before the graph runs, writing over copies nothing else holds. A master counts as
 changed when it was:
+
+- written by anything in the process (an optimizer step, fused ones too, ``copy_``,
+  ``load_state_dict``, a write through ``.data`` such as a teacher's momentum update or a
+  hand-written SGD step): :mod:`ampfx.runtime.written`;
+- re-pointed (``p.data = t``, ``vector_to_parameters``, ``model.to(device)``) or moved to
+  shared memory (then it is cast at every call: other processes write it);
+- replaced (``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``):
+  another object sits in the module's parameter dict.
+
+A copy an autograd graph still holds (a forward not yet backpropagated) is never
+written over: that graph keeps the values it was built with, as with a per-call cast.
+
+Gradients: the first micro-batch's weight gradient reaches the master as a cast
+would send it (autograd casts it to float32, ``AccumulateGrad`` keeps it as
+``.grad``). When ``.grad`` already exists, :class:`_CachedCast` adds the low
+gradient into it in place (a mixed-dtype ``add_``: the same float32 sum, without a
+float32 temporary), but only where nothing else watches the accumulation: no
+tensor hook or post-accumulate-grad hook on the master, no process group (DDP's
+reducer hooks ``AccumulateGrad``, invisibly from Python), no ``create_graph``,
+not ``autograd.grad`` (which must return the gradient, not accumulate it), not
+under torch.compile. Elsewhere the gradient takes the ordinary path. A hook put on
+the master's ``AccumulateGrad`` node itself (``p.view_as(p).grad_fn.next_functions[0][0]
+.register_hook``) cannot be seen from Python: in one process, with such a hook, set
+``weight_cache=False``.
+
+The cache stands aside (the graph casts the master per call, as without it) inside
+FSDP2 (a sharded module, or DTensor parameters: FSDP2 owns the low weights with a
+``MixedPrecisionPolicy``, and cached unsharded copies would undo its sharding) and
+while torch.compile traces the module (inductor fuses the casts into the graph),
+and under ``torch.inference_mode`` (a copy made there could not serve autograd later).
+``mode="inference"`` keeps its own low copies (:mod:`ampfx.runtime.inference`) and no cache.
+``"auto"`` also stands aside in a run of several processes that loaded FSDP2 (:func:`_auto_off`).
+Memory: 2 bytes per cached bfloat16/float16 element, held between steps while cached
+(:func:`status` says how much each graph module holds).
+
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> amp = ampfx.convert(m, "bf16", example_inputs=(torch.ones(4, 8),), weight_cache=True)  # every weight
@@ -112,20 +147,39 @@ class _Entry:
     pending: bool = False  # the copy is made by the master's first cast in the graph (refresh(at_use=True))
 
 
+STEPS = [0]
+"""Optimizer steps taken in this process (torch.optim's global step post-hook, installed with the first ``"auto"``
+cache): with ``watch``'s version counter, what tells :class:`_Auto` a step was taken."""
+_HOOK: list[Any] = []
+
+
+def _count_steps() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _HOOK.append(register_optimizer_step_post_hook(lambda *_: STEPS.__setitem__(0, STEPS[0] + 1)))
+
+
 @dataclass(eq=False)
 class _Auto:
-    """``weight_cache="auto"``: which entries a call caches (see the module docstring). A write seen on
-    ``watch`` (the largest trained weight) starts a new step; from the second call of a step, and from the first
-    where the last step had several, every weight in ``large`` is cached; otherwise only ``steady`` ones (read
-    twice a call, or frozen: checked at each new step), and copies held before are let go."""
+    """``weight_cache="auto"``: which entries a call caches (see the module docstring). An optimizer step, or a
+    write that moves the version counter of ``watch`` (the largest trained weight), or its replacement, starts a
+    new step; from the second call of a step, and from the first where the last step had several, every weight in
+    ``large`` is cached; otherwise only ``steady`` ones (read twice a call, or frozen: checked at each new step),
+    and copies held before are let go. The signal only decides what to cache (each copy is checked against its
+    master by :meth:`WeightCache.refresh`): a write it misses (through ``.data``, outside torch.optim) caches more
+    than needed, never a stale copy. It costs two integer reads a call: no copy-on-write stamp, which would make
+    the optimizer's write of that weight a copy."""
 
     large: list[_Entry]  # weights large enough that a cached read pays on the device
     several: list[_Entry]  # of those, the ones the graph casts more than once a call
     watch: _Entry | None  # whose writes mark a step (None: no trained weight is large enough to watch)
-    key: Any = None  # ``watch``'s master's stamp
-    calls: int = 0  # calls since the watched weight was last written
-    last: int = 0  # calls between its last two writes
+    key: Any = None  # (optimizer steps, ``watch``'s master, its version) when the step began
+    calls: int = 0  # calls since the step began
+    last: int = 0  # calls in the step before
     steady: list[_Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _count_steps()
 
     def entries(self) -> list[_Entry]:
         """The entries this call caches."""
@@ -135,13 +189,21 @@ class _Auto:
             self.key = None
         if w is not None:
             master = w.owner.get(w.name)
-            if master is None or not written.unwritten(master, self.key):  # a new step (or the first call)
-                self.last, self.calls = self.calls, 0
-                self.key = written.stamp(master) if master is not None else None
-                self.steady = self.several + [e for e in self.large if e not in self.several
-                                              and not getattr(e.owner.get(e.name), "requires_grad", True)]
+            key = None if master is None else (STEPS[0], id(master), _version(master))
+            if key is None or key != self.key:  # a new step (or the first call)
+                self.last, self.calls, self.key = self.calls, 0, key
+                self.steady = [e for e in self.large if e in self.several
+                               or not getattr(e.owner.get(e.name), "requires_grad", True)]
         self.calls += 1
         return self.large if (self.calls >= 2 or self.last >= 2 or w is None) else self.steady
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (``None``: an inference tensor has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def watched(entries: list[_Entry]) -> _Entry | None:
@@ -361,11 +423,13 @@ def cast_weights(gm: fx.GraphModule, low: torch.dtype) -> list[tuple[dict, str, 
     return [tuple(f) for f in found.values()]
 
 
-def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None) -> WeightCache | None:
-    """Give ``gm`` a weight cache over each parameter of :func:`cast_weights`. With ``auto_from`` (elements), the
-    ``"auto"`` cache over those of at least that size (:class:`_Auto`), and none where no parameter is that large
-    (``None``: nothing to check at each call); without it, every one at every call. The graph is not changed."""
-    weights = cast_weights(gm, low)
+def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None,
+            weights: list[tuple[dict, str, str, int]] | None = None) -> WeightCache | None:
+    """Give ``gm`` a weight cache over each parameter of :func:`cast_weights` (``weights``, where the caller has
+    them already). With ``auto_from`` (elements), the ``"auto"`` cache over those of at least that size
+    (:class:`_Auto`), and none where no parameter is that large (``None``: nothing to check at each call); without
+    it, every one at every call. The graph is not changed."""
+    weights = cast_weights(gm, low) if weights is None else weights
     sized = [w for w in weights if auto_from is None or w[0][w[1]].numel() >= auto_from]
     if not sized:
         return None
