@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from .policy import module_match
-from .runtime import view, weight_cache
+from .runtime import arming, view, weight_cache
+from .runtime.entries import plan_of
 from . import ranks
 from .errors import ENTRY_ERRORS, ArgumentError, PathError, PlanMismatchError, warn_user
 from .policy.decide import check_tuned
@@ -218,10 +219,14 @@ def convert_request(model: nn.Module, request: Request, *, given_a_view: bool = 
         result, report = convert_tree(work, request)
     check_tuned(request.policy, report.records)
     result, views = view.rebase(result, model)
-    follower = follow(model, result, views)
-    _arm(views, request, follower, model)
-    notes = report.notes + (_store_low(model, result, request.policy.dtype) if mode == "inference" else
-                            _cache_weights(result, request.policy))
+    follower = follow(model, views)
+    arm = Arm(Again(dataclasses.replace(request, inputs=None), model), request.policy.runtime.reconvert_limit,
+              follower, views)
+    copies: dict[int, dict[str, Any]] = {}  # id(graph module) -> its weight copies
+    notes = report.notes + (_store_low(views, request.policy.dtype, copies) if mode == "inference" else
+                            _cache_weights(views, request.policy, copies))
+    arm(views, copies)
+    arming.arm(result, check=follower)
     if given_a_view:
         notes += ("the module given is a converted module, a view of its model: that model was converted",)
     notes += _fp8_unused(request.policy, report)
@@ -281,15 +286,6 @@ def _fp8_unused(policy: Policy, report: Report) -> tuple[str, ...]:
     return (note,)
 
 
-def _arm(views: view.Views, request: Request, follower: Any, model: nn.Module) -> None:
-    """Give every graph module of the converted tree the means to convert its model module again when
-    what its graph fixed changes (:class:`ampfx.runtime.view.Reconvert` with an :class:`Again`); what those
-    conversions depend on is added to what ``follower`` watches. The example inputs are not held: a
-    conversion made again uses the inputs of the call that needs it."""
-    again = Again(dataclasses.replace(request, inputs=None), model)
-    Arm(again, request.policy.runtime.reconvert_limit, follower, views)(views)
-
-
 @dataclasses.dataclass
 class Again:
     """Converts a model module again as ``request`` asks, on the inputs of a call (``(args, kwargs)``) at path
@@ -318,20 +314,23 @@ class Again:
 
 @dataclasses.dataclass
 class Arm:
-    """Gives each graph module of a conversion (:class:`~ampfx.runtime.view.Views`) its
-    :class:`~ampfx.runtime.view.Reconvert`; a conversion made again at a call is watched by ``follower`` (the
-    structure follower of the first conversion's views, ``first``). A pickled copy follows no structure."""
+    """Arms each graph module of a conversion (:class:`~ampfx.runtime.view.Views`) from its plan, with what the
+    view bound (what its graph fixed, its other training mode), its :class:`~ampfx.runtime.view.Reconvert` (by an
+    :class:`Again`: the example inputs are not held, a conversion made again uses the inputs of the call that
+    needs it) and its weight copies (``copies``); a conversion made again at a call is watched by ``follower``
+    (the structure follower of the first conversion's views, ``first``). A pickled copy follows no structure."""
 
     again: Again
     limit: int
     follower: Any = None
     first: Any = None
 
-    def __call__(self, made: view.Views) -> None:
+    def __call__(self, made: view.Views, copies: dict[int, dict[str, Any]] | None = None) -> None:
         if made is not self.first and self.follower is not None:
             self.follower.watch(made)
         for gm, _ in made.graphs:
-            gm.set_reconvert(view.Reconvert(self.again, gm._rt.arrive, self.limit, self))
+            arming.arm(gm, **made.bound.get(id(gm), {}), **(copies or {}).get(id(gm), {}),
+                       reconvert=view.Reconvert(self.again, plan_of(gm).arrive, self.limit, self))
 
     def __getstate__(self) -> dict:
         return {"again": self.again, "limit": self.limit, "follower": None, "first": None}
@@ -374,27 +373,26 @@ def _disabled_copy(model: nn.Module, request: Request) -> nn.Module:
     return copy
 
 
-def _store_low(model: nn.Module, result: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """``mode="inference"``: the weights of low-precision ops read from low copies (:mod:`ampfx.runtime.inference`);
-    the note saying so."""
+def _store_low(views: view.Views, dtype: torch.dtype, armed: dict[int, dict[str, Any]]) -> tuple[str, ...]:
+    """``mode="inference"``: the weights of low-precision ops read from low copies (:mod:`ampfx.runtime.inference`),
+    each graph module's put in ``armed``; the note saying so."""
     count = nbytes = 0
-    for gm in [m for m in result.modules() if isinstance(m, AmpGraphModule)]:
-        copies = store_low(gm, dtype)
-        gm._install_dispatch()
+    for gm in _graphs(views):
+        copies = armed.setdefault(id(gm), {})["low"] = store_low(gm, dtype)
         count, nbytes = count + len(copies.entries), nbytes + copies.nbytes()
     return (f"inference mode: {count} weights read from {dtype_name(dtype)} copies made once ({nbytes:,} bytes beside "
             "the model's float32 weights) and made again only when a weight changes",)
 
 
-def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
+def _cache_weights(views: view.Views, policy: Policy, armed: dict[int, dict[str, Any]]) -> tuple[str, ...]:
     """Training mode: each weight a low op reads cast once per change of its master (:mod:`ampfx.runtime.weight_cache`):
-    every one (``weight_cache=True``), those the device's costs and the calls decide (``"auto"``) or none; the note
-    saying which."""
+    every one (``weight_cache=True``), those the device's costs and the calls decide (``"auto"``) or none, each graph
+    module's cache put in ``armed``; the note saying which."""
     how = policy.runtime.weight_cache
     if how is False:
         return ("weight cache: off: weights are cast at every forward, as autocast casts them (weight_cache=True or "
                 "AMPFX_WEIGHT_CACHE=1 keeps low copies between steps)",)
-    graphs = [m for m in result.modules() if isinstance(m, AmpGraphModule)]
+    graphs = _graphs(views)
     auto_from = where = None
     if how == "auto":
         device = next((p.device for gm in graphs for p in gm.parameters()), torch.device("cpu"))
@@ -403,10 +401,10 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
     for gm in graphs:
         weights = weight_cache.cast_weights(gm, policy.dtype)
         count += len(weights)
-        cache = weight_cache.install(gm, policy.dtype, auto_from, weights)
+        cache = weight_cache.cache_for(gm, policy.dtype, auto_from, weights)
         if cache is None:
             continue
-        gm._install_dispatch()
+        armed.setdefault(id(gm), {})["weights"] = cache
         chosen = cache.entries if cache.auto is None else cache.auto.large
         large += len(chosen)
         numel += sum(e.owner[e.name].numel() for e in chosen)
@@ -420,6 +418,14 @@ def _cache_weights(result: nn.Module, policy: Policy) -> tuple[str, ...]:
     return (f"weight cache: on, {count} weights cast to {dtype_name(policy.dtype)} once per change of their float32 "
             f"masters and reused by every forward, backward and recompute ({nbytes:,} bytes held between steps; "
             "off inside FSDP2 and torch.compile: ampfx.runtime.weight_cache)",)
+
+
+def _graphs(views: view.Views) -> list[AmpGraphModule]:
+    """The graph modules of the converted tree (not the other training mode's, made later), each once."""
+    seen: dict[int, AmpGraphModule] = {}
+    for gm, _ in views.graphs:
+        seen.setdefault(id(gm), gm)
+    return list(seen.values())
 
 
 def _policy_log(request: Request) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from .capture import fixing, guarding
 from .errors import NotReproduced
 from .capture.base import Capture
 from .capture.tracer import inlined
+from .runtime import arming, reads
+from .runtime.entries import GraphPlan
 from .runtime.graph_module import MADE, AmpGraphModule, graph_module
 from .inputs import ExampleInputs
 from .meta import leaf_param_casts, record
@@ -61,7 +63,7 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     graph sits in the model (:class:`~ampfx.passes.context.Place`: its path, its leaves that keep their Python,
     its boundary dtypes, the boundaries of the kept modules it calls). Raises :class:`NotReproduced` when the
     graph does not run on ``inputs``."""
-    prefix, arrive = place.prefix, place.arrive
+    prefix = place.prefix
     gm = capture.module if capture.module is not None else graph_module(work, capture.graph)
     # torch.fx traces forward alone, and torch.export ran without the module's own hooks (but those it traced in)
     keep_hooks(gm, work, skip=TRACED_PRE_HOOKS if capture.method == "export" else ())
@@ -78,13 +80,15 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     if capture.fixed_args:
         notes.append("optional arguments fixed at their defaults while tracing (the converted module asserts "
                      f"them): {', '.join(f'{k}={v!r}' for k, v in capture.fixed_args.items())}")
-    notes += guarding.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None, prefix,
-                           exported, request.policy.pad)
-    remember(gm, work, capture, request.policy, request.resolved, prefix, arrive)
+    guard, guard_notes = guarding.attach(gm, work, capture, inputs, request.dynamic_dims if prefix == "" else None,
+                                         prefix, exported, request.policy.pad)
+    notes += guard_notes
+    made = graph_plan(gm, work, capture, request, place, guard)
     report = graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
     if any([seen.run(name, step, gm) for name, step in LOWERING]):  # after the report: it keeps every node
         gm.graph.lint()
         gm.recompile()
+    arming.plan(gm, dataclasses.replace(made, reads=reads.scan(gm, request.policy.dtype)))  # as the graph runs
     where = prefix.rstrip(".")
     return gm, dataclasses.replace(report, steps=tuple((where, s, t) for s, t in seen.steps),
                                    step_code={where: tuple(seen.code)} if seen.keep_code else {})
@@ -129,20 +133,22 @@ def kept_ends(work: nn.Module, capture: Capture, inputs: ExampleInputs | None, r
     return dataclasses.replace(boundary.ends(dry, ctx), autocast=under_autocast)
 
 
-def remember(gm: AmpGraphModule, work: nn.Module, capture: Capture, policy: Policy, resolved: Resolved, prefix: str,
-             arrive: torch.dtype | None) -> None:
-    """What ``gm`` needs to stay a faithful view of the model after conversion (:mod:`ampfx.runtime.view`): what its
-    graph fixed of ``work``'s Python (:func:`ampfx.capture.fixing.record`), where it sits, its boundary dtype, and
-    whether it keeps its own copies of ``work``'s hooks (torch.export traced a pruning pre-hook in)."""
+def graph_plan(gm: AmpGraphModule, work: nn.Module, capture: Capture, request: Request, place: Place,
+               guard: Any) -> GraphPlan:
+    """The frozen plan of ``gm``, the converted graph of ``work`` at ``place``: what it needs to stay a faithful
+    view of the model after conversion (:mod:`ampfx.runtime.view`: what its graph fixed of ``work``'s Python,
+    :func:`ampfx.capture.fixing.record`; where it sits; its boundary dtype; whether it keeps its own copies of
+    ``work``'s hooks, torch.export having traced a pruning pre-hook in) and its argument ``guard``; the table of how
+    it reads each parameter is the caller's, scanned from the graph as it runs (after lowering)."""
+    policy, prefix = request.policy, place.prefix
     targets = tuple(dict.fromkeys(str(n.target) for n in gm.graph.nodes  # constants a capture made are its own
                                   if n.op == "get_attr" and not str(n.target).startswith(MADE)))
-    rt = gm._rt
-    named = resolved.below(prefix) if prefix else resolved.leaf_names
-    rt.recorded = fixing.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
-                               torch.finfo(policy.dtype).max, capture.read, capture.folded)
-    rt.where, rt.arrive, rt.low_dtype = prefix.rstrip("."), arrive, policy.dtype
-    rt.own_hooks = capture.method == "export" and any(
+    named = request.resolved.below(prefix) if prefix else request.resolved.leaf_names
+    recorded = fixing.record(work, inlined(work, capture, policy, named), targets, capture.lifted,
+                             torch.finfo(policy.dtype).max, capture.read, capture.folded)
+    own_hooks = capture.method == "export" and any(
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())
+    return GraphPlan(prefix.rstrip("."), place.arrive, policy.dtype, recorded, own_hooks, guard, ())
 
 
 def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool,

@@ -18,7 +18,7 @@ would: a captured module whose graph depends on the mode
 conversion of its model module in that mode (this same loop: capture ladder,
 verification, modules kept eager), made when first needed: its first call in that mode,
 ``mode_module``, a pickle (:class:`ampfx.runtime.graph_module.PendingMode`,
-:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_mode_graph`); a conversion
+:attr:`ampfx.runtime.entries.GraphPlan.other`); a conversion
 whose root keeps its Python runs that Python. Inside a module that switches so,
 nothing converts a second mode again.
 """
@@ -37,7 +37,7 @@ from .policy import module_match
 from .capture import export, ladder
 from .capture.base import Capture, Uncaptured
 from .capture.tracer import AmpTracer, reads_mode
-from .runtime import handing
+from .runtime import arming, handing
 from .runtime.graph_module import AmpGraphModule, PendingMode
 from .inputs import ExampleInputs
 from .report import Report
@@ -225,8 +225,8 @@ def _captured(job: _Job, calls: _Observed, request: Request, memo: Memo) -> tupl
     ends = boundary.output_dtypes(gm)
     memo.computed[prefix] = tuple(original if k in job.keeps else computed for k, (original, computed) in enumerate(ends))
     if job.hands_on or enter is not None:  # handed low values by its siblings, or handing them its own
-        gm.set_linked(handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None,
-                                     writes=_writes_inputs(gm), keeps=job.keeps))
+        arming.amend(gm, linked=handing.Linked(tuple(original for original, _ in ends) if job.hands_on else None,
+                                               writes=_writes_inputs(gm), keeps=job.keeps))
     if switches:
         note = _other_mode(gm, job, capture, memo)
         job.part.report = dataclasses.replace(job.part.report, notes=(*job.part.report.notes, note))
@@ -303,7 +303,7 @@ def _other_mode(gm: AmpGraphModule, job: _Job, capture: Capture, memo: Memo) -> 
     a second capture (a second export, often) on a mode many uses never call, or call only later."""
     training = not job.module.training
     name, path = ("train" if training else "eval"), job.prefix.rstrip(".") or "<root>"
-    gm.set_mode_graph(training, PendingMode(training, job.inputs, memo))
+    arming.amend(gm, other=PendingMode(training, job.inputs, memo))
     return (f"{path}: the model's Python reads self.training, so its {capture.method} graph holds one mode; in "
             f"{name} mode the module runs a second conversion, made as ampfx.convert(model.{name}()) makes it, "
             f"when first needed (its first call in {name} mode, .mode_module({training}), a pickle). The records "

@@ -531,3 +531,100 @@ def test_the_parameter_scan_check_sees_one(tmp_path):
     bad.write_text("def low(gm, runtime):\n    return [n for n in gm.graph.nodes if n.op == 'get_attr'\n"
                    "            and any(u.target is runtime.cast for u in n.users)]\n")
     assert parameter_scanners({"ampfx.runtime.bad": bad}) == ["ampfx.runtime.bad.low"]
+
+
+ARMING = "ampfx.runtime.arming"
+"""The one module that writes a converted graph module's runtime state at conversion (its function ``arm``)."""
+
+RUNTIME_OWN = ("ampfx.runtime.entries", "Runtime")
+"""The runtime's own methods, which change its state as calls ask (an entry made, a structure change heard)."""
+
+
+def _runtime_like(node: ast.AST) -> bool:
+    """Does ``node`` name a runtime state: ``rt``, ``<x>._rt``, ``runtime_of(<x>)``, ``<x>.__dict__["_ampfx_runtime"]``?"""
+    if isinstance(node, ast.Name):
+        return node.id == "rt"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "_rt"
+    if isinstance(node, ast.Call):
+        return getattr(node.func, "id", getattr(node.func, "attr", None)) == "runtime_of"
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+        node.slice.value == "_ampfx_runtime"
+
+
+def runtime_writers(found: dict[str, Path] | None = None) -> list[str]:
+    """Functions of ``ampfx`` but :data:`ARMING`'s and the runtime's own methods (:data:`RUNTIME_OWN`) that write a
+    field of a graph module's runtime state (``rt.guard = ...``, ``gm._rt.alt = ...``, ``setattr(rt, ...)``) or call
+    a setter of one (``gm.set_step(...)``, ``gm.set_guard(...)``): a second place that arms a graph module."""
+    from ampfx.runtime.entries import Runtime
+
+    fields = {f for f in Runtime.__dataclass_fields__}
+    bad = []
+    for name, path in (found or modules()).items():
+        if name == ARMING:
+            continue
+        tree = ast.parse(path.read_text())
+        own = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and (name, c.name) == RUNTIME_OWN
+               for n in ast.walk(c)}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or id(fn) in own:
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    for one in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(one, ast.Attribute) and one.attr in fields and _runtime_like(one.value):
+                            bad.append(f"{name}.{fn.name}: {ast.unparse(one)} =")
+                if isinstance(node, ast.Call):
+                    called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                    if called == "setattr" and node.args and _runtime_like(node.args[0]) or \
+                            called.startswith("set_") and called[4:] in {*fields, "step", "mode_graph"}:
+                        bad.append(f"{name}.{fn.name}: {ast.unparse(node)}")
+    return sorted(set(bad))
+
+
+def test_runtime_state_is_written_only_by_the_arming_function():
+    """Rule: conversion leaves each graph module its frozen plan and writes nothing a call reads; ``arm`` (in
+    ampfx.runtime.arming) arms it, and afterwards only the runtime's own methods change its state."""
+    assert runtime_writers() == []
+
+
+def test_the_runtime_writer_check_sees_a_second_writer(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def guard(gm, g):\n    gm._rt.guard = g\n\n"
+                   "def step(gm, rt, c):\n    rt.weights, x = c, 1\n    setattr(rt, 'low', c)\n    gm.set_step('low', c)\n\n"
+                   "class Runtime:\n    def mine(self, gm):\n        gm._rt.alt = None\n")
+    assert runtime_writers({"ampfx.runtime.bad": bad}) == [
+        "ampfx.runtime.bad.guard: gm._rt.guard =", "ampfx.runtime.bad.mine: gm._rt.alt =",
+        "ampfx.runtime.bad.step: gm.set_step('low', c)", "ampfx.runtime.bad.step: rt.weights =",
+        "ampfx.runtime.bad.step: setattr(rt, 'low', c)"]
+
+
+def callers(function: str, found: dict[str, Path] | None = None) -> list[str]:
+    """Modules of ``ampfx`` whose code calls a function named ``function`` (``f(...)`` or ``<x>.f(...)``)."""
+    out = []
+    for name, path in (found or modules()).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == function:
+                out.append(name)
+                break
+    return sorted(out)
+
+
+def test_only_the_planner_scans_a_graph_for_its_parameter_reads():
+    """Rule: the planner (ampfx.rewrite) scans each finished graph once, into its plan's table; everything else
+    reads the table (ampfx.runtime.reads.reads scans only a graph module pickled before plans held one)."""
+    assert callers("scan") == ["ampfx.rewrite", "ampfx.runtime.reads"]
+
+
+def test_the_compile_backend_plans_and_does_not_convert():
+    """Rule: the torch.compile backend takes the compiler half (ampfx.plan): it arms nothing it would discard."""
+    assert "ampfx.integrations.dynamo" not in callers("convert") + callers("convert_request")
+    assert "ampfx.integrations.dynamo" in callers("plan") + callers("_plan")
+
+
+def test_the_caller_check_sees_a_call(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(api, gm):\n    return api.convert(gm)\n")
+    assert callers("convert", {"ampfx.integrations.dynamo": bad}) == ["ampfx.integrations.dynamo"]

@@ -217,6 +217,7 @@ def test_a_call_runs_the_declared_steps_in_their_order():
     note its turn, is asked once per call."""
     import contextlib
 
+    from ampfx.runtime.arming import arm
     from ampfx.runtime.entries import CALL_STEPS
 
     amp = ampfx.convert(MLP(), "bf16", example_inputs=(torch.randn(2, 16),))
@@ -245,12 +246,10 @@ def test_a_call_runs_the_declared_steps_in_their_order():
             turns.append(self.name)
             yield
 
-    for step in CALL_STEPS:
-        amp.set_step(step.field, Stub(step.field))
+    arm(amp, **{step.field: Stub(step.field) for step in CALL_STEPS})
     amp(torch.randn(2, 16))
     assert turns == [step.field for step in CALL_STEPS]
-    for step in CALL_STEPS:
-        amp.set_step(step.field, None)
+    arm(amp, **{step.field: None for step in CALL_STEPS})
     assert not amp._rt.dispatched()
 
 
@@ -309,9 +308,12 @@ def test_an_exported_graph_calls_its_ops_through_their_handles_and_compile_reads
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
-def test_binding_ops_to_handles_keeps_each_op_apart_and_leaves_strings_and_comments_alone():
-    """Rule: ops whose names would join to the same word run as themselves; a string or a comment naming an op
-    call is not rewritten."""
+def test_binding_ops_to_handles_keeps_each_op_apart_and_leaves_the_graph_and_its_code_as_they_were():
+    """Rule: ops whose names would join to the same word run as themselves (fx's code generation names each
+    one's global); a string argument naming an op call is a string; the graph's nodes and ``code`` still name the
+    ops."""
+    import torch.fx as fx
+
     from ampfx.runtime import lowered
 
     lib_a, lib_b = torch.library.Library("ampfxlw_b", "DEF"), torch.library.Library("ampfxlw", "DEF")
@@ -319,11 +321,17 @@ def test_binding_ops_to_handles_keeps_each_op_apart_and_leaves_strings_and_comme
     lib_a.impl("c", lambda x: x + 1, "CompositeExplicitAutograd")
     lib_b.define("b_c(Tensor x) -> Tensor")
     lib_b.impl("b_c", lambda x: x * 100, "CompositeExplicitAutograd")
-    src = ("\ndef forward(self, x):\n"
-           "    a = torch.ops.ampfxlw_b.c.default(x)  # torch.ops.aten.relu.default(x)\n"
-           "    b = torch.ops.ampfxlw.b_c.default(x)\n"
-           "    return (a, b, 'torch.ops.aten.relu.default(x)')\n")
-    fast = lowered.forward(src, {"torch": torch})
-    a, b, text = fast(None, torch.ones(1))
-    assert (a.item(), b.item(), text) == (2.0, 100.0, "torch.ops.aten.relu.default(x)")
-    assert fast.__ampfx_source__.count("torch.ops.aten.relu.default(x)") == 2
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.ampfxlw_b.c.default, (x,))
+    b = g.call_function(torch.ops.ampfxlw.b_c.default, (x,))
+    text = g.call_function(str, ("torch.ops.aten.relu.default(x)",))
+    g.output((g.call_function(torch.ops.ampfxlw_b.c.default, (a,)), b, text))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    code, targets = gm.code, [n.target for n in g.nodes]
+    fast = lowered.forward(gm)
+    a, b, said = fast(gm, torch.ones(1))
+    assert (a.item(), b.item(), said) == (3.0, 100.0, "torch.ops.aten.relu.default(x)")
+    assert "torch.ops" not in fast.__ampfx_source__.replace("'torch.ops.aten.relu.default(x)'", "")
+    assert gm.code == code and [n.target for n in g.nodes] == targets
+    assert lowered.forward(fx.symbolic_trace(torch.nn.ReLU())) is None  # no op overload: nothing to bind

@@ -99,13 +99,12 @@ def _params(fn: Any) -> tuple[tuple[str, int, Any], ...]:
 
 
 def attach(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,
-           dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None, pad: str) -> list[str]:
-    """Give ``gm`` (the converted graph of ``module``) the :class:`Guard` of what it was built for
-    (see :func:`build`); returns the report's notes on it. Nothing to check: no guard, no cost."""
+           dynamic_dims: dict[int, str] | None, prefix: str, facts: Exported | None,
+           pad: str) -> tuple[Guard | None, list[str]]:
+    """The :class:`Guard` of what ``gm`` (the converted graph of ``module``) was built for (see :func:`build`),
+    for its plan, and the report's notes on it. Nothing to check: no guard (``None``), no cost."""
     sig, notes = build(gm, module, capture, inputs, dynamic_dims, prefix, facts, pad)
-    if any(g is not None for g in sig.guards) or sig.scale is not None:
-        gm.set_guard(Guard(sig))
-    return notes
+    return (Guard(sig) if any(g is not None for g in sig.guards) or sig.scale is not None else None), notes
 
 
 def build(gm: fx.GraphModule, module: Any, capture: Any, inputs: ExampleInputs | None,

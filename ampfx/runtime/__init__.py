@@ -36,7 +36,7 @@ WEIGHTS = threading.local()
 (:mod:`ampfx.runtime.weight_cache`); :func:`cast` takes a cached weight's low copy from the innermost one."""
 
 CACHES = [0]
-"""How many weight caches were ever installed in this process (:func:`ampfx.runtime.weight_cache.install`): while
+"""How many weight caches were ever installed in this process (:func:`ampfx.runtime.weight_cache.cache_for`): while
 none was (the cache is off by default), :func:`cast` looks for none (a cast costs what ``Tensor.to`` costs)."""
 
 

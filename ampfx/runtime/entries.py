@@ -60,11 +60,41 @@ CALL_STEPS: tuple[Step, ...] = (
 """The call steps, in the order a call runs them (:meth:`AmpGraphModule.forward`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    """What conversion decided for one graph module, frozen: where its graph sits (``where``, the dtype its float
+    inputs ``arrive`` in, the ``low`` dtype), what its graph fixed of the model's Python (``recorded``,
+    :mod:`ampfx.capture.fixing`), whether it runs its own copies of its module's hooks (``own_hooks``: torch.export
+    traced a pre-hook in), the ``guard`` of its arguments and sizes (:mod:`ampfx.runtime.guards`; ``None``: nothing
+    to check), how it reads each parameter (``reads``, :func:`ampfx.runtime.reads.scan`: the table the weight cache,
+    inference copies and FSDP2's gather dtype read), how it hands values through an eager parent (``linked``,
+    :mod:`ampfx.runtime.handing`) and the other training mode it converts when first needed (``other``,
+    :class:`PendingMode`).
+
+    :func:`ampfx.rewrite.convert_graph` makes it, :mod:`ampfx.tree` adds ``linked`` and ``other`` (a new frozen
+    record each time), and :func:`ampfx.runtime.arming.arm` arms the graph module from it: nothing is written to
+    the runtime state before."""
+
+    where: str
+    arrive: torch.dtype | None
+    low: torch.dtype
+    recorded: Any
+    own_hooks: bool
+    guard: Any
+    reads: tuple
+    linked: Any = None
+    other: Any = None
+
+
 @dataclasses.dataclass(repr=False)
 class Runtime:
     """A converted graph module's runtime state: where its graph sits (set at conversion), its call steps'
-    objects (:data:`CALL_STEPS`) and its entries (the other training mode's conversion, those made again)."""
+    objects (:data:`CALL_STEPS`) and its entries (the other training mode's conversion, those made again).
 
+    Conversion writes it in one place, :func:`ampfx.runtime.arming.arm`, from the graph's :class:`GraphPlan`; after
+    that only its own methods change it, as calls and structure changes ask (an entry made, a change heard)."""
+
+    plan: GraphPlan | None = None  # what conversion decided (armed from it); the fields below copy what calls read
     # where the graph sits: set when it is converted
     where: str = ""
     arrive: torch.dtype | None = None
@@ -102,6 +132,22 @@ class Runtime:
         if not found:
             return None
         return cls(**found)
+
+    def heard(self, change: str) -> None:
+        """A structure change of the model module where this graph traced it (:mod:`ampfx.runtime.follow`): settled
+        at the next call."""
+        self.restructured = [*(self.restructured or ()), change]
+
+    def go_stale(self, why: str) -> None:
+        """The next call raises :class:`StaleModelError` saying ``why`` (a child replaced on the converted module
+        whose forward the graph traced)."""
+        self.stale = why
+
+    def bind_loaded(self, model: nn.Module) -> None:
+        """A loaded copy: what its graph fixed bound again to ``model`` (its own tree), as the pickle said."""
+        rebind, self.rebind = self.rebind, None
+        if rebind is not None and self.recorded is not None:
+            self.fixed = self.recorded.bind(model, *rebind, low=self.low_dtype)
 
     def dispatched(self) -> bool:
         """Does a call do more than run the graph (a step is on, or there is another entry)?"""
@@ -423,3 +469,13 @@ class ModeUnavailable(nn.Module):
             f"this converted module has no {self.mode}-mode conversion: converting the model in {self.mode} "
             f"mode failed ({self.why}). Convert the model in {self.mode} mode for that "
             f"(ampfx.convert(model.{self.mode}(), ...)), or use it in {other} mode only.")
+
+
+def plan_of(gm: nn.Module) -> GraphPlan | None:
+    """``gm``'s :class:`GraphPlan`: the one conversion left on it until it is armed, then its runtime's; ``None``
+    for a module that is no converted graph module (or one loaded from a pickle made before plans)."""
+    plan = gm.__dict__.get("_ampfx_plan")
+    if plan is not None:
+        return plan
+    rt = gm.__dict__.get("_ampfx_runtime")
+    return getattr(rt, "plan", None)

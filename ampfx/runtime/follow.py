@@ -282,13 +282,8 @@ def _describe(meta: tuple | None, new: Any) -> str:
     return f"was {one(meta)}, is {one(_meta(new))}"
 
 
-def follow(model: nn.Module, result: nn.Module, views: Any) -> Follower:
-    """Make ``result`` (the converted ``model``, whose stand-ins ``views`` lists) check the model's structure
-    from its next call on."""
-    follower = Follower(model, views)
-    setter = getattr(result, "set_check", None)
-    if setter is not None:  # a converted graph module calls it inline (cheaper than a hook)
-        setter(follower)
-    else:  # a mirror: the root keeps its Python
-        object.__setattr__(result, "_ampfx_check", follower)
-    return follower
+def follow(model: nn.Module, views: Any) -> Follower:
+    """The follower of ``model``'s structure for its converted module (whose stand-ins ``views`` lists), which the
+    converted root is armed with (:func:`ampfx.runtime.arming.arm`, ``check``: a graph module calls it inline,
+    cheaper than a hook; a mirror, the root keeping its Python, before its Python runs)."""
+    return Follower(model, views)

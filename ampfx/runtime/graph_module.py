@@ -19,8 +19,7 @@ children (a :class:`~ampfx.runtime.view.Mirror`). What the graph fixed about the
 (training flags, attributes, globals, hooks of the modules it traced through, the dtype
 and device of the tensors it reads: :mod:`ampfx.runtime.fixed`) is checked before each call; when
 it no longer holds, the module runs a conversion that does (the other training mode's,
-or one made again at the call: :meth:`AmpGraphModule.set_mode_graph`,
-:meth:`AmpGraphModule.set_reconvert`), or raises
+or one made again at the call: :mod:`ampfx.runtime.entries`, armed by :func:`ampfx.runtime.arming.arm`), or raises
 :class:`~ampfx.errors.StaleModelError` naming the change.
 
 A copy (``copy.deepcopy``) copies the model module along and stays a view of the copy;
@@ -178,7 +177,7 @@ class AmpGraphModule(fx.GraphModule):
             if self.__dict__["_modules"].get(name) is value:
                 return  # set back as it was (a wrapping pass visits every child)
             if recorded is not None and any(p == name or p.startswith(name + ".") for p in recorded.inlined):
-                self._rt.stale = (
+                self._rt.go_stale(
                     f"{name} was replaced on the converted module, but its graph traced the old module's forward, "
                     f"so the new one would not run. Replace it on the model and convert again, or keep it as a "
                     f"module boundary (keep_modules=[{name!r}])")
@@ -220,46 +219,6 @@ class AmpGraphModule(fx.GraphModule):
             rt = self.__dict__["_ampfx_runtime"] = Runtime()
         return rt
 
-    def set_mode_graph(self, training: bool, other: nn.Module) -> None:
-        """Run ``other`` whenever this module is in mode ``training``: the module's own conversion in
-        that mode (a graph module, or the model's Python with its children converted), over the same
-        parameters and buffers."""
-        self._rt.alt = (training, other)
-        self._install_dispatch()
-
-    def set_step(self, field: str, value: Any) -> None:
-        """Turn on the call step held in ``field`` (:data:`~ampfx.runtime.entries.CALL_STEPS`: ``check`` the
-        model's structure, ``linked`` handing, ``fixed`` what the graph fixed, ``guard`` the arguments, ``low`` and
-        ``weights`` the weight copies) with its object ``value``; ``None`` turns it off."""
-        setattr(self._rt, field, value)
-        self._install_dispatch()
-
-    def set_fixed(self, fixed: Any) -> None:
-        """Check ``fixed`` (:class:`ampfx.runtime.fixed.Fixed`) before the graph runs: what it fixed of the model's
-        Python still holds, or another conversion runs."""
-        self.set_step("fixed", fixed)
-
-    def set_reconvert(self, reconvert: Callable[..., nn.Module] | None) -> None:
-        """``reconvert(self, args, kwargs, changes)`` converts the model module again when neither this
-        graph nor another conversion holds (:class:`ampfx.runtime.view.Reconvert`); ``None``: raise instead."""
-        self._rt.reconvert = reconvert
-
-    def set_linked(self, linked: Any) -> None:
-        """Run inside ``linked.run`` (:class:`ampfx.runtime.handing.Linked`): a child of a module that keeps its
-        Python, handed low values by its siblings or handing them its own."""
-        self.set_step("linked", linked)
-
-    def set_guard(self, guard: Any) -> None:
-        """Call ``guard(args, kwargs)`` (:mod:`ampfx.runtime.guards`) before this module's own graph runs: after
-        the choice of conversion, so a call in the other training mode is checked by that mode's
-        conversion alone (it may accept what this graph would not)."""
-        self.set_step("guard", guard)
-
-    def set_check(self, check: Any) -> None:
-        """Call ``check(self)`` before every call (:mod:`ampfx.runtime.follow`: the model's structure); a copy or
-        an unpickled module has none."""
-        self.set_step("check", check)
-
     def mode_module(self, training: bool) -> nn.Module:
         """The module that runs when this one is in mode ``training`` (itself, or the other mode's
         conversion, whose ``ampfx_report`` says what it runs; made now if it was not yet: :class:`PendingMode`)."""
@@ -278,8 +237,7 @@ class AmpGraphModule(fx.GraphModule):
         replaced or added, a tied tensor untied): at the next call its graph, the other mode's and the
         conversions made again so far are retired, and the model module is converted again (within
         ``reconvert_limit``, as for a changed value)."""
-        rt = self._rt
-        rt.restructured = [*(rt.restructured or ()), change]
+        self._rt.heard(change)
 
     def _run_graph(self, args: tuple, kwargs: dict) -> Any:
         """The steps after the choice of entry (``guard``, ``low``, ``weights``), then this module's graph."""
@@ -316,7 +274,7 @@ class AmpGraphModule(fx.GraphModule):
         the line cache anyway, so tracebacks show its lines."""
         code = super().recompile()
         cls = type(self)
-        fast = lowered.forward(self._code, cls.forward.__globals__, getattr(self._graph, "_co_fields", None))
+        fast = lowered.forward(self)
         if fast is not None:  # its ops through their C++ handles (ampfx.runtime.lowered)
             cls.forward = lowered.either(cls.forward, fast)
         if "__call__" in type(self).__dict__:  # fx's wrapper: nn.Module.__call__ (looked up, so tracers patch it)
@@ -480,9 +438,7 @@ def _rebuild(fn, args, tree: dict, pytree_info=None) -> AmpGraphModule:  # noqa:
     if model is not None:  # a view of the loaded copy of its model module, as a deep copy is
         gm.view_of(model)
     rt = gm._rt
-    rebind, rt.rebind = rt.rebind, None
-    if rebind is not None and rt.recorded is not None:
-        rt.fixed = rt.recorded.bind(model if model is not None else gm, *rebind, low=rt.low_dtype)
+    rt.bind_loaded(model if model is not None else gm)
     if rt.dispatched():
         gm._install_dispatch()
     return gm

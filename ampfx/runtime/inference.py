@@ -137,7 +137,8 @@ _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
     """Make ``gm`` read a low-precision copy of each parameter all of whose uses are casts to ``low``
-    (tied parameters share one copy); the copies, made now."""
+    (tied parameters share one copy); the copies, made now, which ``gm`` is armed with
+    (:func:`ampfx.runtime.arming.arm`, ``low``)."""
     names = _low_only_params(gm, low)
     copies = LowCopies(low)
     attrs: dict[tuple[int, str], str] = {}
@@ -156,5 +157,4 @@ def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
     lent = copies.refresh(gm)
     if lent:  # converted while functional_call's values sit in the parameters' places: copies made at the first call
         copies.put_back(gm, lent)
-    gm.set_step("low", copies)
     return copies

@@ -6,102 +6,90 @@
 2 us such a call takes on a small tensor (torch 2.14, one CPU thread); an exported graph calls every op so, and a
 converted BERT's forward runs hundreds of them a step.
 
-:func:`forward` writes the graph's code again with each such op bound to its handle, and
-:func:`either` runs that code except under ``torch.compile``, which traces the code fx wrote (dynamo knows
-``torch.ops`` calls, not the handles). The graph itself is not changed: its nodes, the decision log, pickles
-and ``gm.code`` keep naming the ops. Calls through the handle go through torch's dispatcher as before
-(``__torch_function__`` and dispatch modes see the same ``OpOverload``).
+:func:`forward` has fx generate the graph's code a second time with each such op standing as a global of its own
+(fx's code generation names globals for what is not torch's: one name per op, kept apart by fx's namespace), and
+binds each of those names to the op's handle: no text of the code is rewritten. :func:`either` runs that code
+except under ``torch.compile``, which traces the code fx wrote first (dynamo knows ``torch.ops`` calls, not the
+handles). The graph itself is not changed: its nodes, the decision log, pickles and ``gm.code`` keep naming the
+ops. Calls through the handle go through torch's dispatcher as before (``__torch_function__`` and dispatch modes see
+the same ``OpOverload``). :class:`~ampfx.runtime.graph_module.AmpGraphModule` does it each time its code is
+generated (``recompile``: after conversion, when inference copies rename reads, in a copy, in a loaded pickle).
 
 >>> import torch, torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x")
 >>> _ = g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
 >>> gm = fx.GraphModule(torch.nn.Module(), g)
->>> fast = forward(gm.code, type(gm).forward.__globals__)
+>>> fast = forward(gm)
 >>> fast(gm, torch.tensor([-1.0, 2.0]))
 tensor([0., 2.])
->>> "_ampfx_op0_relu_default(" in fast.__ampfx_source__
-True
+>>> "ampfx_op_aten_relu_default(" in fast.__ampfx_source__, "torch.ops.aten.relu.default(" in gm.code
+(True, True)
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import io
-import re
-import tokenize
 from typing import Any, Callable
 
 import torch
+import torch.fx as fx
 from torch.fx.graph_module import _forward_from_src
 
 from . import is_compiling
 
 __all__ = ["either", "forward"]
 
-_CALL = re.compile(r"(?<![\w.])torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")
-"""A call of an op overload as fx writes it: ``torch.ops.<namespace>.<op>.<overload>(``."""
 
-
-def _handle(namespace: str, name: str, overload: str) -> Callable | None:
-    """The C++ handle ``OpOverload.__call__`` would call for ``torch.ops.namespace.name.overload``, or ``None``
-    where that call does more (an op with a Python dispatcher object) or the name is no overload."""
-    try:
-        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    except (AttributeError, RuntimeError):
-        return None
+def _handle(op: Any) -> Callable | None:
+    """The C++ handle ``OpOverload.__call__`` would call for ``op``, or ``None`` where that call does more (an op with
+    a Python dispatcher object, a TorchBind op) or ``op`` is no op overload."""
     if type(op) is not torch._ops.OpOverload or getattr(op, "_pyobj_dispatcher", None) is not None:
-        return None  # (a TorchBind op's call, or one with a Python dispatcher object, does more than its handle)
+        return None
     return getattr(op, "_op", None)
 
 
-def forward(src: str, globals_: dict[str, Any], co_fields: dict[str, Any] | None = None) -> Callable | None:
-    """The function fx's ``src`` (a graph module's ``code``, its globals ``globals_``) defines, with each op
-    overload bound to its C++ handle; ``None`` when it calls none."""
-    names: dict[str, Callable] = {}
-    aliases: dict[tuple[str, ...], str] = {}
-    quoted: list[tuple[int, int]] = []
+class _Slot:
+    """An op as fx's code generation sees it while :func:`forward` runs it: not torch's (so fx names a global for
+    it, ``ampfx_op_<namespace>_<op>_<overload>``), the handle to bind that global to."""
 
-    def in_text(at: int) -> bool:
-        """Is offset ``at`` inside a string or a comment? fx writes neither across lines, so only a line with a
-        quote or ``#`` before ``at`` is tokenized (once; about 20 ms for a graph of 500 lines)."""
-        if not any(c in src[src.rfind("\n", 0, at) + 1:at] for c in "'\"#"):
-            return False
-        if not quoted:
-            quoted.extend(_strings_and_comments(src) or [(-1, -1)])
-        return any(start <= at < end for start, end in quoted)
+    def __init__(self, op: torch._ops.OpOverload, handle: Callable) -> None:
+        self.__module__ = "ampfx_op"
+        self.__name__ = f"{op.namespace}_{op._opname}_{op._overloadname}"
+        self.handle, self.op = handle, op
 
-    def bind(match: re.Match) -> str:
-        if in_text(match.start()):
-            return match.group(0)
-        handle = _handle(*match.groups())
-        if handle is None:
-            return match.group(0)
-        if match.groups() not in aliases:  # one name per op, numbered: names joined by "_" could collide
-            aliases[match.groups()] = f"_ampfx_op{len(aliases)}_{match.group(2)}_{match.group(3)}"
-            names[aliases[match.groups()]] = handle
-        return aliases[match.groups()] + "("
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # never run: its global is bound to the handle
+        return self.op(*args, **kwargs)
 
-    lowered = _CALL.sub(bind, src)
-    if not names:
+
+def forward(gm: fx.GraphModule) -> Callable | None:
+    """The function fx generates for ``gm``'s graph, with each op overload a call of its C++ handle; ``None`` when
+    the graph calls none. fx generates it with each such node's target standing as a :class:`_Slot` (put back
+    before this returns), and each slot's global is bound to its handle."""
+    graph = gm.graph
+    slots: dict[Any, _Slot] = {}
+    swapped = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        slot = slots.get(node.target)
+        if slot is None:
+            handle = _handle(node.target)
+            if handle is None:
+                continue
+            slot = slots[node.target] = _Slot(node.target, handle)
+        swapped.append((node, node.target))
+        node.target = slot
+    if not swapped:
         return None
-    fn = _forward_from_src(lowered, {**globals_, **names}, co_fields)
-    fn.__ampfx_source__ = lowered
-    return fn
-
-
-def _strings_and_comments(src: str) -> list[tuple[int, int]]:
-    """The spans (offsets into ``src``) of its string literals and comments, which name no call."""
-    starts = [0]
-    for line in src.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line))
-    spans = []
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-            if tok.type in (tokenize.STRING, tokenize.COMMENT):
-                spans.append((starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]))
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        return [(0, len(src))]  # not read: nothing bound
-    return spans
+        code = graph.python_code(root_module="self")
+    finally:
+        for node, target in swapped:
+            node.target = target
+    bound = {name: value.handle if isinstance(value, _Slot) else value for name, value in code.globals.items()}
+    fn = _forward_from_src(code.src, bound, getattr(graph, "_co_fields", None))
+    fn.__ampfx_source__ = code.src
+    return fn
 
 
 def either(plain: Callable, fast: Callable) -> Callable:

@@ -1,10 +1,10 @@
 """How a converted graph reads each parameter: the one scan of a graph for the dtypes its parameters are read in.
 
-Three things ask it of a graph module: the weight cache (:mod:`ampfx.runtime.weight_cache`: the parameters cast to
+The planner scans each converted graph once (:func:`scan`: the table its :class:`~ampfx.runtime.entries.GraphPlan`
+keeps). Three things read that table, with the parameters the graph module holds then (:func:`reads`): the weight cache (:mod:`ampfx.runtime.weight_cache`: the parameters cast to
 the low dtype, and how many times a call), the copies of ``mode="inference"`` (:mod:`ampfx.runtime.inference`: the
 parameters every read of which is a cast to the low dtype) and FSDP2's gather dtype
-(:mod:`ampfx.integrations.fsdp`: per parameter, low only where every read is). :func:`reads` answers for all three,
-one :class:`Read` per use.
+(:mod:`ampfx.integrations.fsdp`: per parameter, low only where every read is): one :class:`Read` per use.
 
 >>> import torch, ampfx
 >>> amp = ampfx.convert(torch.nn.Linear(4, 2), "bf16", gemm_min_flops=0, weight_cache=False)
@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .. import runtime
+from .entries import plan_of
 from .graph_module import AmpGraphModule
 
 HOW = ("cast", "cast_pad", "module_low", "module_float32", "module", "as_is", "unused")
@@ -53,17 +54,52 @@ class Read:
         return self.how in ("cast", "module_low") and self.dtype == low
 
 
+@dataclass(frozen=True)
+class Use:
+    """One row of a graph's table of parameter reads (:attr:`ampfx.runtime.entries.GraphPlan.reads`): the
+    ``get_attr`` or module ``path`` read, ``how`` (:data:`HOW`), the ``dtype`` it gives, ``by`` what, in words;
+    ``module``: ``path`` names a module whose own parameters (:func:`own`) are read so."""
+
+    path: str
+    how: str
+    dtype: torch.dtype | None
+    by: str
+    module: bool = False
+
+
+def scan(gm: fx.GraphModule, low: torch.dtype) -> tuple[Use, ...]:
+    """The table of every use of a parameter in ``gm``'s graph, in graph order (a converted module the graph calls
+    reads its own, in its own graph: none of those); ``low``: the conversion's low dtype (a module run low is read
+    in it). The planner's (:func:`ampfx.rewrite.convert_graph`): it scans the finished graph once."""
+    return tuple(_uses(gm, low))
+
+
 def reads(gm: fx.GraphModule, low: torch.dtype) -> list[Read]:
-    """Every use of a parameter in ``gm``'s graph (a converted module the graph calls reads its own, in its own
-    graph: none of those), in graph order; ``low``: the conversion's low dtype (a module run low is read in it)."""
-    return list(_reads(gm, low))
+    """Every use of a parameter in ``gm``'s graph, in graph order, read from its plan's table
+    (:attr:`ampfx.runtime.entries.GraphPlan.reads`) with the parameters ``gm`` holds now; a graph module with no
+    plan (loaded from a pickle made before plans held one) is scanned."""
+    plan = plan_of(gm)
+    table = plan.reads if plan is not None else scan(gm, low)
+    out = []
+    for use in table:
+        try:
+            value = operator.attrgetter(use.path)(gm)
+        except AttributeError:  # no longer there (a module replaced since): its graph is converted again
+            continue
+        if use.module:
+            out += [Read(p, use.path, use.how, use.dtype, use.by) for p in own(value)]
+        elif isinstance(value, nn.Parameter):
+            owner_path, _, leaf = use.path.rpartition(".")
+            holder = gm.get_submodule(owner_path) if owner_path else gm
+            owner = holder._parameters if holder._parameters.get(leaf) is value else None
+            out.append(Read(value, use.path, use.how, use.dtype, use.by, owner, leaf))
+    return out
 
 
-def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[Read]:
+def _uses(gm: fx.GraphModule, low: torch.dtype) -> Iterator[Use]:
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            for p in own(gm.get_submodule(node.target)):
-                yield Read(p, str(node.target), "module", None, f"{node.target}'s own forward")
+            yield Use(str(node.target), "module", None, f"{node.target}'s own forward", module=True)
         if node.op != "get_attr":
             continue
         target = str(node.target)
@@ -72,18 +108,15 @@ def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[Read]:
         except AttributeError:  # a constant the graph holds outside the module tree (a generator the model owns)
             continue
         if isinstance(value, nn.Parameter):
-            owner_path, _, leaf = target.rpartition(".")
-            holder = gm.get_submodule(owner_path) if owner_path else gm
-            owner = holder._parameters if holder._parameters.get(leaf) is value else None
             if not node.users:
-                yield Read(value, target, "unused", None, "nothing", owner, leaf)
+                yield Use(target, "unused", None, "nothing")
             for user in node.users:
                 how = {runtime.cast: "cast", runtime.cast_pad: "cast_pad"}.get(user.target, "as_is") \
                     if user.op == "call_function" and user.args[0] is node else "as_is"
                 if how == "as_is":
-                    yield Read(value, target, how, None, users_of(user), owner, leaf)
+                    yield Use(target, how, None, users_of(user))
                 else:
-                    yield Read(value, target, how, user.args[1], users(user), owner, leaf)
+                    yield Use(target, how, user.args[1], users(user))
         elif isinstance(value, nn.Module):
             for user in node.users:
                 if user.target is runtime.call_module_low and not any(parametrize.is_parametrized(m)
@@ -95,8 +128,7 @@ def _reads(gm: fx.GraphModule, low: torch.dtype) -> Iterator[Read]:
                     how, dtype, by = "module_float32", torch.float32, f"{target}'s parametrization"
                 else:
                     how, dtype, by = "module", None, f"{target}'s own forward"
-                for p in own(value):
-                    yield Read(p, target, how, dtype, by)
+                yield Use(target, how, dtype, by, module=True)
 
 
 def own(module: nn.Module) -> Iterator[nn.Parameter]:

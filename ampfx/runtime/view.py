@@ -43,6 +43,7 @@ import torch.nn as nn
 from .. import runtime
 from ..errors import StaleModelError
 from . import handing
+from .entries import plan_of
 from .graph_module import HOOKS, AmpGraphModule
 from ..state import CONTAINERS, origin_of, same_contents
 
@@ -203,6 +204,7 @@ class Views:
     name."""
 
     graphs: list[tuple[AmpGraphModule, nn.Module]] = dataclasses.field(default_factory=list)
+    bound: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # id(graph module) -> what to arm
     holders: dict[int, list[nn.Module]] = dataclasses.field(default_factory=dict)  # id(model module) -> stand-ins
     inlined: dict[int, nn.Module] = dataclasses.field(default_factory=dict)
     read_tensors: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (id(model module), name)
@@ -262,14 +264,15 @@ def _view_graph(gm: AmpGraphModule, m: nn.Module | None, views: Views, where: st
         for name in HOOKS:
             if isinstance(gm.__dict__.get(name), dict):
                 gm.__dict__[name] = type(gm.__dict__[name])()
-    elif not gm._rt.own_hooks:
+    plan = plan_of(gm)
+    if not alternative and not plan.own_hooks:
         gm.share_hooks(m)
     views.graphs.append((gm, m))
     views.hold(m, gm)
-    recorded = gm._rt.recorded
-    if recorded is not None:
-        gm.set_fixed(recorded.bind(m, where, root_hooks=gm._rt.own_hooks and not alternative,
-                                   low=gm._rt.low_dtype))
+    bound = views.bound[id(gm)] = {}
+    recorded = plan.recorded
+    if recorded is not None:  # armed with the graph (ampfx.runtime.arming)
+        bound["fixed"] = recorded.bind(m, where, root_hooks=plan.own_hooks and not alternative, low=plan.low)
         for path in recorded.inlined:
             sub = _at(m, path)
             if sub is not None:
@@ -278,9 +281,8 @@ def _view_graph(gm: AmpGraphModule, m: nn.Module | None, views: Views, where: st
             sub = _at(m, owner)
             if sub is not None:
                 views.read_tensors.add((id(sub), attr))
-    alt = gm._rt.alt
-    if alt is not None:
-        gm._rt.alt = (alt[0], _view(alt[1], m, views, where, root=True, alternative=True))
+    if plan.other is not None:
+        bound["alt"] = (plan.other.mode, _view(plan.other, m, views, where, root=True, alternative=True))
     return gm
 
 
@@ -335,7 +337,7 @@ def _unchanged(r: nn.Module, m: nn.Module) -> bool:
 @dataclasses.dataclass
 class Reconvert:
     """Converts a graph module's model module again, with the values it has now, on the inputs of the call
-    that found its graph's fixed values changed (:meth:`ampfx.runtime.graph_module.AmpGraphModule.set_reconvert`).
+    that found its graph's fixed values changed (armed with it: :func:`ampfx.runtime.arming.arm`).
     At most ``limit`` times per module (``Policy.reconvert_limit``). With ``training``, it makes the other
     training mode's conversion instead, when first needed
     (:class:`~ampfx.runtime.graph_module.PendingMode`; ``memo``: what the first mode's capture learnt)."""

@@ -423,10 +423,10 @@ def cast_weights(gm: fx.GraphModule, low: torch.dtype) -> list[tuple[dict, str, 
     return [tuple(f) for f in found.values()]
 
 
-def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None,
-            weights: list[tuple[dict, str, str, int]] | None = None) -> WeightCache | None:
-    """Give ``gm`` a weight cache over each parameter of :func:`cast_weights` (``weights``, where the caller has
-    them already). With ``auto_from`` (elements), the ``"auto"`` cache over those of at least that size
+def cache_for(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None,
+              weights: list[tuple[dict, str, str, int]] | None = None) -> WeightCache | None:
+    """The weight cache ``gm`` is armed with (:func:`ampfx.runtime.arming.arm`, ``weights``): over each parameter
+    of :func:`cast_weights` (``weights``, where the caller has them already). With ``auto_from`` (elements), the ``"auto"`` cache over those of at least that size
     (:class:`_Auto`), and none where no parameter is that large (``None``: nothing to check at each call); without
     it, every one at every call. The graph is not changed."""
     weights = cast_weights(gm, low) if weights is None else weights
@@ -438,7 +438,6 @@ def install(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None,
         entry = {w[2]: e for w, e in zip(weights, cache.entries)}
         large = [entry[w[2]] for w in sized]
         cache.auto = _Auto(large, [entry[w[2]] for w in sized if w[3] > 1], watched(large))
-    gm.set_step("weights", cache)
     return cache
 
 
