@@ -540,22 +540,63 @@ RUNTIME_OWN = ("ampfx.runtime.entries", "Runtime")
 """The runtime's own methods, which change its state as calls ask (an entry made, a structure change heard)."""
 
 
-def _runtime_like(node: ast.AST) -> bool:
-    """Does ``node`` name a runtime state: ``rt``, ``<x>._rt``, ``runtime_of(<x>)``, ``<x>.__dict__["_ampfx_runtime"]``?"""
+def _runtime_like(node: ast.AST, aliases: set[str] = frozenset()) -> bool:
+    """Does ``node`` name a runtime state: ``rt`` (or a local name bound to one), ``<x>._rt``, ``runtime_of(<x>)``,
+    ``<x>.__dict__["_ampfx_runtime"]``, ``vars(<one of those>)``, ``<one of those>.__dict__``?"""
     if isinstance(node, ast.Name):
-        return node.id == "rt"
+        return node.id == "rt" or node.id in aliases
     if isinstance(node, ast.Attribute):
-        return node.attr == "_rt"
+        return node.attr == "_rt" or node.attr == "__dict__" and _runtime_like(node.value, aliases)
     if isinstance(node, ast.Call):
-        return getattr(node.func, "id", getattr(node.func, "attr", None)) == "runtime_of"
-    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
-        node.slice.value == "_ampfx_runtime"
+        called = getattr(node.func, "id", getattr(node.func, "attr", None))
+        return called == "runtime_of" or called == "vars" and bool(node.args) and _runtime_like(node.args[0], aliases)
+    return isinstance(node, ast.Subscript) and (
+        isinstance(node.slice, ast.Constant) and node.slice.value == "_ampfx_runtime" or _runtime_like(node.value, aliases))
+
+
+def _aliases(fn: ast.AST) -> set[str]:
+    """Local names ``fn`` binds to a runtime state (``state = gm._rt``), to a fixed point."""
+    found: set[str] = set()
+    while True:
+        more = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and _runtime_like(node.value, found)
+                for t in node.targets if isinstance(t, ast.Name)} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _writes(node: ast.AST, fields: set[str], aliases: set[str]) -> list[str]:
+    """What ``node`` writes of a runtime state (or of a mirror's armed check), in words."""
+    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    out = []
+    for t in targets:
+        for one in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            if isinstance(one, ast.Attribute) and (one.attr in fields and _runtime_like(one.value, aliases)
+                                                   or one.attr == "_ampfx_check"):
+                out.append(f"{ast.unparse(one)} {'deleted' if isinstance(node, ast.Delete) else '='}")
+            elif isinstance(one, ast.Subscript) and _runtime_like(one.value, aliases) and not (
+                    isinstance(one.slice, ast.Constant) and one.slice.value == "_ampfx_runtime"):
+                out.append(f"{ast.unparse(one)} =")
+    if isinstance(node, ast.Call):
+        called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+        first = node.args[0] if node.args else None
+        if called == "setattr" and first is not None and _runtime_like(first, aliases) or \
+                called == "__setattr__" and (first is not None and _runtime_like(first, aliases) or len(node.args) > 1
+                                             and isinstance(node.args[1], ast.Constant)
+                                             and node.args[1].value == "_ampfx_check") or \
+                called == "update" and isinstance(node.func, ast.Attribute) and _runtime_like(node.func.value, aliases) \
+                or called.startswith("set_") and called[4:] in {*fields, "step", "mode_graph"}:
+            out.append(ast.unparse(node))
+    return out
 
 
 def runtime_writers(found: dict[str, Path] | None = None) -> list[str]:
-    """Functions of ``ampfx`` but :data:`ARMING`'s and the runtime's own methods (:data:`RUNTIME_OWN`) that write a
-    field of a graph module's runtime state (``rt.guard = ...``, ``gm._rt.alt = ...``, ``setattr(rt, ...)``) or call
-    a setter of one (``gm.set_step(...)``, ``gm.set_guard(...)``): a second place that arms a graph module."""
+    """Code of ``ampfx`` but :data:`ARMING`'s and the runtime's own methods (:data:`RUNTIME_OWN`) that writes a
+    field of a graph module's runtime state (``rt.guard = ...``, ``state = gm._rt; state.alt = ...``, ``del rt.fixed``,
+    ``setattr(rt, ...)``, ``object.__setattr__(rt, ...)``, ``vars(rt).update(...)``, ``rt.__dict__[...] = ...``),
+    arms a mirror's check (``_ampfx_check``) or calls a setter of one (``gm.set_step(...)``): a second place that
+    arms a graph module. Module-level code counts as a function named ``<module>``."""
     from ampfx.runtime.entries import Runtime
 
     fields = {f for f in Runtime.__dataclass_fields__}
@@ -566,21 +607,18 @@ def runtime_writers(found: dict[str, Path] | None = None) -> list[str]:
         tree = ast.parse(path.read_text())
         own = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and (name, c.name) == RUNTIME_OWN
                for n in ast.walk(c)}
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or id(fn) in own:
-                continue
+        scopes = [fn for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                  and id(fn) not in own]
+        inner = {id(n) for fn in scopes for n in ast.walk(fn)}
+        module_level = ast.Module(body=[n for n in tree.body if id(n) not in inner and id(n) not in own
+                                        and not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))],
+                                  type_ignores=[])
+        for fn in [*scopes, module_level]:
+            label = getattr(fn, "name", "<lambda>" if isinstance(fn, ast.Lambda) else "<module>")
+            aliases = _aliases(fn)
             for node in ast.walk(fn):
-                targets = node.targets if isinstance(node, ast.Assign) else \
-                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-                for t in targets:
-                    for one in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                        if isinstance(one, ast.Attribute) and one.attr in fields and _runtime_like(one.value):
-                            bad.append(f"{name}.{fn.name}: {ast.unparse(one)} =")
-                if isinstance(node, ast.Call):
-                    called = getattr(node.func, "id", getattr(node.func, "attr", ""))
-                    if called == "setattr" and node.args and _runtime_like(node.args[0]) or \
-                            called.startswith("set_") and called[4:] in {*fields, "step", "mode_graph"}:
-                        bad.append(f"{name}.{fn.name}: {ast.unparse(node)}")
+                if fn is not module_level or id(node) not in inner:
+                    bad += [f"{name}.{label}: {w}" for w in _writes(node, fields, aliases)]
     return sorted(set(bad))
 
 
@@ -594,11 +632,23 @@ def test_the_runtime_writer_check_sees_a_second_writer(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def guard(gm, g):\n    gm._rt.guard = g\n\n"
                    "def step(gm, rt, c):\n    rt.weights, x = c, 1\n    setattr(rt, 'low', c)\n    gm.set_step('low', c)\n\n"
+                   "def alias(gm, c):\n    state = gm._rt\n    other = state\n    other.alt = c\n    del state.fixed\n"
+                   "    object.__setattr__(state, 'check', c)\n    vars(gm._rt).update(low=c)\n"
+                   "    gm._rt.__dict__['guard'] = c\n\n"
+                   "def mirror(m, c):\n    object.__setattr__(m, '_ampfx_check', c)\n\n"
+                   "fn = lambda gm: setattr(gm._rt, 'low', None)\n"
                    "class Runtime:\n    def mine(self, gm):\n        gm._rt.alt = None\n")
-    assert runtime_writers({"ampfx.runtime.bad": bad}) == [
+    assert runtime_writers({"ampfx.runtime.bad": bad}) == sorted([
+        "ampfx.runtime.bad.<lambda>: setattr(gm._rt, 'low', None)",
+        "ampfx.runtime.bad.alias: state.fixed deleted",
+        "ampfx.runtime.bad.alias: gm._rt.__dict__['guard'] =",
+        "ampfx.runtime.bad.alias: object.__setattr__(state, 'check', c)",
+        "ampfx.runtime.bad.alias: other.alt =",
+        "ampfx.runtime.bad.alias: vars(gm._rt).update(low=c)",
         "ampfx.runtime.bad.guard: gm._rt.guard =", "ampfx.runtime.bad.mine: gm._rt.alt =",
+        "ampfx.runtime.bad.mirror: object.__setattr__(m, '_ampfx_check', c)",
         "ampfx.runtime.bad.step: gm.set_step('low', c)", "ampfx.runtime.bad.step: rt.weights =",
-        "ampfx.runtime.bad.step: setattr(rt, 'low', c)"]
+        "ampfx.runtime.bad.step: setattr(rt, 'low', c)"])
 
 
 def callers(function: str, found: dict[str, Path] | None = None) -> list[str]:

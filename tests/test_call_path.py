@@ -335,3 +335,26 @@ def test_binding_ops_to_handles_keeps_each_op_apart_and_leaves_the_graph_and_its
     assert "torch.ops" not in fast.__ampfx_source__.replace("'torch.ops.aten.relu.default(x)'", "")
     assert gm.code == code and [n.target for n in g.nodes] == targets
     assert lowered.forward(fx.symbolic_trace(torch.nn.ReLU())) is None  # no op overload: nothing to bind
+
+
+def test_binding_ops_to_handles_never_writes_the_graph(monkeypatch):
+    """Rule: the code with ops bound to their handles is generated from a copy of the graph: no node of the graph
+    is written meanwhile (another thread may be pickling or copying it)."""
+    import torch.fx as fx
+
+    from ampfx.runtime import lowered
+
+    amp = ampfx.convert(MLP(), "bf16", example_inputs=(torch.randn(4, 16),), tracer="export", gemm_min_flops=0)
+    mine = set(amp.graph.nodes)
+    written = []
+    setattr_ = fx.Node.__setattr__
+
+    def watch(node, name, value):  # noqa: ANN001
+        if node in mine and name == "target":
+            written.append(node.name)
+        setattr_(node, name, value)
+
+    monkeypatch.setattr(fx.Node, "__setattr__", watch)
+    fast = lowered.forward(amp)
+    assert fast is not None and "ampfx_op_aten_" in fast.__ampfx_source__
+    assert written == []

@@ -106,3 +106,21 @@ def test_functional_call_with_plain_tensors_leaves_the_models_copies_in_place():
         torch.testing.assert_close(infer(x), own, rtol=0, atol=0)
     held = {id(v) for v in infer.__dict__.values()} | {id(e[3]) for e in infer._rt.low.entries}
     assert not held & {id(v) for v in other.values()}
+
+
+def test_the_plans_table_of_reads_follows_the_copies_inference_mode_reads():
+    """Rule: where inference mode makes the graph read a low copy in place of a parameter, the plan's table of
+    parameter reads says so (the parameter is read by no graph), as the graph does: FSDP2's gather dtype, which
+    reads the table, gathers those in float32."""
+    from ampfx.integrations.fsdp import decide
+    from ampfx.runtime.reads import reads
+
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    x = torch.randn(4, 8)
+    train = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0)
+    infer = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode="inference")
+    assert {r.path for r in reads(train, torch.bfloat16) if r.how == "cast"} >= {"0.weight", "2.weight"}
+    copied = set(infer._rt.low.paths)
+    assert {"0.weight", "2.weight"} <= copied
+    assert not copied & {r.path for r in reads(infer, torch.bfloat16)}
+    assert {d.name: d.dtype for d in decide(infer)}["0.weight"] == torch.float32

@@ -63,33 +63,38 @@ class _Slot:
 
 def forward(gm: fx.GraphModule) -> Callable | None:
     """The function fx generates for ``gm``'s graph, with each op overload a call of its C++ handle; ``None`` when
-    the graph calls none. fx generates it with each such node's target standing as a :class:`_Slot` (put back
-    before this returns), and each slot's global is bound to its handle."""
-    graph = gm.graph
-    slots: dict[Any, _Slot] = {}
-    swapped = []
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        slot = slots.get(node.target)
-        if slot is None:
-            handle = _handle(node.target)
-            if handle is None:
-                continue
-            slot = slots[node.target] = _Slot(node.target, handle)
-        swapped.append((node, node.target))
-        node.target = slot
-    if not swapped:
+    the graph calls none, or while fx enriches the profiler's metadata (``torch.fx.experimental._config
+    .enrich_profiler_metadata``: fx's own code runs, with the annotations it adds). fx generates it from a copy of
+    the graph whose op nodes' targets are :class:`_Slot` s (the graph itself is never changed: another thread may
+    be pickling or copying it), and each slot's global is bound to its handle."""
+    if _enriched():
         return None
-    try:
-        code = graph.python_code(root_module="self")
-    finally:
-        for node, target in swapped:
-            node.target = target
+    graph = gm.graph
+    handles = {target: _handle(target) for target in {n.target for n in graph.nodes if n.op == "call_function"}}
+    handles = {target: handle for target, handle in handles.items() if handle is not None}
+    if not handles:
+        return None
+    copy = fx.Graph(tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {}, return_output_node=True)
+    copy._codegen = graph._codegen
+    if out is not None:
+        value, node = out
+        copy.output(value, type_expr=getattr(node, "type", None))
+    slots = {target: _Slot(target, handle) for target, handle in handles.items()}
+    for node in copy.nodes:
+        if node.op == "call_function" and node.target in slots:
+            node.target = slots[node.target]
+    code = copy.python_code(root_module="self")
     bound = {name: value.handle if isinstance(value, _Slot) else value for name, value in code.globals.items()}
     fn = _forward_from_src(code.src, bound, getattr(graph, "_co_fields", None))
     fn.__ampfx_source__ = code.src
     return fn
+
+
+def _enriched() -> bool:
+    """Does fx annotate generated code for the profiler (then its own code is what runs)?"""
+    config = getattr(getattr(torch.fx, "experimental", None), "_config", None)
+    return bool(getattr(config, "enrich_profiler_metadata", False))
 
 
 def either(plain: Callable, fast: Callable) -> Callable:
