@@ -317,8 +317,10 @@ class Arm:
     """Arms each graph module of a conversion (:class:`~ampfx.runtime.view.Views`) from its plan, with what the
     view bound (what its graph fixed, its other training mode), its :class:`~ampfx.runtime.view.Reconvert` (by an
     :class:`Again`: the example inputs are not held, a conversion made again uses the inputs of the call that
-    needs it) and its weight copies (``copies``); a conversion made again at a call is watched by ``follower``
-    (the structure follower of the first conversion's views, ``first``). A pickled copy follows no structure."""
+    needs it) and its weight copies (``copies``; made here for a conversion made again at a call, as for the first:
+    the training weight cache, or ``mode="inference"``'s low copies); a conversion made again at a call is watched
+    by ``follower`` (the structure follower of the first conversion's views, ``first``). A pickled copy follows no
+    structure."""
 
     again: Again
     limit: int
@@ -328,6 +330,13 @@ class Arm:
     def __call__(self, made: view.Views, copies: dict[int, dict[str, Any]] | None = None) -> None:
         if made is not self.first and self.follower is not None:
             self.follower.watch(made)
+        if copies is None:  # a conversion made again at a call: its weight copies as the first conversion's
+            copies = {}
+            request = self.again.request
+            if request.mode == "inference":
+                _store_low(made, request.policy.dtype, copies)
+            else:
+                _cache_weights(made, request.policy, copies)
         for gm, _ in made.graphs:
             arming.arm(gm, **made.bound.get(id(gm), {}), **(copies or {}).get(id(gm), {}),
                        reconvert=view.Reconvert(self.again, plan_of(gm).arrive, self.limit, self))

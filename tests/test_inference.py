@@ -124,3 +124,29 @@ def test_the_plans_table_of_reads_follows_the_copies_inference_mode_reads():
     assert {"0.weight", "2.weight"} <= copied
     assert not copied & {r.path for r in reads(infer, torch.bfloat16)}
     assert {d.name: d.dtype for d in decide(infer)}["0.weight"] == torch.float32
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.double = nn.Linear(16, 16), True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 2 if self.double else self.fc(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_a_conversion_made_again_at_a_call_keeps_the_weight_copies_of_the_first(mode):
+    """Rule: a graph module converted again at a call (a Python flag its graph fixed changed) is armed as the first
+    conversion was: the training weight cache (``weight_cache=True``), or inference mode's low copies."""
+    m, x = _Flagged(), torch.randn(4, 16)
+    amp = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode=mode, weight_cache=True)
+    field = "low" if mode == "inference" else "weights"
+    assert getattr(amp._rt, field) is not None
+    m.double = False
+    with torch.no_grad():
+        out = amp(x)
+    made = amp.variants()
+    assert len(made) == 1 and getattr(made[0]._rt, field) is not None
+    with torch.no_grad():
+        assert torch.equal(out, ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode=mode)(x))

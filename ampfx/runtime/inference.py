@@ -18,7 +18,8 @@ Parameters any consumer reads in float32 (batch-norm and layer-norm
 affine parameters, embedding tables, biases added in float32) and the
 parameters of leaves (which run as the model's own modules) are not copied.
 The model's parameters are not changed, and they are the converted module's
-``parameters()``: the copies sit beside them (2 bytes per bf16/fp16 weight).
+``parameters()``: the copies sit beside them (2 bytes per bf16/fp16 weight). A graph module converted again at a
+call (a value its graph fixed changed) keeps copies of its own, as the first conversion did.
 
 >>> import torch, ampfx
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

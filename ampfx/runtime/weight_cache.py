@@ -60,6 +60,8 @@ while torch.compile traces the module (inductor fuses the casts into the graph),
 and under ``torch.inference_mode`` (a copy made there could not serve autograd later).
 ``mode="inference"`` keeps its own low copies (:mod:`ampfx.runtime.inference`) and no cache.
 ``"auto"`` also stands aside in a run of several processes that loaded FSDP2 (:func:`_auto_off`).
+A graph module converted again at a call (a value its graph fixed changed, a call's sizes crossed its plan's) gets
+its cache as the first conversion's did (:class:`ampfx.api.Arm`).
 Memory: 2 bytes per cached bfloat16/float16 element, held between steps while cached
 (:func:`status` says how much each graph module holds).
 
