@@ -389,7 +389,8 @@ def _store_low(views: view.Views, dtype: torch.dtype, armed: dict[int, dict[str,
     for gm in _graphs(views):
         copies = armed.setdefault(id(gm), {})["low"] = store_low(gm, dtype)
         # the graph reads those copies now, not the parameters: its plan's table says so
-        arming.amend(gm, reads=tuple(u for u in plan_of(gm).reads if u.path not in set(copies.paths)))
+        copied = set(copies.paths)
+        arming.amend(gm, reads=tuple(u for u in plan_of(gm).reads if u.path not in copied))
         count, nbytes = count + len(copies.entries), nbytes + copies.nbytes()
     return (f"inference mode: {count} weights read from {dtype_name(dtype)} copies made once ({nbytes:,} bytes beside "
             "the model's float32 weights) and made again only when a weight changes",)
