@@ -387,9 +387,9 @@ def _store_low(views: view.Views, dtype: torch.dtype, armed: dict[int, dict[str,
     each graph module's put in ``armed``; the note saying so."""
     count = nbytes = 0
     for gm in _graphs(views):
-        copies = armed.setdefault(id(gm), {})["low"] = store_low(gm, dtype)
+        copies = armed.setdefault(id(gm), {})["weights"] = store_low(gm, dtype)
         # the graph reads those copies now, not the parameters: its plan's table says so
-        copied = set(copies.paths)
+        copied = {e.path for e in copies.entries}
         arming.amend(gm, reads=tuple(u for u in plan_of(gm).reads if u.path not in copied))
         count, nbytes = count + len(copies.entries), nbytes + copies.nbytes()
     return (f"inference mode: {count} weights read from {dtype_name(dtype)} copies made once ({nbytes:,} bytes beside "

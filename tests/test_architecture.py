@@ -533,6 +533,60 @@ def test_the_parameter_scan_check_sees_one(tmp_path):
     assert parameter_scanners({"ampfx.runtime.bad": bad}) == ["ampfx.runtime.bad.low"]
 
 
+WEIGHT_COPIES = "ampfx.runtime.weight_cache"
+"""The one store of weight copies kept across calls (training mode's cache, ``mode="inference"``'s copies): the one
+module that stamps a weight to know when its copy must be made again."""
+
+STAMPS_NO_COPY = {"ampfx.runtime.fixed"}
+"""Modules that stamp a tensor to see it written without keeping a copy of it (the check of what a graph fixed)."""
+
+
+def copy_keepers(found: dict[str, Path] | None = None) -> list[str]:
+    """Functions outside :data:`WEIGHT_COPIES` (and :data:`STAMPS_NO_COPY`) that stamp a tensor with
+    :func:`ampfx.runtime.written.stamp`: a second place keeping weight copies across calls."""
+    bad = []
+    for name, path in (found or modules()).items():
+        if name == WEIGHT_COPIES or name in STAMPS_NO_COPY or name == "ampfx.runtime.written":
+            continue
+        tree = ast.parse(path.read_text())
+        bare = any(isinstance(n, ast.ImportFrom) and (n.module or "").endswith("written")
+                   and any(a.name == "stamp" for a in n.names) for n in ast.walk(tree))
+
+        def stamps(n: ast.AST) -> bool:
+            f = getattr(n, "func", None)
+            return isinstance(n, ast.Call) and (
+                (isinstance(f, ast.Attribute) and f.attr == "stamp" and getattr(f.value, "id", None) == "written")
+                or (bare and isinstance(f, ast.Name) and f.id == "stamp"))
+
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(stamps, ast.walk(fn))):
+                bad.append(f"{name}.{fn.name}")
+    return bad
+
+
+def test_weight_copies_are_kept_in_one_place():
+    """Rule: training mode's weight cache and mode="inference"'s copies are one store
+    (:class:`ampfx.runtime.weight_cache.WeightCache`, read through casts or from attributes): no other module
+    stamps a weight to keep a copy of it."""
+    import torch
+
+    import ampfx
+    from ampfx.runtime.weight_cache import WeightCache
+
+    assert copy_keepers() == []
+    m, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    for mode, reads_copies in (("train", False), ("inference", True)):
+        rt = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, weight_cache=True, mode=mode)._rt
+        assert type(rt.weights) is WeightCache and rt.weights.reads_copies is reads_copies
+
+
+def test_the_copy_keeper_check_sees_a_second_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ampfx.runtime.written import stamp\n\ndef keep(p, copies):\n"
+                   "    copies[id(p)] = (p.to(dtype=copies.low), stamp(p))\n")
+    assert copy_keepers({"ampfx.runtime.bad": bad}) == ["ampfx.runtime.bad.keep"]
+
+
 ARMING = "ampfx.runtime.arming"
 """The one module that writes a converted graph module's runtime state at conversion (its function ``arm``)."""
 

@@ -28,7 +28,7 @@ def test_norm_and_embedding_parameters_stay_fp32():
     """Only weights every use of which is a low op get low copies: norms and embeddings are read float32."""
     m, ex, _ = build("transformer")
     infer = ampfx.convert(m, "bf16", example_inputs=ex, mode="inference")
-    copied = infer._rt.low.paths
+    copied = [e.path for e in infer._rt.weights.entries]
     assert "head.weight" in copied and not any(p.startswith(("norm.", "emb.")) for p in copied)
 
 
@@ -104,7 +104,7 @@ def test_functional_call_with_plain_tensors_leaves_the_models_copies_in_place():
         assert not torch.equal(got, own)
         assert ampfx.count_casts(lambda: infer(x)) == reused
         torch.testing.assert_close(infer(x), own, rtol=0, atol=0)
-    held = {id(v) for v in infer.__dict__.values()} | {id(e[3]) for e in infer._rt.low.entries}
+    held = {id(v) for v in infer.__dict__.values()} | {id(e.master) for e in infer._rt.weights.entries}
     assert not held & {id(v) for v in other.values()}
 
 
@@ -120,7 +120,7 @@ def test_the_plans_table_of_reads_follows_the_copies_inference_mode_reads():
     train = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0)
     infer = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode="inference")
     assert {r.path for r in reads(train, torch.bfloat16) if r.how == "cast"} >= {"0.weight", "2.weight"}
-    copied = set(infer._rt.low.paths)
+    copied = {e.path for e in infer._rt.weights.entries}
     assert {"0.weight", "2.weight"} <= copied
     assert not copied & {r.path for r in reads(infer, torch.bfloat16)}
     assert {d.name: d.dtype for d in decide(infer)}["0.weight"] == torch.float32
@@ -141,12 +141,35 @@ def test_a_conversion_made_again_at_a_call_keeps_the_weight_copies_of_the_first(
     conversion was: the training weight cache (``weight_cache=True``), or inference mode's low copies."""
     m, x = _Flagged(), torch.randn(4, 16)
     amp = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode=mode, weight_cache=True)
-    field = "low" if mode == "inference" else "weights"
-    assert getattr(amp._rt, field) is not None
+    assert amp._rt.weights is not None and amp._rt.weights.reads_copies == (mode == "inference")
     m.double = False
     with torch.no_grad():
         out = amp(x)
     made = amp.variants()
-    assert len(made) == 1 and getattr(made[0]._rt, field) is not None
+    assert len(made) == 1 and made[0]._rt.weights.reads_copies == (mode == "inference")
     with torch.no_grad():
         assert torch.equal(out, ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode=mode)(x))
+
+
+def test_a_pickle_from_before_the_weight_cache_kept_inference_copies_loads_them_into_it():
+    """Rule: a runtime state pickled when inference copies were kept apart from the weight cache (a ``low`` step
+    holding ``LowCopies``) loads as the weight cache that reads them, and a weight written after loading is copied
+    again at the next call (never left stale)."""
+    from ampfx.runtime.entries import Runtime
+    from ampfx.runtime.inference import LowCopies
+
+    m, (x,), _ = build("mlp")
+    infer = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, mode="inference").eval()
+    cache = infer._rt.weights
+    legacy = LowCopies.__new__(LowCopies)
+    legacy.__setstate__({"dtype": torch.bfloat16, "paths": [e.path for e in cache.entries],
+                         "entries": [[e.owner, e.name, e.attr, None, None] for e in cache.entries]})
+    loaded = Runtime.__new__(Runtime)
+    loaded.__setstate__({**infer._rt.__dict__, "weights": None, "low": legacy})
+    assert "low" not in loaded.__dict__ and loaded.weights.reads_copies
+    assert [(e.path, e.attr) for e in loaded.weights.entries] == [(e.path, e.attr) for e in cache.entries]
+    infer.__dict__["_ampfx_runtime"] = loaded
+    with torch.no_grad():
+        next(m.parameters()).mul_(3)
+        want = ampfx.convert(m, "bf16", example_inputs=(x,), gemm_min_flops=0, weight_cache=False).eval()(x)
+        torch.testing.assert_close(infer(x), want, rtol=0, atol=0)

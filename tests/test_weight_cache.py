@@ -311,7 +311,10 @@ def test_auto_by_default_on_and_off_by_policy_and_environment_and_none_in_infere
         assert not weight_cache.caches(off)
         assert any(n.startswith("weight cache: off") for n in off.ampfx_report.notes)
     inference = ampfx.convert(model, "bf16", example_inputs=(X,), mode="inference")
-    assert not weight_cache.caches(inference) and "no weight cache" in weight_cache.status(inference)
+    assert weight_cache.caches(inference) and all(c.reads_copies for _, c in weight_cache.caches(inference))
+    assert "mode='inference'" in weight_cache.status(inference)
+    with pytest.raises(ValueError, match="no weight cache"):  # its copies are made again before each call anyway
+        ampfx.attach(torch.optim.SGD(inference.parameters(), lr=0.1), inference)
     with pytest.raises(ampfx.PolicyError, match="AMPFX_WEIGHT_CACHE='maybe'"):
         ampfx.convert(model, "bf16", environ={"AMPFX_WEIGHT_CACHE": "maybe"})
 

@@ -14,7 +14,7 @@ change its state, as calls ask (:class:`~ampfx.runtime.entries.Runtime`: an entr
 >>> rt.plan.where, rt.plan.low, [(u.path, u.how) for u in rt.plan.reads]
 ('', torch.bfloat16, [('weight', 'cast'), ('bias', 'as_is')])
 >>> sorted(ARMED)
-['alt', 'check', 'fixed', 'guard', 'linked', 'low', 'reconvert', 'weights']
+['alt', 'check', 'fixed', 'guard', 'linked', 'reconvert', 'weights']
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ the plan (whose ``guard`` and ``linked`` are the steps of those names) a convers
 of what its graph fixed, bound to the model (``fixed``, :mod:`ampfx.runtime.fixed`), its other training mode as
 viewed (``alt``), the convert-again callable (``reconvert``, :class:`ampfx.runtime.view.Reconvert`), the structure
 follower (``check``, the root's: :mod:`ampfx.runtime.follow`), and the weight copies (``weights``:
-:mod:`ampfx.runtime.weight_cache`; ``low``: :mod:`ampfx.runtime.inference`)."""
+:mod:`ampfx.runtime.weight_cache`, training mode's cache or ``mode="inference"``'s copies)."""
 
 
 def plan(gm: AmpGraphModule, made: GraphPlan) -> None:

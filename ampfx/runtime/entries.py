@@ -13,7 +13,7 @@ the process-wide conversion lock (:func:`ampfx.threads.converting`) and first lo
 there runs the entry another thread made meanwhile, never a second one for the same values.
 
 >>> [step.field for step in CALL_STEPS]
-['check', 'linked', 'fixed', 'guard', 'low', 'weights']
+['check', 'linked', 'fixed', 'guard', 'weights']
 """
 from __future__ import annotations
 
@@ -52,10 +52,9 @@ CALL_STEPS: tuple[Step, ...] = (
                   "limit)", "bound to the copy of the model module", "bound again when loaded"),
     Step("guard", "checks the call's arguments against what the graph was made for (ampfx.runtime.guards); a value "
                   "the graph holds as traced chooses or makes another entry", "copied", "kept"),
-    Step("low", "makes mode='inference''s low weight copies again where a weight changed (ampfx.runtime.inference)",
-         "copied", "kept"),
-    Step("weights", "runs the graph inside the training weight cache (ampfx.runtime.weight_cache)", "copied, empty",
-         "kept, empty"),
+    Step("weights", "runs the graph with its weight copies (ampfx.runtime.weight_cache), each made again where its "
+                    "weight changed: training mode's casts take them, mode='inference''s graph reads them",
+         "copied, empty", "kept, empty"),
 )
 """The call steps, in the order a call runs them (:meth:`AmpGraphModule.forward`)."""
 
@@ -106,7 +105,6 @@ class Runtime:
     linked: Any = None
     fixed: Any = None
     guard: Any = None
-    low: Any = None
     weights: Any = None
     # the entries
     alt: tuple[bool, nn.Module] | None = None  # (training mode, the conversion that runs in it)
@@ -129,9 +127,20 @@ class Runtime:
         """The runtime state a module pickled before it held one kept as ``_ampfx_*`` keys of its own (popped from
         ``d``); ``None`` where ``d`` holds none of them."""
         found = {f.name: d.pop(f"_ampfx_{f.name}") for f in dataclasses.fields(cls) if f"_ampfx_{f.name}" in d}
-        if not found:
+        low = d.pop("_ampfx_low", None)
+        if not found and low is None:
             return None
-        return cls(**found)
+        rt = cls(**found)
+        rt.__setstate__({**rt.__dict__, "low": low})
+        return rt
+
+    def __setstate__(self, state: dict) -> None:
+        """A pickle's state; one made before inference copies were kept by the weight cache holds them as ``low``:
+        they become that cache (:meth:`ampfx.runtime.inference.LowCopies.as_cache`)."""
+        low = state.pop("low", None)
+        self.__dict__.update(state)
+        if low is not None:
+            self.weights = low.as_cache()
 
     def heard(self, change: str) -> None:
         """A structure change of the model module where this graph traced it (:mod:`ampfx.runtime.follow`): settled

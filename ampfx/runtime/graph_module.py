@@ -240,7 +240,7 @@ class AmpGraphModule(fx.GraphModule):
         self._rt.heard(change)
 
     def _run_graph(self, args: tuple, kwargs: dict) -> Any:
-        """The steps after the choice of entry (``guard``, ``low``, ``weights``), then this module's graph."""
+        """The steps after the choice of entry (``guard``, ``weights``), then this module's graph."""
         rt = self.__dict__.get("_ampfx_runtime")
         if rt is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
@@ -253,17 +253,10 @@ class AmpGraphModule(fx.GraphModule):
                     return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
-        if rt.low is not None:  # mode="inference": weights changed since their copies were made are copied again
-            lent = rt.low.refresh(self)
-            if lent is not None:  # values given for this call (functional_call's, torch.func's) read in their place
-                try:
-                    return type(self)._ampfx_graph_forward(self, *args, **kwargs)
-                finally:
-                    rt.low.put_back(self, lent)
         cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
-        with cache.used(self):  # training mode's weight cache (ampfx.runtime.weight_cache): copies made again where stale
+        with cache.used(self):  # the weight copies (ampfx.runtime.weight_cache): made again where stale
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
 
     def recompile(self) -> Any:

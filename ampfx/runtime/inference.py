@@ -3,7 +3,8 @@
 In training mode (the default) parameters stay float32 masters and are cast
 after ``get_attr`` on every call. With ``convert(..., mode="inference")`` a
 parameter whose every graph use is a cast to the low dtype is read from a
-low-precision copy the converted graph module keeps (:class:`LowCopies`): the
+low-precision copy the converted graph module keeps, in the weight cache training mode uses
+(:class:`~ampfx.runtime.weight_cache.WeightCache` with ``reads_copies``: one store of weight copies): the
 casts in the graph then find the dtype already right and copy nothing. The
 copy is made again before a call when its float32 master changed: written in
 place by anything in the process (an in-place load, an optimizer step, fused ones
@@ -38,18 +39,14 @@ True
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from .. import runtime
-from . import written
 from .reads import reads
-from ..errors import StaleModelError
+from .weight_cache import WeightCache, _Entry
 
 
 def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
@@ -62,86 +59,28 @@ def _low_only_params(gm: fx.GraphModule, low: torch.dtype) -> set[str]:
     return {k for k, ok in wanted.items() if ok}
 
 
-@dataclass(eq=False)
 class LowCopies:
-    """The low-precision copies a graph module reads in place of float32 parameters, each made again
-    before a call when its master changed: ``(owner's parameter dict, name, attribute the graph reads,
-    master when copied, its version and storage then)``."""
+    """Inference copies as a module pickled before they were kept by the weight cache holds them: loaded, they become
+    that cache (:meth:`as_cache`, by :class:`ampfx.runtime.entries.Runtime` as it is loaded). Nothing makes one now."""
 
-    dtype: torch.dtype
-    entries: list[list[Any]] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)  # each copy's parameter, by its path in the graph module
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
-    def add(self, owner: dict, name: str, attr: str, path: str) -> None:
-        self.entries.append([owner, name, attr, None, None])
-        self.paths.append(path)
-
-    def __repr__(self) -> str:
-        return f"LowCopies({str(self.dtype).replace('torch.', '')}: {', '.join(self.paths)})"
-
-    def _anew(self, owner: Callable[[dict], dict]) -> list[list[Any]]:
-        """The entries of a copy (``owner`` maps each parameter dict to the copy's): each low copy made again at
-        its first call, since the copied masters' version counters start anew."""
-        return [[owner(d), name, attr, None, None] for d, name, attr, _, _ in self.entries]
-
-    def __deepcopy__(self, memo: dict) -> "LowCopies":
-        return LowCopies(self.dtype, self._anew(lambda d: copy.deepcopy(d, memo)), list(self.paths))
-
-    def __getstate__(self) -> dict:
-        return {"dtype": self.dtype, "paths": self.paths, "entries": self._anew(lambda d: d)}
-
-    def refresh(self, gm: nn.Module) -> list[tuple[str, Any]] | None:
-        """Copy again each weight whose master was replaced or written since its copy was made. A value given for
-        this call only (:func:`_given_for_the_call`) is read as it is, the graph casting it; the attributes it
-        was put in, with what they held (:meth:`put_back` after the call), or ``None`` where there is none."""
-        lent = None
-        for entry in self.entries:
-            owner, name, attr, seen, mark = entry
-            master = owner.get(name)
-            if master is seen and written.unwritten(master, mark):
-                continue  # neither replaced, re-pointed, nor written (through .data and fused kernels too)
-            if master is None:
-                raise StaleModelError(f"parameter {name!r} the inference-mode conversion reads was removed from the "
-                                      "model: convert the model again")
-            if _given_for_the_call(master):  # the graph's cast makes its low value (with its gradient): no copy kept
-                lent = lent if lent is not None else []
-                lent.append((attr, gm.__dict__.get(attr)))
-                gm.__dict__[attr] = master
-                continue
-            with torch.no_grad():
-                gm.__dict__[attr] = master.detach().to(self.dtype) if master.dtype in runtime.CASTABLE else master
-            entry[3], entry[4] = master, written.stamp(master)
-        return lent
-
-    @staticmethod
-    def put_back(gm: nn.Module, lent: list[tuple[str, Any]]) -> None:
-        """After a call that read values given for it (:meth:`refresh`): the copies the graph reads otherwise."""
-        for attr, held in lent:
-            if held is None:
-                gm.__dict__.pop(attr, None)  # none made yet: the next call makes it
-            else:
-                gm.__dict__[attr] = held
-
-    def nbytes(self) -> int:
-        return sum(e[3].numel() * torch.finfo(self.dtype).bits // 8 for e in self.entries if e[3] is not None)
+    def as_cache(self) -> WeightCache:
+        """The weight cache over the same parameters, read from the same attributes, each copy made again at its
+        first call."""
+        entries = [_Entry(owner, name, path, attr=attr) for (owner, name, attr, _, _), path in
+                   zip(self.entries, self.paths)]
+        return WeightCache(self.dtype, entries, reads_copies=True)
 
 
-def _given_for_the_call(t: torch.Tensor) -> bool:
-    """Is ``t``, found in a parameter's place, a value given for one call rather than a parameter of the model:
-    a plain tensor (``torch.func.functional_call`` puts its tensors there; a module's own parameters are
-    ``nn.Parameter``), or one a ``torch.func`` transform wraps (``torch.vmap``'s, ``torch.func.grad``'s)?"""
-    return not isinstance(t, nn.Parameter) or bool(_WRAPPED is not None and _WRAPPED(t))
-
-
-_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-
-
-def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
+def store_low(gm: fx.GraphModule, low: torch.dtype) -> WeightCache:
     """Make ``gm`` read a low-precision copy of each parameter all of whose uses are casts to ``low``
-    (tied parameters share one copy); the copies, made now, which ``gm`` is armed with
-    (:func:`ampfx.runtime.arming.arm`, ``low``)."""
+    (tied parameters share one copy) from an attribute of its own; the weight cache that keeps those copies
+    (:class:`~ampfx.runtime.weight_cache.WeightCache`, ``reads_copies``), made now, which ``gm`` is armed with
+    (:func:`ampfx.runtime.arming.arm`, ``weights``)."""
     names = _low_only_params(gm, low)
-    copies = LowCopies(low)
+    copies = WeightCache(low, reads_copies=True)
     attrs: dict[tuple[int, str], str] = {}
     for node in gm.graph.nodes:
         target = str(node.target)
@@ -152,10 +91,11 @@ def store_low(gm: fx.GraphModule, low: torch.dtype) -> LowCopies:
         key = (id(owner._parameters[leaf]), leaf)
         if key not in attrs:
             attrs[key] = f"_ampfx_low{len(attrs)}"
-            copies.add(owner._parameters, leaf, attrs[key], target)
+            copies.entries.append(_Entry(owner._parameters, leaf, target, attr=attrs[key]))
         node.target = attrs[key]
     gm.recompile()
-    lent = copies.refresh(gm)
+    lent: list[tuple[str, Any]] = []
+    copies.refresh(entries=copies.entries, gm=gm, lent=lent)
     if lent:  # converted while functional_call's values sit in the parameters' places: copies made at the first call
         copies.put_back(gm, lent)
     return copies

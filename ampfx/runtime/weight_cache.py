@@ -58,7 +58,9 @@ FSDP2 (a sharded module, or DTensor parameters: FSDP2 owns the low weights with 
 ``MixedPrecisionPolicy``, and cached unsharded copies would undo its sharding) and
 while torch.compile traces the module (inductor fuses the casts into the graph),
 and under ``torch.inference_mode`` (a copy made there could not serve autograd later).
-``mode="inference"`` keeps its own low copies (:mod:`ampfx.runtime.inference`) and no cache.
+``mode="inference"`` keeps its copies with this same cache, read another way (:mod:`ampfx.runtime.inference`): its
+graph reads each copy from an attribute in place of the parameter (``reads_copies``), so no cast is intercepted,
+and the copies are made again before every call that needs them, under ``torch.inference_mode`` too.
 ``"auto"`` also stands aside in a run of several processes that loaded FSDP2 (:func:`_auto_off`).
 A graph module converted again at a call (a value its graph fixed changed, a call's sizes crossed its plan's) gets
 its cache as the first conversion's did (:class:`ampfx.api.Arm`).
@@ -147,6 +149,7 @@ class _Entry:
     key: Any = None
     low: Any = None
     pending: bool = False  # the copy is made by the master's first cast in the graph (refresh(at_use=True))
+    attr: str | None = None  # reads_copies: the graph module's attribute the graph reads the copy from
 
 
 STEPS = [0]
@@ -218,13 +221,18 @@ def watched(entries: list[_Entry]) -> _Entry | None:
 
 @dataclass(eq=False)
 class WeightCache:
-    """The low copies of one graph module's weights (see the module docstring). While its graph runs
-    (:meth:`used`), :func:`ampfx.runtime.cast` takes a cached weight's copy from :meth:`low`."""
+    """The low copies of one graph module's weights (see the module docstring), the one store of them: training
+    mode's cache, and ``mode="inference"``'s copies (``reads_copies``). While its graph runs (:meth:`used`),
+    :func:`ampfx.runtime.cast` takes a cached weight's copy from :meth:`low`; or, with ``reads_copies``, the graph
+    reads each copy from its attribute (:attr:`_Entry.attr`) and casts nothing."""
 
     dtype: torch.dtype
     entries: list[_Entry] = field(default_factory=list)
     #: ``weight_cache="auto"``: which entries each call caches (``None``: all of them, always)
     auto: _Auto | None = None
+    #: ``mode="inference"``: the graph reads the copies from attributes of the graph module in place of the
+    #: parameters (:func:`ampfx.runtime.inference.store_low` pointed its reads there), every call
+    reads_copies: bool = False
     #: why the last call ran without the cache (``None``: it used it)
     off: str | None = None
     #: copies made since conversion (one per weight per refresh)
@@ -238,21 +246,24 @@ class WeightCache:
         return f"WeightCache({str(self.dtype).replace('torch.', '')}: {', '.join(e.path for e in self.entries)})"
 
     def __post_init__(self) -> None:
-        runtime.CACHES[0] += 1  # ampfx.runtime.cast looks for cached weights from now on
+        if not self.reads_copies:
+            runtime.CACHES[0] += 1  # ampfx.runtime.cast looks for cached weights from now on
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        runtime.CACHES[0] += 1
+        self.__dict__.setdefault("reads_copies", False)
+        self.__post_init__()
 
     def _anew(self, owner: Callable[[dict], dict]) -> "WeightCache":
-        """A cache over ``owner(parameter dict)`` with no copies yet (a copy's masters are other tensors)."""
-        entries = [_Entry(owner(e.owner), e.name, e.path) for e in self.entries]
+        """A cache over ``owner(parameter dict)`` with no copies yet (a copy's masters are other tensors: each copy
+        is made again at its first call, the masters' version counters starting anew)."""
+        entries = [_Entry(owner(e.owner), e.name, e.path, attr=e.attr) for e in self.entries]
         auto = None
         if self.auto is not None:
             same = dict(zip(map(id, self.entries), entries))
             auto = _Auto([same[id(e)] for e in self.auto.large], [same[id(e)] for e in self.auto.several],
                          None if self.auto.watch is None else same[id(self.auto.watch)])
-        return WeightCache(self.dtype, entries, auto)
+        return WeightCache(self.dtype, entries, auto, reads_copies=self.reads_copies)
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":
         return self._anew(lambda d: copy.deepcopy(d, memo))
@@ -264,12 +275,18 @@ class WeightCache:
         """Bytes the low copies hold now."""
         return sum(e.low.numel() * e.low.element_size() for e in self.entries if e.low is not None)
 
-    def refresh(self, at_use: bool = False, entries: list[_Entry] | None = None) -> int:
+    def refresh(self, at_use: bool = False, entries: list[_Entry] | None = None, gm: nn.Module | None = None,
+                lent: list[tuple[str, Any]] | None = None) -> int:
         """Make again every copy of ``entries`` (default: those the last call cached) whose master was replaced,
         re-pointed or written since it was made, all in one ``torch._foreach_copy_``; the number made. With
         ``at_use`` (a forward with gradients), a master whose ``.grad`` is None (the first micro-batch of a step)
         is left to its first cast in the graph, which makes its copy (:meth:`low`): that cast and its gradient
-        then run as without the cache."""
+        then run as without the cache. With ``reads_copies`` each copy made is put in ``gm``'s attribute its graph
+        reads (a master that is not cast, as it is); a value given for this call in a master's place
+        (:func:`_given_for_the_call`) is put there for this call only, with what the attribute held appended to
+        ``lent`` (:meth:`put_back`)."""
+        if self.reads_copies and gm is None:
+            raise TypeError("refresh(): copies the graph reads from attributes need the graph module (gm=)")
         stale, masters = [], []
         for e in self.live if entries is None else entries:
             master = e.owner.get(e.name)
@@ -278,8 +295,14 @@ class WeightCache:
                                       "model: put it back or convert the model again")
             if master is e.master and written.unwritten(master, e.key):
                 continue
+            if lent is not None and _given_for_the_call(master):  # the graph's cast makes its low value (and gradient)
+                lent.append((e.attr, gm.__dict__.get(e.attr)))
+                gm.__dict__[e.attr] = master
+                continue
             if not _cacheable(master, self.dtype):
                 e.master, e.key, e.low, e.pending = master, written.stamp(master), None, False
+                if self.reads_copies:
+                    gm.__dict__[e.attr] = master  # the graph's cast takes it as it is
                 continue
             if at_use and master.requires_grad and master.grad is None:
                 e.master, e.key, e.low, e.pending = master, None, None, True  # the old copy is let go first
@@ -288,16 +311,29 @@ class WeightCache:
             masters.append(master.detach())
         if stale:
             # a copy nothing else holds (no autograd graph still saves it) is written over; others are left to the
-            # graphs that hold them, and a new copy is made
-            lows = [e.low if _reusable(e.low, m, self.dtype) else torch.empty_like(m, dtype=self.dtype)
-                    for e, m in zip(stale, masters)]
+            # graphs that hold them, and a new copy is made. A copy the graph reads from an attribute is always made
+            # anew: an autograd graph may save it as it is, which its storage's users do not show
+            lows = [e.low if not self.reads_copies and _reusable(e.low, m, self.dtype)
+                    else torch.empty_like(m, dtype=self.dtype) for e, m in zip(stale, masters)]
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
             for e, low in zip(stale, lows):
                 master = e.owner[e.name]  # the parameter itself: its optimizer steps are noted by identity
                 e.master, e.key, e.low, e.pending = master, written.stamp(master), low, False
+                if self.reads_copies:
+                    gm.__dict__[e.attr] = low
             self.casts += len(stale)
         return len(stale)
+
+    @staticmethod
+    def put_back(gm: nn.Module, lent: list[tuple[str, Any]]) -> None:
+        """After a call that read values given for it (:meth:`refresh`'s ``lent``): the copies the graph reads
+        otherwise."""
+        for attr, held in lent:
+            if held is None:
+                gm.__dict__.pop(attr, None)  # none made yet: the next call makes it
+            else:
+                gm.__dict__[attr] = held
 
     def _let_go(self, keep: list[_Entry]) -> None:
         """Drop the copies of the entries not in ``keep`` (no longer cached: their memory is freed)."""
@@ -312,7 +348,18 @@ class WeightCache:
     def used(self, gm: nn.Module) -> Iterator[None]:
         """Around a call of ``gm``'s graph: the copies made again where stale, and handed to the graph's casts;
         or, where the cache stands aside (:func:`_why_off`) or caches nothing this call (``"auto"``), nothing
-        (the graph casts its masters)."""
+        (the graph casts its masters). With ``reads_copies``: every copy made again where stale, in the
+        attributes the graph reads, and values given for this call (``functional_call``'s, ``torch.func``'s) read in
+        their masters' places until it returns."""
+        if self.reads_copies:
+            lent: list[tuple[str, Any]] = []
+            self.refresh(entries=self.entries, gm=gm, lent=lent)
+            try:
+                yield
+            finally:
+                if lent:
+                    self.put_back(gm, lent)
+            return
         self.off = _why_off(gm, self.entries) or (_auto_off() if self.auto is not None else None)
         if self.off is not None:
             self._let_go([])  # copies made before (the module was sharded since) are let go
@@ -348,6 +395,16 @@ class WeightCache:
         if value.requires_grad and torch.is_grad_enabled():
             return _CachedCast.apply(value, e.low)
         return e.low
+
+
+def _given_for_the_call(t: torch.Tensor) -> bool:
+    """Is ``t``, found in a parameter's place, a value given for one call rather than a parameter of the model:
+    a plain tensor (``torch.func.functional_call`` puts its tensors there; a module's own parameters are
+    ``nn.Parameter``), or one a ``torch.func`` transform wraps (``torch.vmap``'s, ``torch.func.grad``'s)?"""
+    return not isinstance(t, nn.Parameter) or bool(_WRAPPED is not None and _WRAPPED(t))
+
+
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -444,7 +501,8 @@ def cache_for(gm: fx.GraphModule, low: torch.dtype, auto_from: int | None = None
 
 
 def caches(module: nn.Module) -> list[tuple[str, WeightCache]]:
-    """Every weight cache in ``module``'s tree (a converted module), by the path of its graph module."""
+    """Every weight cache in ``module``'s tree (a converted module), by the path of its graph module (those of
+    ``mode="inference"`` too: ``reads_copies``)."""
     return [(path, rt.weights) for path, rt in ((p, runtime_of(m)) for p, m in module.named_modules())
             if rt is not None and rt.weights is not None]
 
@@ -461,11 +519,13 @@ def status(module: nn.Module) -> str:
     """
     found = caches(module)
     if not found:
-        return "no weight cache (weight_cache=False / AMPFX_WEIGHT_CACHE=0; mode='inference'; or no cast weights)"
+        return "no weight cache (weight_cache=False / AMPFX_WEIGHT_CACHE=0, or no cast weights)"
     return "\n".join(f"{path or '<root>'}: {_state(c)}, {c.nbytes():,} bytes" for path, c in found)
 
 
 def _state(c: WeightCache) -> str:
+    if c.reads_copies:
+        return f"mode='inference', {len(c.entries)} weights read from copies"
     if c.off is not None:
         return "off: " + c.off
     if c.auto is None:
@@ -490,7 +550,7 @@ def attach(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach(optimizer, module): {type(optimizer).__name__} is not a torch.optim.Optimizer")
-    found = [c for _, c in caches(module)] if isinstance(module, nn.Module) else []
+    found = [c for _, c in caches(module) if not c.reads_copies] if isinstance(module, nn.Module) else []
     if not found:
         raise ValueError("attach(optimizer, module): the module has no weight cache (not a converted module, "
                          "mode='inference', or weight_cache=False / AMPFX_WEIGHT_CACHE=0)")
