@@ -87,6 +87,20 @@ def _set_training(self: AmpGraphModule, mode: bool) -> None:
         self.__dict__["_ampfx_training"] = mode
 
 
+def _handed_low(value: Any) -> bool:
+    """Is ``value``, an argument of a call, a float tensor in a low dtype or a container that may hold one?"""
+    return isinstance(value, (tuple, list, dict)) or (isinstance(value, torch.Tensor) and value.dtype in _LOW)
+
+
+def _float32(value: Any) -> Any:
+    """``value`` as a plan that computes in float32 takes it: a low float tensor upcast (what its graph's boundary
+    casts do with a value handed low: a region called under the user's own low values computes in float32)."""
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW else value
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
 class AmpGraphModule(fx.GraphModule):
     """A ``GraphModule`` over the tree of the model module it stands for (see the module docstring),
     with its report (``ampfx_report``), the other training mode's conversion and call-time checks."""
@@ -253,6 +267,11 @@ class AmpGraphModule(fx.GraphModule):
                     return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
+        plan = rt.plan
+        if plan is not None and plan.as_is:  # nothing runs low: the model module itself (its hooks ran on this call)
+            if any(map(_handed_low, args)) or any(map(_handed_low, kwargs.values())):
+                args, kwargs = torch.utils._pytree.tree_map(_float32, (args, kwargs))
+            return self.__dict__["_ampfx_model"].forward(*args, **kwargs)
         cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
