@@ -108,3 +108,82 @@ def test_a_graph_whose_values_arrive_or_leave_low_is_not_run_as_it_is():
     assert not runs_as_is(report, Place(), dataclasses.replace(plan, own_hooks=True))
     low = ampfx.convert(Net(), "bf16", example_inputs=(torch.randn(4, 64),), gemm_min_flops=0)
     assert not runs_as_is(low.ampfx_report, Place(), plan)
+
+
+class _Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.l(x)
+        if y.sum().item() > -1e9:  # Python control flow on a value: converted on its own
+            y = y * 2
+        return self.l2(y)
+
+
+class _Around(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Untraceable()
+
+    def forward(self, x):
+        return torch.softmax(self.inner(x).float(), -1) + 1
+
+
+def test_a_graph_calling_a_converted_child_runs_its_graph():
+    """Rule: a graph with nothing low of its own that calls a child converted separately (which runs low) runs its
+    graph, so the child runs as converted: the model module itself would call the model's own child, float32."""
+    x = torch.randn(256, 64)
+    amp = ampfx.convert(_Around(), "bf16", example_inputs=(x,), gemm_min_flops=0)
+    assert any(d.dtype == torch.bfloat16 for d in amp.ampfx_report.records if d.op == "linear")
+    assert ampfx.count_casts(lambda: amp(x)) > 0
+
+
+def test_a_module_set_on_the_converted_module_runs():
+    """Rule: a wrapper set on the converted module after convert (the converted tree's structure is its own) is
+    called, as the graph calls it, though the plan lowers nothing."""
+    class Wrap(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 64)
+    amp = _convert(model, keep_modules=["a"])
+    before = amp(x)
+    amp.a = Wrap(amp.a)
+    assert not torch.equal(amp(x), before)
+    assert torch.equal(amp(x), model.b(torch.relu(model.a(x) * 2)).softmax(-1))
+
+
+def test_a_loaded_copy_without_its_model_runs_its_graph():
+    """Rule: a pickled converted module whose model could not go along (an attribute that does not pickle) runs its
+    graph: there is no model module to run."""
+    import io
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 64)
+    model.f = lambda t: t
+    amp = _convert(model)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_low_inputs_run_the_graph_which_casts_them_per_op():
+    """Rule: a float input handed in a low dtype runs the graph, which casts it where an op needs float32 (as it did
+    before nothing-low plans ran the module): an elementwise-only graph keeps the dtype it was handed."""
+    class Ew(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    amp = ampfx.convert(Ew(), "bf16", example_inputs=(torch.randn(4, 64),))
+    assert amp._rt.plan.as_is
+    x = torch.randn(4, 64).bfloat16()
+    assert amp(x).dtype == torch.bfloat16 and amp((x.float())).dtype == torch.float32

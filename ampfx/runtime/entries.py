@@ -70,8 +70,9 @@ class GraphPlan:
     :mod:`ampfx.runtime.handing`) and the other training mode it converts when first needed (``other``,
     :class:`PendingMode`), and whether it runs as the model's own module (``as_is``: nothing in its graph runs in a
     low dtype, nothing arrives or leaves low, no eager parent hands it values; a call then runs the model module's
-    own ``forward`` after its checks: float32's step exactly, without the graph's overhead; sizes that cross a size
-    decision still plan again).
+    own ``forward`` after its checks, where that computes what the graph does
+    (:meth:`~ampfx.runtime.graph_module.AmpGraphModule._as_is`): float32's step exactly, without the graph's
+    overhead; sizes that cross a size decision still plan again).
 
     :func:`ampfx.rewrite.convert_graph` makes it, :mod:`ampfx.tree` adds ``linked`` and ``other`` (a new frozen
     record each time), and :func:`ampfx.runtime.arming.arm` arms the graph module from it: nothing is written to
