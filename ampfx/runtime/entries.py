@@ -132,12 +132,10 @@ class Runtime:
         """The runtime state a module pickled before it held one kept as ``_ampfx_*`` keys of its own (popped from
         ``d``); ``None`` where ``d`` holds none of them."""
         found = {f.name: d.pop(f"_ampfx_{f.name}") for f in dataclasses.fields(cls) if f"_ampfx_{f.name}" in d}
-        low = d.pop("_ampfx_low", None)
-        if not found and low is None:
-            return None
-        rt = cls(**found)
-        rt.__setstate__({**rt.__dict__, "low": low})
-        return rt
+        low = d.pop("_ampfx_low", None)  # inference copies from before the weight cache kept them
+        if low is not None:
+            found["weights"] = low.as_cache()
+        return cls(**found) if found else None
 
     def __setstate__(self, state: dict) -> None:
         """A pickle's state; one made before inference copies were kept by the weight cache holds them as ``low``:

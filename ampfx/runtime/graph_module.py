@@ -91,7 +91,7 @@ def _any_low(values: Any) -> bool:
     """Is any of ``values`` (a call's arguments) a float tensor in a low dtype, or a list, tuple or dict holding one?"""
     for value in values:
         if isinstance(value, torch.Tensor):
-            if value.dtype in _LOW:
+            if value.dtype in runtime._LOW:
                 return True
         elif isinstance(value, (tuple, list)):
             if _any_low(value):
@@ -99,9 +99,6 @@ def _any_low(values: Any) -> bool:
         elif isinstance(value, dict) and _any_low(value.values()):
             return True
     return False
-
-
-_LOW = (torch.bfloat16, torch.float16)
 
 
 class AmpGraphModule(fx.GraphModule):
