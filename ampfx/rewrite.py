@@ -85,9 +85,6 @@ def convert_graph(work: nn.Module, capture: Capture, inputs: ExampleInputs | Non
     notes += guard_notes
     made = graph_plan(gm, work, capture, request, place, guard)
     report = graph_report(gm, capture, prefix, before, analysis.shape_note, notes, request.policy)
-    if runs_as_is(report, place, made):
-        made = dataclasses.replace(made, as_is=True)
-        report = dataclasses.replace(report, notes=(*report.notes, AS_IS.format(where=prefix.rstrip(".") or "the model")))
     if any([seen.run(name, step, gm) for name, step in LOWERING]):  # after the report: it keeps every node
         gm.graph.lint()
         gm.recompile()
@@ -152,23 +149,6 @@ def graph_plan(gm: AmpGraphModule, work: nn.Module, capture: Capture, request: R
     own_hooks = capture.method == "export" and any(
         isinstance(h, TRACED_PRE_HOOKS) for h in work._forward_pre_hooks.values())
     return GraphPlan(prefix.rstrip("."), place.arrive, policy.dtype, recorded, own_hooks, guard, ())
-
-
-AS_IS = ("{where}: nothing in its graph runs in a low dtype, so a call runs the module as it is (float32's step, "
-         "without the graph's overhead), after the checks of its sizes and structure; sizes that cross a size "
-         "decision plan it again")
-
-
-def runs_as_is(report: Report, place: Place, made: GraphPlan) -> bool:
-    """May a call of this graph run the model module's own ``forward`` instead: no node computes or produces a low
-    float dtype (the graph computes what the module computes in float32), its float values neither arrive nor leave
-    low (a kept module's boundary, an eager parent's handing), and it runs no hooks of its own (torch.export traced
-    a pre-hook in)?"""
-    def low(d: Any) -> bool:
-        return isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize < 4
-
-    return (not made.own_hooks and not low(place.arrive) and not low(place.enter) and not place.hands_on
-            and not any(low(r.dtype) or low(r.out) for r in report.records))
 
 
 def analyse(gm: AmpGraphModule, inputs: ExampleInputs | None, request: Request, root: bool,

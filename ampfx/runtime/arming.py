@@ -63,8 +63,7 @@ def arm(gm: nn.Module, **steps: Any) -> None:
     rt: Runtime = gm._rt
     made = gm.__dict__.pop("_ampfx_plan", None)
     if made is not None:
-        # the other mode is an entry from now on; a graph an eager parent hands values to runs its graph
-        rt.plan = dataclasses.replace(made, other=None, as_is=made.as_is and made.linked is None)
+        rt.plan = dataclasses.replace(made, other=None)  # the other mode is an entry from now on
         rt.where, rt.arrive, rt.low_dtype = made.where, made.arrive, made.low
         rt.recorded, rt.own_hooks, rt.guard, rt.linked = made.recorded, made.own_hooks, made.guard, made.linked
         if made.other is not None and "alt" not in steps:

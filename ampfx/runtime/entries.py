@@ -68,11 +68,7 @@ class GraphPlan:
     to check), how it reads each parameter (``reads``, :func:`ampfx.runtime.reads.scan`: the table the weight cache,
     inference copies and FSDP2's gather dtype read), how it hands values through an eager parent (``linked``,
     :mod:`ampfx.runtime.handing`) and the other training mode it converts when first needed (``other``,
-    :class:`PendingMode`), and whether it runs as the model's own module (``as_is``: nothing in its graph runs in a
-    low dtype, nothing arrives or leaves low, no eager parent hands it values; a call then runs the model module's
-    own ``forward`` after its checks, where that computes what the graph does
-    (:meth:`~ampfx.runtime.graph_module.AmpGraphModule._as_is`): float32's step exactly, without the graph's
-    overhead; sizes that cross a size decision still plan again).
+    :class:`PendingMode`).
 
     :func:`ampfx.rewrite.convert_graph` makes it, :mod:`ampfx.tree` adds ``linked`` and ``other`` (a new frozen
     record each time), and :func:`ampfx.runtime.arming.arm` arms the graph module from it: nothing is written to
@@ -87,7 +83,6 @@ class GraphPlan:
     reads: tuple
     linked: Any = None
     other: Any = None
-    as_is: bool = False
 
 
 @dataclasses.dataclass(repr=False)
@@ -163,8 +158,7 @@ class Runtime:
 
     def dispatched(self) -> bool:
         """Does a call do more than run the graph (a step is on, or there is another entry)?"""
-        return (self.alt is not None or any(getattr(self, s.field) is not None for s in CALL_STEPS)
-                or (self.plan is not None and self.plan.as_is))
+        return self.alt is not None or any(getattr(self, s.field) is not None for s in CALL_STEPS)
 
     def for_pickle(self, picklable: bool) -> "Runtime":
         """What a pickle holds (:data:`CALL_STEPS`' "pickled"): no follower and no entries made again, ``fixed``

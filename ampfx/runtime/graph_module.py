@@ -87,20 +87,6 @@ def _set_training(self: AmpGraphModule, mode: bool) -> None:
         self.__dict__["_ampfx_training"] = mode
 
 
-def _any_low(values: Any) -> bool:
-    """Is any of ``values`` (a call's arguments) a float tensor in a low dtype, or a list, tuple or dict holding one?"""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.dtype in runtime._LOW:
-                return True
-        elif isinstance(value, (tuple, list)):
-            if _any_low(value):
-                return True
-        elif isinstance(value, dict) and _any_low(value.values()):
-            return True
-    return False
-
-
 class AmpGraphModule(fx.GraphModule):
     """A ``GraphModule`` over the tree of the model module it stands for (see the module docstring),
     with its report (``ampfx_report``), the other training mode's conversion and call-time checks."""
@@ -267,32 +253,11 @@ class AmpGraphModule(fx.GraphModule):
                     return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
-        plan = rt.plan
-        if plan is not None and plan.as_is:  # nothing runs low: the model module itself (its hooks ran on this call)
-            model = self._as_is(args, kwargs)
-            if model is not None:
-                return model.forward(*args, **kwargs)
         cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
         with cache.used(self):  # the weight copies (ampfx.runtime.weight_cache): made again where stale
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)
-
-    def _as_is(self, args: tuple, kwargs: dict) -> nn.Module | None:
-        """The model module a call of a plan with nothing low runs in place of the graph (``GraphPlan.as_is``), where
-        that computes what the graph computes: this module is still a view of it (its parameter and buffer dicts,
-        not a replica's or a loaded copy's that went without the model), each of its children is the model module's
-        own (not a converted child or a wrapper set on the converted module since), and no float input arrives in
-        a low dtype (the graph casts those per op); ``None`` where the graph runs."""
-        model = self.__dict__.get("_ampfx_model")
-        if model is None or self._parameters is not model._parameters or self._buffers is not model._buffers:
-            return None
-        own = model._modules
-        if any(own.get(name) is not child for name, child in self._modules.items()):
-            return None
-        if _any_low(args) or _any_low(kwargs.values()):
-            return None
-        return model
 
     def recompile(self) -> Any:
         """``GraphModule.recompile`` (pickling calls it too), keeping the dispatch; called as a plain module.
