@@ -36,7 +36,7 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.fx as fx
 from torch.fx.passes.shape_prop import TensorMetadata
@@ -55,6 +55,18 @@ LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 AUTOCAST = "ampfx_autocast"
 AUTOCAST_HANDS = "ampfx_autocast_hands"
+BETWEEN_LOW = "ampfx_between_low"
+"""A GEMM node kept float32 by its size alone that pays between low neighbours (``ampfx.passes.gemm_cost``): a
+:class:`BetweenLow`, which painting (``ampfx.passes.between_low``) carries out where its neighbours are low."""
+
+
+class BetweenLow(NamedTuple):
+    """What a GEMM kept float32 alone would be between low neighbours: its decision before (the low dtype), its
+    cost condition there (``COST_SCALE``'s), and why it pays there (for its reason)."""
+
+    before: Any
+    need: float
+    why: str
 COST_SCALE = "ampfx_cost_scale"
 """A GEMM node's cost condition (``ampfx.passes.gemm_cost``): the factor of the example inputs' elements from which
 it pays in the low dtype (under 1: it does at the example's sizes); the call-time guard plans again across it."""

@@ -4,9 +4,10 @@ gives. Nothing is read from or written to the cache.
 
     python benchmarks/device_cost.py [--dtype bf16,fp16] [--device cpu] [--threads N] [--repeat 2]
 
-Prints, per dtype and repeat, the measured table (one training step of a linear layer, float32 against the low
-dtype, over the ladder of sizes), the seconds the measurement took against its budget, and the break-even; with
-``--repeat 2`` or more, whether the repeats agree on it (the margin is meant to keep noise from flipping it).
+Prints, per dtype and repeat, the measured table (one training step of a linear layer, then of a 3x3 convolution,
+float32 against the low dtype, over the ladders of sizes, alone and, for the sizes that do not pay alone, between
+low neighbours), the seconds the measurement took against its budget, and the break-evens; with ``--repeat 2`` or
+more, whether the repeats agree on them (the margin is meant to keep noise from flipping them).
 """
 from __future__ import annotations
 
@@ -41,10 +42,13 @@ def main() -> None:
             print(f"\n-- {spec} repeat {i + 1}: {wall:.2f} s wall"
                   + ("" if table.conclusive else " (inconclusive: the datasheet would be used)"))
             print("\n".join(table.lines()))
-            seen.append(table.break_even())
+            seen.append(tuple(table.break_even(conv, among) for conv in (False, True) for among in (False, True)))
         if len(seen) > 1:
-            print(f"\n{spec}: break-even {'the same' if len(set(seen)) == 1 else 'differs'} over {len(seen)} "
-                  f"repeats: {sorted(set(seen))}")
+            for i, what in enumerate(("linear", "linear between low neighbours", "convolutions",
+                                      "convolutions between low neighbours")):
+                got = sorted({s[i] for s in seen})
+                print(f"{spec}: {what}: break-even {'the same' if len(got) == 1 else 'differs'} over {len(seen)} "
+                      f"repeats: {[(b.flops, b.rows) if not b.never else 'never' for b in got]}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ PIPELINE: list[Callable[[fx.GraphModule, PassContext], Any]] = [
     gemm_cost.keep_small_gemms,  # GEMMs below the device's break-even for the low dtype: float32 (needs shapes)
     calibrate.calibrate,  # nodes calibration saw overflow the low dtype: float32 (no-op without calibrate=)
     tuned.keep_tuned,  # nodes ampfx.tools.tune kept float32 (Policy.tuned): float32 (no-op without them)
-    paint.paint,  # TF-AMP painting: final dtype per node, in-place fix-ups
+    paint.paint,  # small GEMMs between low neighbours, then TF-AMP painting: final dtype per node, in-place fix-ups
     writes.decide_writes,  # what a node writes where not its dtype: bias after the cast, low writes, copies left out
     casts.insert_casts,  # one cast per (value, dtype), accumulation dtypes, output dtypes
     pad.pad,  # GEMM dimensions to multiples of 8, riding on the casts just inserted

@@ -11,6 +11,11 @@ break-even ``(T, R)`` (``Policy.gemm_min_flops``, ``Policy.gemm_min_rows``, else
 - ``F < T``, or a weight used for fewer rows than ``R`` (``F / 2W < R``): DENY, float32, rule
   ``cost:small-gemm``, the reason says which; float32 flows on through the infer and clear ops after it as for
   any float32 node, so a run of small layers has no casts between them;
+- a convolution against the convolutions' break-even (measured on their own sizes, where the table has them);
+- a GEMM kept float32 by its size alone that pays against the break-even **between low neighbours** (measured
+  where the device's table has it: its input and gradient arriving low, float32 would cast them and its output)
+  records so (``node.meta['ampfx_between_low']``: its decision before, its condition there, the reason): painting
+  gives it the low dtype back where its neighbours are low (:mod:`ampfx.passes.between_low`);
 - where the device's low dtype was measured slower at every size (``BreakEven.never``): every such GEMM node,
   counted or not, DENY, float32, rule ``cost:low-slower``;
 - otherwise, where the work is unknown (no ``example_inputs``, an op not counted here: einsum, ``mv``,
@@ -51,7 +56,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import COST_SCALE, RECORD, numel, out_infos, record
+from ..meta import BETWEEN_LOW, COST_SCALE, RECORD, BetweenLow, numel, out_infos, record
 from ..ops import Category, device_cost, gemm_cost
 from ..policy.decide import matched_at
 from ..report.records import Decision, Rule
@@ -299,12 +304,31 @@ def _why(d: Decision, done: Work, limits: gemm_cost.BreakEven, ctx: PassContext,
             f"({again})")
 
 
+def limits_of(ctx: PassContext, conv: bool, between_low: bool = False) -> tuple[gemm_cost.BreakEven, dict[str, str]]:
+    """The break-even for this conversion (:func:`ampfx.ops.device_cost.limits`), of convolutions or other GEMMs,
+    alone or between low neighbours, and where each figure comes from (for reasons)."""
+    return device_cost.limits(ctx.policy.gemm_min_flops, ctx.policy.gemm_min_rows, ctx.device, ctx.policy.fp8,
+                              ctx.policy.dtype, conv=conv, between_low=between_low)
+
+
+def is_conv(op: str) -> bool:
+    """Is ``op`` (a decision's op) decided by the convolutions' break-even (:data:`CONVOLUTIONS`)?"""
+    entry = ops.ENTRIES[op]
+    return (entry.gemm or entry.flops) in CONVOLUTIONS
+
+
+CONVOLUTIONS = ("conv", "conv_transpose", "convolution")
+"""The op layouts (``OpEntry.gemm`` / ``OpEntry.flops``) decided by the convolutions' break-even
+(:meth:`ampfx.ops.device_cost.Table.break_even`): their kernels pay low from other sizes than a linear layer's."""
+
+
 def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Keep float32 the GEMM nodes below the device's break-even, and every one where the low dtype never pays
-    (see the module docstring)."""
-    limits, where = device_cost.limits(ctx.policy.gemm_min_flops, ctx.policy.gemm_min_rows, ctx.device,
-                                     ctx.policy.fp8, ctx.policy.dtype)  # where: each figure's source, for reasons
-    if limits == gemm_cost.NONE or not (ctx.has_shapes or limits.never):
+    (see the module docstring); :mod:`ampfx.passes.between_low` then looks again at those between low neighbours."""
+    by_kind = {conv: limits_of(ctx, conv) for conv in (False, True)}
+    among = {conv: limits_of(ctx, conv, between_low=True) for conv in (False, True)}
+    among = {conv: None if among[conv][0] == by_kind[conv][0] else among[conv] for conv in among}
+    if all(be == gemm_cost.NONE or not (ctx.has_shapes or be.never) for be, _ in by_kind.values()):
         return
     low = str(ctx.policy.dtype).replace("torch.", "")
     for node in gm.graph.nodes:
@@ -315,11 +339,14 @@ def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if matched_at(ctx.resolved.fp8_forced, d.module):
             continue  # fp8_modules asks for FP8 here, which rides on the low dtype
+        limits, where = by_kind[is_conv(d.op)]
         if limits.never:
             node.meta[RECORD] = dataclasses.replace(
                 d, category=Category.DENY, dtype=torch.float32, rule=Rule.COST_LOW_SLOWER,
                 reason=f"{d.op}: {low} GEMMs are slower than float32 at every size {where['flops']}: float32 "
                        "(AMPFX_GEMM_MIN_FLOPS=0 lowers them anyway)")
+            continue
+        if limits == gemm_cost.NONE or not ctx.has_shapes:
             continue
         done = work(node, gm)
         need = _need(done, limits, ctx) if done is not None else None
@@ -331,3 +358,22 @@ def keep_small_gemms(gm: fx.GraphModule, ctx: PassContext) -> None:
         if why is not None:
             node.meta[RECORD] = dataclasses.replace(d, category=Category.DENY, dtype=torch.float32,
                                                     rule=Rule.COST_SMALL_GEMM, reason=why)
+            _between_low(node, d, done, among[is_conv(d.op)], ctx)
+
+
+def _between_low(node: fx.Node, before: Decision, done: Work,
+                 among: tuple[gemm_cost.BreakEven, dict[str, str]] | None, ctx: PassContext) -> None:
+    """Record whether ``node``, kept float32 by its size alone, pays between low neighbours (``among``: that
+    break-even and where it comes from; ``None`` where none was measured apart)."""
+    if among is None:
+        return
+    limits, where = among
+    if limits.never:
+        return
+    need = _need(done, limits, ctx)
+    if need is None or _why(before, done, limits, ctx, where, need) is not None:
+        return
+    low = str(ctx.policy.dtype).replace("torch.", "")
+    flops = _shown(done.flops, _at(done.flops, ctx))
+    node.meta[BETWEEN_LOW] = BetweenLow(before, need, f"{flops} FLOPs a call, from {limits.flops:,}, the break-even "
+                                                      f"of {low} GEMMs {where['flops']}")

@@ -1,6 +1,8 @@
 """Pass: TF-AMP's painting, then the dtype of every value after conversion.
 
-Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5):
+Nodes on the four lists are painted (shared/REFERENCE.md, steps 1-5), after step 0: the GEMMs kept float32 by
+their size alone that sit between low neighbours get the low dtype back where that casts no more
+(:mod:`ampfx.passes.between_low`, not TF-AMP's; it paints the graph both ways to count):
 
 1. every ALLOW node is low precision;
 2. deny propagation: from each DENY node walk forward into INFER/CLEAR nodes
@@ -47,7 +49,7 @@ from ..ops import Category, Result
 from ..report.records import GEMM_COST_RULES, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
-from . import fidelity
+from . import between_low, fidelity
 from .cast_model import fp32_slot_inputs, needed_casts, upcast_reads
 from .nodes import DYNAMIC, carries_float, original_dtype, pass_result, selects_float, written
 
@@ -73,7 +75,14 @@ def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]
 
 
 def paint(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision."""
+    """Set ``dtype``, ``rule``, ``reason`` and ``out`` of every Decision, after giving the low dtype back to the
+    small GEMMs between low neighbours where that casts no more (step 0, :mod:`ampfx.passes.between_low`)."""
+    between_low.lower(gm, ctx, _paint)
+    _paint(gm, ctx)
+
+
+def _paint(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Steps 1-7 (see the module docstring)."""
     low = ctx.policy.dtype
     nodes = list(gm.graph.nodes)
     cat = {n: decision(n).category for n in nodes}

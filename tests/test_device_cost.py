@@ -230,3 +230,104 @@ def test_a_break_even_given_whole_measures_nothing(measuring):
     """Rule: with both gemm_min_flops and gemm_min_rows given, nothing is measured (and nothing said of it)."""
     ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),), gemm_min_flops=10, gemm_min_rows=0)
     assert measuring == []
+
+
+# between low neighbours (input and gradient arrive low): a small linear pays where its weight serves 64 rows
+BETWEEN_LOW = (Point(64, 64, 1.0, 2.8, 1, (1.0, 0.8)), Point(16, 256, 1.0, 1.6, 1, (1.0, 1.2)),
+               Point(64, 256, 1.0, 1.1, 1, (1.0, 0.7)), *NATIVE[3:])
+# 3x3 convolutions: alone they pay from 2 * 512 * 64**2 * 9 FLOPs, between low neighbours at every size measured
+CONVS = (Point(512, 16, 1.0, 1.3, 9, (1.0, 0.8)), Point(128, 64, 1.0, 1.1, 9, (1.0, 0.85)),
+         Point(512, 64, 1.0, 0.6, 9), Point(512, 128, 1.0, 0.5, 9))
+
+
+def test_convolutions_and_gemms_between_low_neighbours_have_break_evens_of_their_own():
+    """Rule: convolutions are fitted on the convolutions measured, GEMMs between low neighbours on the sizes measured
+    there (a size that pays alone pays there too); a table without them (too few convolutions, nothing measured
+    between low neighbours: one cached by an older version) gives the linear layers' break-even alone for all.
+    The cache keeps both."""
+    table = _table((*BETWEEN_LOW, *CONVS))
+    alone = gemm_cost.BreakEven(2 * 256 ** 3, 0)
+    assert table.break_even() == alone
+    assert table.break_even(between_low=True) == gemm_cost.BreakEven(2 * 64 ** 3, 64)
+    assert table.break_even(conv=True) == gemm_cost.BreakEven(2 * 512 * 64 ** 2 * 9, 0)
+    # every convolution measured pays between low neighbours: from the smallest measured, none is known below it
+    assert table.break_even(conv=True, between_low=True) == gemm_cost.BreakEven(2 * 512 * 16 ** 2 * 9, 0)
+    older = _table(NATIVE)
+    assert {older.break_even(conv=c, between_low=b) for c in (False, True) for b in (False, True)} == {alone}
+    again = Table.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.points == table.points
+    text = "\n".join(table.lines())
+    assert "conv3x3" in text and "convolutions' break-even" in text and "between low neighbours:" in text
+
+
+class Widening(nn.Module):
+    """A linear that pays alone (256 -> 256 over 512 rows) feeding a small one (256 -> 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.big, self.small = nn.Linear(256, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.small(torch.relu(self.big(x)))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big, self.bn, self.small = nn.Conv2d(16, 64, 3, padding=1), nn.BatchNorm2d(64), nn.Conv2d(64, 16, 1)
+
+    def forward(self, x):
+        return self.small(torch.relu(self.bn(self.big(x))))
+
+
+def test_a_small_gemm_between_low_neighbours_is_decided_by_that_break_even(measuring):
+    """Rule: a GEMM kept float32 by its size alone, joined through infer and clear ops to one that runs low, sits
+    between low neighbours: the break-even measured there decides it (it runs low where that casts fewer activation
+    elements), and its reason names that break-even and the low GEMM. One whose region runs float32 (every GEMM
+    small) stays float32; a table measured without it (the datasheet, an older cache) changes nothing."""
+    measuring.use((*BETWEEN_LOW, *CONVS))
+    x, model = torch.randn(512, 256), Widening()
+    want = model(x)
+    amp = ampfx.convert(model, "bf16", example_inputs=(x,))
+    assert _rules(amp) == {"big": Rule.TABLE, "small": Rule.TABLE}
+    reason = next(r.reason for r in amp.ampfx_report.compute if r.module == "small")
+    assert "between low neighbours (linear runs low" in reason and "measured between low neighbours" in reason
+
+    assert next(r for r in amp.ampfx_report.compute if r.module == "small").dtype == torch.bfloat16
+    torch.testing.assert_close(amp(x), want, rtol=0.05, atol=0.05)
+
+    alone = ampfx.convert(Mlp(64), "bf16", example_inputs=(torch.randn(32, 64),))  # no GEMM of it runs low
+    assert set(_rules(alone).values()) == {Rule.COST_SMALL_GEMM}
+
+    conv = ampfx.convert(ConvBlock(), "bf16", example_inputs=(torch.randn(2, 16, 32, 32),))
+    decided = {r.module: r for r in conv.ampfx_report.compute if r.op == "conv2d"}
+    assert decided["big"].rule is Rule.TABLE and decided["small"].dtype == torch.bfloat16
+    assert "measured for convolutions between low neighbours" in decided["small"].reason
+
+    measuring.use(NATIVE)
+    device_cost.forget()
+    device_cost.cache_file().unlink()
+    before = ampfx.convert(Widening(), "bf16", example_inputs=(x,))
+    assert _rules(before) == {"big": Rule.TABLE, "small": Rule.COST_SMALL_GEMM}
+    from ampfx.tools.measure import measure_step
+    moved = [measure_step(lambda m=m: m(x).float().sum().backward()).bytes for m in (amp, before)]
+    assert moved[0] < moved[1] * 0.6  # relu's output reaches small low, uncast: its weight is cast instead
+
+
+def test_a_region_that_would_cast_more_keeps_its_small_gemms_float32_and_says_why(measuring, monkeypatch):
+    """Rule: where painting the region with its small GEMMs low casts more activation elements (a value of it stays
+    float32 for another reason), they stay float32, and the reason says what lowering them would cast."""
+    from ampfx.passes import between_low
+    measuring.use((*BETWEEN_LOW, *CONVS))
+    painted = between_low._painted_casts
+    seen = []
+
+    def more_when_lowered(gm, ctx, records, paint):
+        seen.append(painted(gm, ctx, records, paint))
+        return 1000 * len(seen)  # each trial casts more than the plan before it
+    monkeypatch.setattr(between_low, "_painted_casts", more_when_lowered)
+    amp = ampfx.convert(Widening(), "bf16", example_inputs=(torch.randn(512, 256),))
+    assert len(seen) == 2 and seen[1] < seen[0]  # really fewer: the refusal comes from the patched count alone
+    small = next(r for r in amp.ampfx_report.compute if r.module == "small")
+    assert small.rule is Rule.COST_SMALL_GEMM and small.dtype == torch.float32
+    assert "would pay, but lowering it with its region casts 1,000 more activation elements" in small.reason

@@ -10,13 +10,17 @@ first time a conversion needs it, as TensorRT's builder times layers and keeps a
 - :func:`measure` times one training step of a linear layer (forward and backward, with the casts of its input,
   weight and gradient that the low dtype needs, as a converted graph runs it) in float32 and in the low dtype, on a
   ladder of sizes (:data:`LADDER`: rows times width), interleaved, the least of a few repeats, within a time budget
-  (:data:`BUDGET_S`, about 3 s on a CPU; a size whose step would not fit is skipped and said so); and, for the
-  table, a cast and an elementwise op (their cost per element, float32 against the low dtype).
+  (:data:`BUDGET_S`, about 3 s on a CPU; a size whose step would not fit is skipped and said so); then, in the last
+  quarter of the budget, 3x3 convolutions (:data:`CONV_LADDER`), whose kernels pay low from other sizes than a
+  linear layer's; and, for the table, a cast and an elementwise op (their cost per element, float32 against the low
+  dtype).
 - :meth:`Table.break_even` fits the ``(flops, rows)`` that tells the measured sizes that run faster low from those
   that do not with the fewest mistakes (a rows criterion only where FLOPs alone do not; each threshold the size of
   a measured one that pays), with a margin (:data:`MARGIN`: a size counts as paying when it is at least 10% faster, as not paying when it is slower;
   those in between count either way), so that noise does not flip decisions; where no size pays, the low dtype
   **never pays** here (:attr:`BreakEven.never`): every GEMM stays float32, said as a warning and in the summary.
+  Convolutions are fitted on their own sizes (``break_even(conv=True)``: the linear layers' where too few were
+  measured).
 - The table is cached on disk (:func:`cache_file`: ``$AMPFX_CACHE_DIR``, else ``$XDG_CACHE_HOME/ampfx``, else
   ``~/.cache/ampfx``, file ``device-cost.json``), one entry per device (its name, the CPU's bfloat16 / float16
   features, the threads torch uses), torch version and dtype: the same cached table gives the same plan, and a
@@ -69,6 +73,17 @@ LADDER: tuple[tuple[int, int], ...] = (
 """The sizes measured, as ``(rows, width)``: a linear layer ``width -> width`` over ``rows`` rows, forward
 operations ``2 * rows * width**2``. Ordered by operations, so the budget cuts the largest."""
 
+CONV_LADDER: tuple[tuple[int, int], ...] = (
+    (128, 16), (512, 16), (128, 64), (512, 32), (32, 256), (128, 128), (512, 64), (2048, 32), (512, 128))
+"""The convolutions measured, as ``(rows, width)``: a 3x3 convolution ``width -> width`` channels over a batch of 2
+images of ``rows / 2`` pixels (``rows``: the output pixels, each weight element's uses), forward operations
+``2 * rows * width**2 * 9``. A convolution is a GEMM whose contracted size is its channels times its kernel,
+but its kernels are not a linear layer's: on a CPU, oneDNN's bfloat16 convolutions pay from sizes where its
+bfloat16 linear layers do not, so convolutions get a break-even of their own (:meth:`Table.break_even`)."""
+
+CONV_TAPS = 9
+"""The kernel elements of the convolutions measured (3x3)."""
+
 MARGIN = 0.1
 """A size pays where the low dtype's step takes at most ``1 - MARGIN`` of float32's, and does not where it takes
 more than float32's; in between it may go either way (noise)."""
@@ -80,7 +95,7 @@ MEASURED_ON = ("cpu",)
 """Device types measured at first need; others use the datasheet table (``AMPFX_GEMM_MIN_FLOPS=measure`` measures
 any device)."""
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 CACHE_MIN_NUMEL = 1 << 16
 """The datasheet's smallest weight (elements) whose cached low copy pays (:func:`cache_limit`), for a device
@@ -93,25 +108,46 @@ MINIMUM = 4
 
 LARGE = 2 ** 25
 
+CONV_MINIMUM = 3
+"""Convolutions get their own break-even with at least this many of :data:`CONV_LADDER` measured; with fewer (a
+budget cut short, a table cached before they were measured) they take the linear layers'."""
+
 
 @dataclass(frozen=True)
 class Point:
-    """One size measured: ``rows`` x ``width`` (a linear ``width -> width``), the seconds of one training step in
-    float32 and in the low dtype (``low_s`` ``None``: not measured, over the budget)."""
+    """One size measured: ``rows`` x ``width`` (a linear ``width -> width``; with ``taps`` > 1 a convolution
+    ``width -> width`` channels with that many kernel elements, over ``rows`` output pixels), the seconds of one
+    training step in float32 and in the low dtype (``low_s`` ``None``: not measured, over the budget).
+
+    Both are measured **alone**, between float32 neighbours: the low step casts its input and the gradient coming
+    back. ``between_low`` is the same op **between low neighbours** (its input arrives low, its gradient too), as
+    ``(float32 seconds, low seconds)``: float32 then casts its input, output and both gradients, the low dtype only
+    its weight. Measured only for sizes that do not pay alone (``None`` otherwise, or not measured)."""
 
     rows: int
     width: int
     float32_s: float
     low_s: float | None
+    taps: int = 1
+    between_low: tuple[float, float] | None = None
 
     @property
     def flops(self) -> int:
-        return 2 * self.rows * self.width * self.width
+        return 2 * self.rows * self.width * self.width * self.taps
 
     @property
     def ratio(self) -> float | None:
-        """The low dtype's time over float32's (under 1: the low dtype is faster)."""
+        """The low dtype's time over float32's alone (under 1: the low dtype is faster)."""
         return None if self.low_s is None else self.low_s / self.float32_s
+
+    @property
+    def ratio_between_low(self) -> float | None:
+        """The same between low neighbours; a size not measured there that pays alone pays there too (it saves
+        the casts alone costs it)."""
+        if self.between_low is not None:
+            return self.between_low[1] / self.between_low[0]
+        ratio = self.ratio
+        return ratio if ratio is not None and ratio <= 1 - MARGIN else None
 
 
 @dataclass(frozen=True)
@@ -134,28 +170,66 @@ class Table:
     def key(self) -> str:
         return key_of(self.device, self.torch, self.dtype)
 
-    def break_even(self) -> BreakEven:
+    def break_even(self, conv: bool = False, between_low: bool = False) -> BreakEven:
         """The smallest ``(flops, rows)`` from which the measured sizes pay low, fitted with :data:`MARGIN` (see
-        the module docstring); ``never`` where no measured size pays."""
-        seen = [p for p in self.points if p.ratio is not None]
-        pays = [p for p in seen if p.ratio <= 1 - MARGIN]
+        the module docstring); ``never`` where no measured size pays. ``conv``: the convolutions'
+        (:data:`CONV_LADDER`), where at least :data:`CONV_MINIMUM` were measured, else the linear layers'.
+        ``between_low``: for an op between low neighbours (:attr:`Point.ratio_between_low`), where measured
+        (:attr:`measured_between_low`), else the same as alone; never under the smallest size measured (below it
+        nothing says the low dtype pays).
+
+        >>> lin = [Point(64, 64, 1.0, 2.0), Point(256, 256, 1.0, 0.5)]
+        >>> conv = [Point(128, 32, 1.0, 1.3, 9), Point(512, 32, 1.0, 0.8, 9), Point(512, 64, 1.0, 0.6, 9)]
+        >>> t = Table("cpu: example", "2.13", "bfloat16", (*lin, *conv))
+        >>> t.break_even(), t.break_even(conv=True)
+        (BreakEven(flops=33554432, rows=0, never=False), BreakEven(flops=9437184, rows=0, never=False))
+        >>> Table("cpu: example", "2.13", "bfloat16", tuple(lin)).break_even(conv=True)  # none measured
+        BreakEven(flops=33554432, rows=0, never=False)
+        """
+        if conv and self.convs_measured and not between_low:
+            own = self._fit([p for p in self.points if p.taps > 1], False)
+            # convolutions slower at every size measured (up to 151 million operations) where linear layers pay:
+            # larger ones are not known to lose, and take the linear layers' break-even
+            return self.break_even() if own.never else own
+        return self._fit([p for p in self.points if (p.taps > 1) == (conv and self.convs_measured)], between_low)
+
+    def _fit(self, kind: list[Point], between_low: bool) -> BreakEven:
+        """:meth:`break_even` over the points ``kind``."""
+        between = between_low and any(p.between_low is not None for p in kind)
+        if between:
+            seen = [(p, p.ratio_between_low) for p in kind if p.ratio_between_low is not None]
+        else:
+            seen = [(p, p.ratio) for p in kind if p.ratio is not None]
+        pays = [p for p, ratio in seen if ratio <= 1 - MARGIN]
         if not pays:
             return BreakEven(0, 0, never=True)
-        loses = [p for p in seen if p.ratio > 1]
+        loses = [p for p, ratio in seen if ratio > 1]
         def fit(flops: int, rows: int) -> tuple[int, bool, int, int]:  # fewest wrong; a rows criterion if needed
             wrong = (sum(1 for p in pays if p.flops < flops or p.rows < rows)
                      + sum(1 for p in loses if p.flops >= flops and p.rows >= rows))
             return wrong, rows > 0, flops, rows
 
-        best = min(fit(f, r) for f in {0, *(p.flops for p in pays)} for r in {0, *(p.rows for p in pays)})
+        # between low neighbours only the sizes that lose alone were measured: nothing under the smallest is known
+        least = {0} if not between else set()
+        best = min(fit(f, r) for f in {*least, *(p.flops for p in pays)} for r in {0, *(p.rows for p in pays)})
         return BreakEven(best[2], best[3])
 
     @property
     def conclusive(self) -> bool:
-        """Were enough sizes measured to decide (:data:`MINIMUM`, up to :data:`LARGE` FLOPs)? A measurement cut
-        short by its budget (a busy machine) is not: the datasheet is used instead, and it is not cached."""
-        seen = [p for p in self.points if p.ratio is not None]
+        """Were enough linear sizes measured to decide (:data:`MINIMUM`, up to :data:`LARGE` FLOPs)? A measurement
+        cut short by its budget (a busy machine) is not: the datasheet is used instead, and it is not cached."""
+        seen = [p for p in self.points if p.ratio is not None and p.taps == 1]
         return len(seen) >= MINIMUM and max(p.flops for p in seen) >= LARGE
+
+    @property
+    def measured_between_low(self) -> bool:
+        """Were sizes measured between low neighbours (:attr:`Point.between_low`)?"""
+        return any(p.between_low is not None for p in self.points)
+
+    @property
+    def convs_measured(self) -> bool:
+        """Were enough convolutions measured (:data:`CONV_MINIMUM`) for a break-even of their own?"""
+        return sum(1 for p in self.points if p.ratio is not None and p.taps > 1) >= CONV_MINIMUM
 
     def cache_min_numel(self) -> int:
         """The smallest weight (elements) whose cached low copy pays here: a cached read saves a cast of the
@@ -181,11 +255,16 @@ class Table:
         when = f"measured now, in {self.seconds:.1f} s" if self.source == "measured" else \
             f"{self.source}; measuring took {self.seconds:.1f} s"
         out = [f"{self.device}, torch {self.torch}, {self.dtype} against float32 ({when})",
-               f"  {'rows':>6} {'width':>6} {'FLOPs':>14} {'float32 ms':>11} {self.dtype + ' ms':>12} {'ratio':>6}"]
+               f"  {'op':<7} {'rows':>6} {'width':>6} {'FLOPs':>14} {'float32 ms':>11} {self.dtype + ' ms':>12} "
+               f"{'ratio':>6}  between low neighbours: float32 ms, {self.dtype} ms, ratio"]
         for p in self.points:
             low = "skipped" if p.low_s is None else f"{p.low_s * 1e3:.3f}"
             ratio = "" if p.ratio is None else f"{p.ratio:.2f}"
-            out.append(f"  {p.rows:>6} {p.width:>6} {p.flops:>14,} {p.float32_s * 1e3:>11.3f} {low:>12} {ratio:>6}")
+            op = "linear" if p.taps == 1 else f"conv{round(p.taps ** 0.5)}x{round(p.taps ** 0.5)}"
+            among = "" if p.between_low is None else \
+                f"  {p.between_low[0] * 1e3:.3f} {p.between_low[1] * 1e3:.3f} {p.ratio_between_low:.2f}"
+            out.append(f"  {op:<7} {p.rows:>6} {p.width:>6} {p.flops:>14,} {p.float32_s * 1e3:>11.3f} {low:>12} "
+                       f"{ratio:>6}{among}")
         if self.cast_ns is not None:
             out.append(f"  a cast float32 -> {self.dtype}: {self.cast_ns:.2f} ns an element")
         if self.elementwise_ns is not None:
@@ -195,6 +274,13 @@ class Table:
             out.append(f"  handing a cached weight to a graph: {self.handoff_ns / 1e3:.1f} us more than casting it; "
                        f"the weight cache pays from {self.cache_min_numel():,} elements")
         out.append("  break-even: " + describe(be, self))
+        if self.convs_measured:
+            out.append("  convolutions' break-even: " + describe(self.break_even(conv=True), self, conv=True))
+        else:
+            out.append("  convolutions: too few measured, the linear layers' break-even is used")
+        if self.measured_between_low:
+            out.append("  between low neighbours: " + describe(self.break_even(between_low=True), self) + "; "
+                       + describe(self.break_even(conv=True, between_low=True), self, conv=True))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -205,7 +291,10 @@ class Table:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Table":
         points = tuple(Point(int(p["rows"]), int(p["width"]), float(p["float32_s"]),
-                             None if p["low_s"] is None else float(p["low_s"])) for p in d["points"])
+                             None if p["low_s"] is None else float(p["low_s"]), int(p.get("taps", 1)),
+                             None if p.get("between_low") is None else
+                             (float(p["between_low"][0]), float(p["between_low"][1])))
+                       for p in d["points"])
         ew = d.get("elementwise_ns")
         return cls(device=str(d["device"]), torch=str(d["torch"]), dtype=str(d["dtype"]), points=points,
                    cast_ns=None if d.get("cast_ns") is None else float(d["cast_ns"]),
@@ -214,23 +303,24 @@ class Table:
                    seconds=float(d.get("seconds", 0.0)), source="cached")
 
 
-def describe(be: BreakEven, table: Table | None = None) -> str:
-    """A break-even in words.
+def describe(be: BreakEven, table: Table | None = None, conv: bool = False) -> str:
+    """A break-even in words (``conv``: the convolutions').
 
     >>> describe(BreakEven(2**24, 64))
     'GEMMs of at least 16,777,216 FLOPs a call whose weight is used for at least 64 rows run faster low'
     >>> describe(BreakEven(0, 0, never=True))
     'the low dtype is slower than float32 at every size measured: every GEMM stays float32'
     """
+    gemms = "convolutions" if conv else "GEMMs"
     if be.never:
         largest = table.largest() if table is not None else None
         upto = f" (up to {largest.flops:,} FLOPs)" if largest is not None else ""
-        return f"the low dtype is slower than float32 at every size measured{upto}: every GEMM stays float32"
+        return f"the low dtype is slower than float32 at every size measured{upto}: every {gemms[:-1]} stays float32"
     if not be.flops and not be.rows:
-        return "every GEMM measured runs faster low"
+        return f"every {gemms[:-1]} measured runs faster low"
     what = [f"of at least {be.flops:,} FLOPs a call"] if be.flops else []
     what += [f"whose weight is used for at least {be.rows:,} rows"] if be.rows else []
-    return f"GEMMs {' '.join(what)} run faster low"
+    return f"{gemms} {' '.join(what)} run faster low"
 
 
 # ------------------------------------------------------------------ FP8: the roofline of a device not here
@@ -367,19 +457,41 @@ def _clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def _step(rows: int, width: int, low: torch.dtype | None, device: torch.device) -> Callable[[], None]:
+def _step(rows: int, width: int, low: torch.dtype | None, device: torch.device,
+          among: torch.dtype | None = None) -> Callable[[], None]:
     """One training step of a linear ``width -> width`` over ``rows`` rows: float32, or with its input and weight
-    cast to ``low`` (the gradient reaches the float32 weight through the cast, as in a converted graph)."""
+    cast to ``low`` (the gradient reaches the float32 weight through the cast, as in a converted graph). ``among``:
+    between neighbours of that dtype (its input and the gradient coming back arrive in it; the float32 step casts
+    them, and its output, to and from float32)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, width, generator=gen).to(device).requires_grad_()
+    x = torch.randn(rows, width, generator=gen).to(device)
     w = (torch.randn(width, width, generator=gen) / width ** 0.5).to(device).requires_grad_()
     g = torch.randn(rows, width, generator=gen).to(device)
+    return _stepper(lambda a, b: torch.nn.functional.linear(a, b), x, w, g, low, among)
+
+
+def _conv_step(rows: int, width: int, low: torch.dtype | None, device: torch.device,
+               among: torch.dtype | None = None) -> Callable[[], None]:
+    """:func:`_step` for a 3x3 convolution ``width -> width`` channels over 2 images of ``rows / 2`` pixels (square,
+    padded to keep their size)."""
+    side = max(1, round((rows // 2) ** 0.5))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, width, side, side, generator=gen).to(device)
+    w = (torch.randn(width, width, 3, 3, generator=gen) / (9 * width) ** 0.5).to(device).requires_grad_()
+    g = torch.randn(2, width, side, side, generator=gen).to(device)
+    return _stepper(lambda a, b: torch.nn.functional.conv2d(a, b, padding=1), x, w, g, low, among)
+
+
+def _stepper(op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+             g: torch.Tensor, low: torch.dtype | None, among: torch.dtype | None) -> Callable[[], None]:
+    """``op(x, w)`` forward and backward (gradient ``g``), computed in ``low`` (float32: ``None``) with its
+    neighbours in ``among`` (float32: ``None``): the casts a converted graph makes between them."""
+    x = x.to(among or x.dtype).requires_grad_()
+    g = g.to(among or g.dtype)
 
     def run() -> None:
-        if low is None:
-            torch.nn.functional.linear(x, w).backward(g)
-        else:
-            torch.nn.functional.linear(x.to(low), w.to(low)).backward(g.to(low))
+        out = op(x.to(low or torch.float32), w.to(low) if low is not None else w)
+        out.to(among or torch.float32).backward(g)
         x.grad = w.grad = None
     return run
 
@@ -447,24 +559,17 @@ def measure(device: Any, dtype: torch.dtype, budget_s: float | None = None) -> T
         torch.set_num_threads(threads)
 
 
+CONV_SHARE = 0.25
+"""The part of the budget kept for :data:`CONV_LADDER`, measured after the linear layers."""
+
+
 def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable[[], float]) -> Table:
     start = now()
     points: list[Point] = []
-    per_flop = None  # the least seconds a forward FLOP cost so far, float32 and low together
     with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev]):
-        for rows, width in LADDER:
-            flops = 2 * rows * width * width
-            spent = now() - start
-            # a size runs about 2 + 3 batched steps of each dtype: skip one whose predicted time would not fit
-            # (the first few always run, within half the budget)
-            early = len(points) < MINIMUM and spent < budget / 2
-            if per_flop is not None and not early and 8 * flops * per_flop > budget - spent:
-                points.append(Point(rows, width, float("nan"), None))
-                continue
-            f32 = _time(_step(rows, width, None, dev), now)
-            low = _time(_step(rows, width, dtype, dev), now)
-            per_flop = min(per_flop or math.inf, (f32 + low) / flops)
-            points.append(Point(rows, width, f32, low))
+        points += _ladder((LADDER, 1, _step), dev, dtype, now, start, budget * (1 - CONV_SHARE), MINIMUM)
+        points += _ladder((CONV_LADDER, CONV_TAPS, _conv_step), dev, dtype, now, now(), budget - (now() - start),
+                          CONV_MINIMUM)
         x = torch.randn(1 << 20, device=dev)
         cast = _per_element(lambda t: t.to(dtype), x, now)
         elementwise = (_per_element(torch.nn.functional.gelu, x, now),
@@ -473,6 +578,32 @@ def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable
     return Table(device=device_name(dev), torch=torch.__version__.split("+")[0], dtype=str(dtype).split(".")[-1],
                  points=tuple(points), cast_ns=cast, elementwise_ns=elementwise, handoff_ns=handoff,
                  seconds=now() - start)
+
+
+def _ladder(kind: tuple[tuple[tuple[int, int], ...], int, Callable[..., Callable[[], None]]], dev: torch.device,
+            dtype: torch.dtype, now: Callable[[], float], start: float, budget: float, first: int) -> list[Point]:
+    """The :class:`Point` s of ``kind``, ``(sizes, taps, step)`` (``step(rows, width, dtype or None, dev)`` one
+    training step), within ``budget`` seconds from ``start``: a size whose predicted time would not fit is skipped
+    (its ``low_s`` ``None``); the ``first`` few always run, within half the budget."""
+    sizes, taps, step = kind
+    points: list[Point] = []
+    per_flop = None  # the least seconds a forward FLOP cost so far, float32 and low together
+    for rows, width in sizes:
+        flops = 2 * rows * width * width * taps
+        spent = now() - start
+        # a size runs about 2 + 3 batched steps of each dtype
+        early = len(points) < first and spent < budget / 2
+        if per_flop is not None and not early and 8 * flops * per_flop > budget - spent:
+            points.append(Point(rows, width, float("nan"), None, taps))
+            continue
+        f32 = _time(step(rows, width, None, dev), now)
+        low = _time(step(rows, width, dtype, dev), now)
+        per_flop = min(per_flop or math.inf, (f32 + low) / flops)
+        among = None
+        if low / f32 > 1 - MARGIN and now() - start < budget:  # does not pay alone: between low neighbours?
+            among = (_time(step(rows, width, None, dev, dtype), now), _time(step(rows, width, dtype, dev, dtype), now))
+        points.append(Point(rows, width, f32, low, taps, among))
+    return points
 
 
 # ------------------------------------------------------------------ the table a conversion uses
@@ -589,13 +720,15 @@ def measure_on(kinds: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
-           dtype: Any = None) -> tuple[BreakEven, dict[str, str]]:
+           dtype: Any = None, conv: bool = False, between_low: bool = False) -> tuple[BreakEven, dict[str, str]]:
     """The break-even that applies, and where each of its two figures comes from (``{"flops": ..., "rows": ...}``,
     for the reasons): ``flops`` and ``rows`` (``Policy.gemm_min_flops`` and ``Policy.gemm_min_rows``) where given;
     else, for ``dtype`` on ``device``, the measured table (:func:`table`: on the device types in
     :data:`MEASURED_ON`, or any with ``flops="measure"``), or the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`:
     with ``flops="table"``, on other devices, or where measuring fails: a warning says so); with ``fp8`` (a recipe: the plan is for the GPU whose roofline decides FP8) none
-    for those not given. A given ``flops=0`` turns the rule off: every GEMM low, whatever ``rows``."""
+    for those not given. A given ``flops=0`` turns the rule off: every GEMM low, whatever ``rows``. ``conv``: the
+    break-even of convolutions (a measured table's own for them, :meth:`Table.break_even`); ``between_low``: of a
+    GEMM between low neighbours (a measured table's, where it measured them; else the same as alone)."""
     kind = str(device).split(":")[0]
     if flops == 0:
         return NONE, {"flops": "set by gemm_min_flops", "rows": "set by gemm_min_flops"}
@@ -605,7 +738,7 @@ def limits(flops: Any, rows: int | None, device: Any, fp8: Any = None,
     if fp8 is not None:
         device_be, where = NONE, "under fp8= (planned for the FP8 roofline's device)"
     else:
-        device_be, where = _device(kind, device, dtype, flops)
+        device_be, where = _device(kind, device, dtype, flops, conv, between_low)
     if device_be.never and given is None:  # the low dtype is slower at every size: only a given break-even lowers
         return device_be, {"flops": where, "rows": where}
     chosen = BreakEven(device_be.flops if given is None else given, device_be.rows if rows is None else rows)
@@ -619,9 +752,10 @@ def _measures(kind: str, how: Any) -> bool:
     return how != "table" and (how == "measure" or kind in MEASURED_ON)
 
 
-def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, str]:
-    """The device's break-even for ``dtype`` and where it comes from: measured (:func:`table`) or
-    the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`)."""
+def _device(kind: str, device: Any, dtype: Any, how: Any, conv: bool = False,
+            between_low: bool = False) -> tuple[BreakEven, str]:
+    """The device's break-even for ``dtype`` (``conv``: of convolutions) and where it comes from: measured
+    (:func:`table`) or the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`)."""
     if dtype is not None and _measures(kind, how):
         try:
             measured = table(device, dtype, say=warn_user)
@@ -630,7 +764,10 @@ def _device(kind: str, device: Any, dtype: Any, how: Any) -> tuple[BreakEven, st
                       "datasheet break-even is used")
         else:
             if measured.conclusive:
-                return measured.break_even(), f"measured on {measured.device} ({measured.source})"
+                own = " for convolutions" if conv and measured.convs_measured else ""
+                own += " between low neighbours" if between_low and measured.measured_between_low else ""
+                return (measured.break_even(conv, between_low),
+                        f"measured{own} on {measured.device} ({measured.source})")
             if measured.key not in _SAID:
                 _SAID.add(measured.key)
                 warn_user(f"ampfx: measuring {dtype} GEMMs on {device} ran out of its time budget before enough "
