@@ -27,7 +27,10 @@ stored under them are immutable (``node_copy`` copies meta shallowly):
 - ``AUTOCAST``: the dtype ``torch.autocast`` would compute the node in (:mod:`ampfx.passes.autocast`),
   copied into ``Decision.autocast`` after the passes;
 - ``AUTOCAST_HANDS``: on a kept module's call, the dtype ``torch.autocast`` would hand its float inputs in
-  (its own graph's inputs start there: :attr:`ampfx.passes.context.PassContext.autocast_arrive`).
+  (its own graph's inputs start there: :attr:`ampfx.passes.context.PassContext.autocast_arrive`);
+- ``COST_SCALE``: a GEMM's cost condition, the factor of the example inputs' elements from which it pays low;
+- ``BETWEEN_LOW``: a GEMM kept float32 by its size alone that pays between low neighbours
+  (:class:`BetweenLow`), which painting carries out where its neighbours are low.
 
 >>> import torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x")
@@ -55,6 +58,9 @@ LEAF_PARAM_CASTS = "ampfx_leaf_param_casts"
 USER_FLOAT32 = "ampfx_user_float32"
 AUTOCAST = "ampfx_autocast"
 AUTOCAST_HANDS = "ampfx_autocast_hands"
+COST_SCALE = "ampfx_cost_scale"
+"""A GEMM node's cost condition (``ampfx.passes.gemm_cost``): the factor of the example inputs' elements from which
+it pays in the low dtype (under 1: it does at the example's sizes); the call-time guard plans again across it."""
 BETWEEN_LOW = "ampfx_between_low"
 """A GEMM node kept float32 by its size alone that pays between low neighbours (``ampfx.passes.gemm_cost``): a
 :class:`BetweenLow`, which painting (``ampfx.passes.between_low``) carries out where its neighbours are low."""
@@ -67,9 +73,6 @@ class BetweenLow(NamedTuple):
     before: Any
     need: float
     why: str
-COST_SCALE = "ampfx_cost_scale"
-"""A GEMM node's cost condition (``ampfx.passes.gemm_cost``): the factor of the example inputs' elements from which
-it pays in the low dtype (under 1: it does at the example's sizes); the call-time guard plans again across it."""
 
 
 def record(node: fx.Node) -> Any:

@@ -1,7 +1,7 @@
 """Painting's first step: GEMMs kept float32 by their size alone, decided again where they sit between low neighbours.
 
 The device's break-even (:mod:`ampfx.passes.gemm_cost`) is measured on a GEMM **alone**: its low step casts its
-input and the gradient coming back. A GEMM whose neighbours run low pays from smaller sizes: there float32 would cast
+input, its output and the gradients. A GEMM whose neighbours run low pays from smaller sizes: there float32 would cast
 its input, its output and both gradients, and the low dtype casts only its weight. Where the device's table measured
 that (:meth:`ampfx.ops.device_cost.Table.break_even` with ``between_low``), painting (:func:`ampfx.passes.paint.paint`)
 first:
@@ -9,8 +9,8 @@ first:
 1. joins GEMM nodes into **regions** through the infer and clear ops between them (a norm, an activation, an add, a
    view, a concatenation): painting runs such a region low around its low GEMMs, or float32 around its float32
    ones;
-2. in each region with a GEMM that runs low (it pays alone, or is low for another reason), takes the GEMMs kept
-   float32 by their size alone (``cost:small-gemm``) that pay against the break-even between low neighbours
+2. in each region with a GEMM that runs low (it pays alone, or is low for another reason: a list edit), takes the
+   GEMMs kept float32 by their size alone (``cost:small-gemm``) that pay against the break-even between low neighbours
    (:mod:`ampfx.passes.gemm_cost` recorded which, ``node.meta['ampfx_between_low']``);
 3. paints the graph with and without them low, and keeps them low where that casts no more activation elements
    (casts of values that are not parameters, counted as :func:`ampfx.passes.cast_model.needed_casts` would insert
@@ -19,7 +19,7 @@ first:
 
 A region whose GEMMs are all small stays float32 together, with no casts inside it. Each GEMM given back records
 its condition against the break-even between low neighbours (``node.meta['ampfx_cost_scale']``); the region's low
-GEMM records its own, so a call at sizes where that one no longer pays plans the graph again.
+GEMMs that pay by their size record theirs, so a call at sizes where they no longer pay plans the graph again.
 
 Before: conv2d (pays alone) -> batch_norm -> relu -> conv2d_1 Decision(category=DENY, rule='cost:small-gemm')
 After:  conv2d_1 Decision(category=ALLOW, rule='table', reason='...; between low neighbours (conv2d runs low ...)')
@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from .. import ops
 from ..meta import BETWEEN_LOW, COST_SCALE, RECORD, BetweenLow, numel, out_infos, record
 from ..ops import Category
 from ..report.records import Decision, Rule
@@ -56,7 +57,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext, paint: Paint) -> None:
     seeds: dict[fx.Node, fx.Node] = {}  # a region -> its first low GEMM
     for n in nodes:
         d = record(n)
-        if isinstance(d, Decision) and d.category is Category.ALLOW and n in root:
+        if isinstance(d, Decision) and d.category is Category.ALLOW and n in root and _gemm(d.op):
             seeds.setdefault(root[n], n)
     by_region: dict[fx.Node, dict[fx.Node, Decision]] = {}
     for node in kept:
@@ -87,6 +88,12 @@ def lower(gm: fx.GraphModule, ctx: PassContext, paint: Paint) -> None:
                     f"{d.reason}; between low neighbours it would pay, but lowering it with its region casts "
                     f"{casts - base:,} more activation elements (a value of the region stays float32): float32"))
     _restore(nodes, records)
+
+
+def _gemm(op: str) -> bool:
+    """Is ``op`` (a decision's op) a GEMM whose work the cost model counts?"""
+    entry = ops.ENTRIES.get(op)
+    return entry is not None and bool(entry.gemm or entry.flops)
 
 
 def _regions(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:

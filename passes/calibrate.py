@@ -173,27 +173,37 @@ def calibrate(gm: fx.GraphModule, ctx: PassContext) -> None:
     limit = torch.finfo(low).max / ctx.policy.calibration_margin
     name = dtype_name(low)
     for node in gm.graph.nodes:
-        s: Stats | None = meta.calib(node)
         d = meta.record(node)
+        between = node.meta.get(meta.BETWEEN_LOW)
+        if between is not None and isinstance(d, Decision) and d.rule is Rule.COST_SMALL_GEMM:
+            # kept float32 by its size, painting may give it the low dtype back: only if calibration allows it
+            if _judged(node, between.before, ctx, limit, name).category is Category.DENY:
+                del node.meta[meta.BETWEEN_LOW]
+            continue
         if not isinstance(d, Decision) or d.category not in (Category.ALLOW, Category.INFER, Category.CLEAR):
             continue
-        if s is None:
-            node.meta[meta.RECORD] = _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
-            continue
-        flag = ""
-        if s.grad_below_subnormal > UNDERFLOW_FLAG:
-            flag = (f"; flagged: {s.grad_below_subnormal:.0%} of its gradient values are below {name}'s smallest "
-                    "subnormal (they flush to zero without loss scaling)")
-        worst = max(("output", s.max_out), ("gradient", s.max_grad), key=lambda kv: kv[1])
-        if worst[1] > limit:
-            d = dataclasses.replace(
-                d, category=Category.DENY, dtype=torch.float32, rule=Rule.CALIBRATION_OVERFLOW,
-                reason=f"max |{worst[0]}| {worst[1]:.3g} in calibration exceeds {name}'s {torch.finfo(low).max:.0f} "
-                       f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
-        else:
-            d = _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
-            d = dataclasses.replace(d, reason=d.reason + flag) if flag else d
-        node.meta[meta.RECORD] = d
+        node.meta[meta.RECORD] = _judged(node, d, ctx, limit, name)
+
+
+def _judged(node: fx.Node, d: Decision, ctx: PassContext, limit: float, name: str) -> Decision:
+    """``d`` (a node free to be low) as calibration leaves it: float32 where its values overflowed ``limit`` or
+    rounding it alone moved the model too much, else as it was (flagged where its gradient underflows)."""
+    low = ctx.policy.dtype
+    s: Stats | None = meta.calib(node)
+    if s is None:
+        return _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
+    flag = ""
+    if s.grad_below_subnormal > UNDERFLOW_FLAG:
+        flag = (f"; flagged: {s.grad_below_subnormal:.0%} of its gradient values are below {name}'s smallest "
+                "subnormal (they flush to zero without loss scaling)")
+    worst = max(("output", s.max_out), ("gradient", s.max_grad), key=lambda kv: kv[1])
+    if worst[1] > limit:
+        return dataclasses.replace(
+            d, category=Category.DENY, dtype=torch.float32, rule=Rule.CALIBRATION_OVERFLOW,
+            reason=f"max |{worst[0]}| {worst[1]:.3g} in calibration exceeds {name}'s {torch.finfo(low).max:.0f} "
+                   f"/ margin {ctx.policy.calibration_margin:g}: float32" + flag)
+    d = _sensitive(d, meta.sensitivity(node), ctx.policy.sensitivity_threshold, name)
+    return dataclasses.replace(d, reason=d.reason + flag) if flag else d
 
 
 def _sensitive(d: Decision, errors: Any, threshold: float | None, name: str) -> Decision:

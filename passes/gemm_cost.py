@@ -373,7 +373,9 @@ def _between_low(node: fx.Node, before: Decision, done: Work,
     need = _need(done, limits, ctx)
     if need is None or _why(before, done, limits, ctx, where, need) is not None:
         return
-    low = str(ctx.policy.dtype).replace("torch.", "")
-    flops = _shown(done.flops, _at(done.flops, ctx))
-    node.meta[BETWEEN_LOW] = BetweenLow(before, need, f"{flops} FLOPs a call, from {limits.flops:,}, the break-even "
-                                                      f"of {low} GEMMs {where['flops']}")
+    said = f"{_shown(done.flops, _at(done.flops, ctx))} FLOPs a call"
+    if limits.rows and done.rows is not None:
+        said += f", each weight element used for {_shown(done.rows, _at(done.rows, ctx))} rows"
+    conv = is_conv(before.op)
+    node.meta[BETWEEN_LOW] = BetweenLow(before, need, f"{said}; {device_cost.describe(limits, conv=conv)} "
+                                                      f"between low neighbours ({where['flops']})")

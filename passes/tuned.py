@@ -4,7 +4,9 @@
 whole conversion (:attr:`ampfx.report.records.Decision.key`: ``module:node``, or the
 node's name at the root). A node whose key is there and which the passes so
 far left free to be low (allow, infer or clear) becomes DENY float32, rule
-``tune``, with the reason tuning wrote (the metric before and after): as
+``tune``, with the reason tuning wrote (the metric before and after), and a GEMM
+kept float32 by its size is not given the low dtype back between low neighbours
+(:mod:`ampfx.passes.between_low`): as
 DENY, float32 also flows forward through the infer/clear ops after it, the
 same as for a node calibration keeps float32. A node already float32 for
 another reason keeps that reason. A key that names no node of the conversion
@@ -34,6 +36,8 @@ def keep_tuned(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     for node in gm.graph.nodes:
         d = meta.record(node)
+        if isinstance(d, Decision) and d.key in reasons:
+            node.meta.pop(meta.BETWEEN_LOW, None)  # kept float32 by its size: painting gives it no low dtype back
         if not isinstance(d, Decision) or d.category not in (Category.ALLOW, Category.INFER, Category.CLEAR):
             continue
         reason = reasons.get(d.key)

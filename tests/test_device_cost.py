@@ -331,3 +331,24 @@ def test_a_region_that_would_cast_more_keeps_its_small_gemms_float32_and_says_wh
     small = next(r for r in amp.ampfx_report.compute if r.module == "small")
     assert small.rule is Rule.COST_SMALL_GEMM and small.dtype == torch.float32
     assert "would pay, but lowering it with its region casts 1,000 more activation elements" in small.reason
+
+
+def test_calibration_and_tuning_keep_a_small_gemm_float32_between_low_neighbours_too(measuring):
+    """Rule: a GEMM kept float32 by its size is given the low dtype back between low neighbours only where a GEMM
+    free to be low would be: calibration that saw it overflow the low dtype, or a tuned policy naming it, keeps it
+    float32."""
+    measuring.use((*BETWEEN_LOW, *CONVS))
+    x = torch.randn(512, 256)
+    small = next(r for r in ampfx.convert(Widening(), "bf16", example_inputs=(x,)).ampfx_report.compute
+                 if r.module == "small")
+    assert small.dtype == torch.bfloat16
+    tuned = ampfx.convert(Widening(), "bf16", example_inputs=(x,), tuned=((small.key, "metric 1 -> 2"),))
+    assert _rules(tuned) == {"big": Rule.TABLE, "small": Rule.COST_SMALL_GEMM}
+
+    loud = Widening()
+    with torch.no_grad():
+        loud.small.weight.mul_(1e5)  # its output overflows float16
+    amp = ampfx.convert(loud, "fp16", example_inputs=(x,), calibrate=[x])
+    assert _rules(amp)["small"] is Rule.COST_SMALL_GEMM
+    quiet = ampfx.convert(Widening(), "fp16", example_inputs=(x,), calibrate=[x])
+    assert _rules(quiet)["small"] is Rule.TABLE  # the same without the overflow: low

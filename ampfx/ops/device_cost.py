@@ -8,7 +8,7 @@ break-even behind ``Policy.gemm_min_flops`` / ``gemm_min_rows`` (:mod:`ampfx.ops
 first time a conversion needs it, as TensorRT's builder times layers and keeps a timing cache:
 
 - :func:`measure` times one training step of a linear layer (forward and backward, with the casts of its input,
-  weight and gradient that the low dtype needs, as a converted graph runs it) in float32 and in the low dtype, on a
+  weight, output and gradient that the low dtype needs between float32 neighbours, as a converted graph runs it) in float32 and in the low dtype, on a
   ladder of sizes (:data:`LADDER`: rows times width), interleaved, the least of a few repeats, within a time budget
   (:data:`BUDGET_S`, about 3 s on a CPU; a size whose step would not fit is skipped and said so); then, in the last
   quarter of the budget, 3x3 convolutions (:data:`CONV_LADDER`), whose kernels pay low from other sizes than a
@@ -187,10 +187,15 @@ class Table:
         BreakEven(flops=33554432, rows=0, never=False)
         """
         if conv and self.convs_measured and not between_low:
-            own = self._fit([p for p in self.points if p.taps > 1], False)
-            # convolutions slower at every size measured (up to 151 million operations) where linear layers pay:
-            # larger ones are not known to lose, and take the linear layers' break-even
-            return self.break_even() if own.never else own
+            convs = [p for p in self.points if p.taps > 1]
+            own = self._fit(convs, False)
+            linear = self.break_even()
+            if not own.never or linear.never:
+                return own
+            # convolutions slower at every size measured where linear layers pay: larger ones are not known to
+            # lose, and take the linear layers' break-even from past the largest measured
+            largest = max(p.flops for p in convs if p.ratio is not None)
+            return BreakEven(max(linear.flops, largest + 1), linear.rows)
         return self._fit([p for p in self.points if (p.taps > 1) == (conv and self.convs_measured)], between_low)
 
     def _fit(self, kind: list[Point], between_low: bool) -> BreakEven:
@@ -568,8 +573,12 @@ def _measure(dev: torch.device, dtype: torch.dtype, budget: float, now: Callable
     points: list[Point] = []
     with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev]):
         points += _ladder((LADDER, 1, _step), dev, dtype, now, start, budget * (1 - CONV_SHARE), MINIMUM)
-        points += _ladder((CONV_LADDER, CONV_TAPS, _conv_step), dev, dtype, now, now(), budget - (now() - start),
-                          CONV_MINIMUM)
+        try:
+            points += _ladder((CONV_LADDER, CONV_TAPS, _conv_step), dev, dtype, now, now(),
+                              budget - (now() - start), CONV_MINIMUM)
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # no convolution kernel for the dtype here
+            log.info("ampfx: convolutions in %s not measured on %s (%s): they take the linear layers' break-even",
+                     dtype, dev, str(e).splitlines()[0][:200])
         x = torch.randn(1 << 20, device=dev)
         cast = _per_element(lambda t: t.to(dtype), x, now)
         elementwise = (_per_element(torch.nn.functional.gelu, x, now),
@@ -610,6 +619,7 @@ def _ladder(kind: tuple[tuple[tuple[int, int], ...], int, Callable[..., Callable
 _TABLES: dict[str, Table] = {}
 _LOCK = threading.Lock()
 _SAID: set[str] = set()  # the tables whose cut-short measurement was said (once each)
+_FAILED: set[str] = set()  # the devices and dtypes whose measurement failed (said once each)
 
 
 def table(device: Any, dtype: torch.dtype, refresh: bool = False,
@@ -708,6 +718,7 @@ def forget() -> None:
     with _LOCK:
         _TABLES.clear()
         _SAID.clear()
+        _FAILED.clear()
 
 
 # ------------------------------------------------------------------ the break-even a plan uses
@@ -756,10 +767,12 @@ def _device(kind: str, device: Any, dtype: Any, how: Any, conv: bool = False,
             between_low: bool = False) -> tuple[BreakEven, str]:
     """The device's break-even for ``dtype`` (``conv``: of convolutions) and where it comes from: measured
     (:func:`table`) or the datasheet (:data:`ampfx.ops.gemm_cost.BREAK_EVEN`)."""
-    if dtype is not None and _measures(kind, how):
+    failed = f"{device} | {dtype}"
+    if dtype is not None and _measures(kind, how) and failed not in _FAILED:
         try:
             measured = table(device, dtype, say=warn_user)
         except (RuntimeError, NotImplementedError, TypeError) as e:  # no kernel for the dtype on this device
+            _FAILED.add(failed)  # said once; not measured again by this process (forget() clears it)
             warn_user(f"ampfx: measuring {dtype} GEMMs on {device} failed ({str(e).splitlines()[0][:200]}): the "
                       "datasheet break-even is used")
         else:
