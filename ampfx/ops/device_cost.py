@@ -8,7 +8,8 @@ break-even behind ``Policy.gemm_min_flops`` / ``gemm_min_rows`` (:mod:`ampfx.ops
 first time a conversion needs it, as TensorRT's builder times layers and keeps a timing cache:
 
 - :func:`measure` times one training step of a linear layer (forward and backward, with the casts of its input,
-  weight, output and gradient that the low dtype needs between float32 neighbours, as a converted graph runs it) in float32 and in the low dtype, on a
+  weight, output and gradient that the low dtype needs between float32 neighbours, as a converted graph runs it)
+  in float32 and in the low dtype, on a
   ladder of sizes (:data:`LADDER`: rows times width), interleaved, the least of a few repeats, within a time budget
   (:data:`BUDGET_S`, about 3 s on a CPU; a size whose step would not fit is skipped and said so); then, in the last
   quarter of the budget, 3x3 convolutions (:data:`CONV_LADDER`), whose kernels pay low from other sizes than a
