@@ -37,6 +37,7 @@ from ..ops import Category
 from ..report.records import Decision, Rule
 from .cast_model import needed_casts, out_of
 from .context import PassContext
+from .nodes import joined
 
 
 Paint = Callable[[fx.GraphModule, PassContext], None]
@@ -98,24 +99,11 @@ def _gemm(op: str) -> bool:
 
 def _regions(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     """Each GEMM, infer and clear node's region (a node standing for it): nodes joined through their inputs."""
-    parent: dict[fx.Node, fx.Node] = {}
-
-    def find(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in nodes:
+    def member(n: fx.Node) -> bool:
         d = record(n)
-        if n.op == "get_attr" or not isinstance(d, Decision) or not (
-                BETWEEN_LOW in n.meta or d.category in (Category.ALLOW, Category.INFER, Category.CLEAR)):
-            continue
-        parent[n] = n
-        for a in n.all_input_nodes:
-            if a in parent:
-                parent[find(a)] = find(n)
-    return {n: find(n) for n in parent}
+        return n.op != "get_attr" and isinstance(d, Decision) and (
+            BETWEEN_LOW in n.meta or d.category in (Category.ALLOW, Category.INFER, Category.CLEAR))
+    return joined([n for n in nodes if member(n)])
 
 
 def _painted_casts(gm: fx.GraphModule, ctx: PassContext, records: dict[fx.Node, Any], paint: Paint) -> int:

@@ -32,6 +32,30 @@ def view_group(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> set[fx.Node
     return group
 
 
+def joined(members: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each of ``members`` (in graph order) with the member standing for its group: members joined through their
+    inputs, directly (union-find).
+
+    >>> g = fx.Graph(); x = g.placeholder("x"); a = g.call_function(torch.relu, (x,))
+    >>> b = g.call_function(torch.neg, (a,)); c = g.call_function(torch.neg, (x,))
+    >>> groups = joined([a, b, c]); groups[a] is groups[b], groups[a] is groups[c]
+    (True, False)
+    """
+    parent = {n: n for n in members}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in members:
+        for p in n.all_input_nodes:
+            if p in parent:
+                parent[root(p)] = root(n)
+    return {n: root(n) for n in members}
+
+
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     """``x.add_(y)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``x[i] = v``,
     ``torch.div(a, b, out=t)`` (writes ``t``: a cast copy of ``t`` would take the write instead)."""

@@ -51,7 +51,7 @@ from ..runtime import CASTABLE
 from .context import PassContext
 from . import between_low, fidelity
 from .cast_model import fp32_slot_inputs, needed_casts, upcast_reads
-from .nodes import DYNAMIC, carries_float, original_dtype, pass_result, selects_float, written
+from .nodes import DYNAMIC, carries_float, joined, original_dtype, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
@@ -372,21 +372,9 @@ def _low_clusters(nodes: list[fx.Node], dec: dict[fx.Node, Decision], low: torch
             return False
         return d.rule is not Rule.SELECT or bool(n.args and isinstance(n.args[0], fx.Node) and candidate(n.args[0]))
 
-    parent = {n: n for n in nodes if candidate(n)}
-
-    def root(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in parent:
-        for p in n.all_input_nodes:
-            if p in parent:
-                parent[root(p)] = root(n)
     clusters: dict[fx.Node, list[fx.Node]] = {}
-    for n in parent:
-        clusters.setdefault(root(n), []).append(n)
+    for n, root in joined([n for n in nodes if candidate(n)]).items():
+        clusters.setdefault(root, []).append(n)
     return list(clusters.values())
 
 
