@@ -163,6 +163,8 @@ class Guard:
         # forward's leading positional parameters, and those a keyword can name: a call within them binds here
         self._positional = next((i for i, k in enumerate(kinds) if k not in (0, 1)), len(kinds))
         self._keyword = {name: i for i, (name, kind, _) in enumerate(params) if kind in (1, 3)}
+        self._names = frozenset(name for name, _, _ in params)
+        self._varkw = next((i for i, k in enumerate(kinds) if k == 4), None)  # forward's **kwargs
         self._signature = inspect.Signature(  # other calls (into *args / **kwargs): built once
             [inspect.Parameter(n, inspect._ParameterKind(k), default=d) for n, k, d in params])
         self._n = len(params)
@@ -222,12 +224,25 @@ class Guard:
         return leaves
 
     def _bind(self, args: tuple, kwargs: dict) -> list[Any] | None:
-        """The value of each parameter, ``_MISSING`` where defaulted; ``None`` if the call does not bind."""
-        if len(args) <= self._positional and all(self._keyword.get(k, -1) >= len(args) for k in kwargs):
-            values = [*args, *([_MISSING] * (self._n - len(args)))]
+        """The value of each parameter, ``_MISSING`` where defaulted; ``None`` if the call does not bind. A call
+        within forward's leading positional parameters, naming the others or (where forward has ``**kwargs``) names
+        it has not, binds here as :meth:`inspect.Signature.bind` would bind it; any other goes through that."""
+        if len(args) <= self._positional:
+            values: list[Any] | None = [*args, *([_MISSING] * (self._n - len(args)))]
+            extra = {}
             for name, value in kwargs.items():
-                values[self._keyword[name]] = value
-            return values
+                i = self._keyword.get(name, -1)
+                if i >= len(args):
+                    values[i] = value
+                elif self._varkw is not None and name not in self._names:
+                    extra[name] = value
+                else:
+                    values = None
+                    break
+            if values is not None:
+                if extra:
+                    values[self._varkw] = extra
+                return values
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError:

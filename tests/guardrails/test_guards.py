@@ -276,6 +276,39 @@ def test_forwards_with_star_args_and_keyword_only_arguments_are_checked(tracer):
         amp(x, x=x)
 
 
+def test_the_guard_binds_every_call_as_inspect_binds_it():
+    """Rule: the guard's quick binding (calls within forward's leading positional parameters, keywords naming the
+    others or going into **kwargs) gives each parameter the value inspect.Signature.bind gives it; a call it
+    cannot bind quickly goes through inspect, and one the forward rejects binds to nothing."""
+    import inspect
+
+    from ampfx.runtime.guards import _MISSING, Guard, Signature
+
+    def hf(x, mask=None, *, scale=2.0, **extra):
+        pass
+
+    def star(x, *rest, scale=2.0, **extra):
+        pass
+
+    def plain(x, y=1, z=2):
+        pass
+
+    calls = [((1,), {}), ((1,), {"mask": 2}), ((), {"x": 1, "other": 3}), ((1, 2), {"scale": 4, "a": 5, "b": 6}),
+             ((1,), {"extra": 7}), ((1, 2, 3), {}), ((1,), {"x": 1}), ((1,), {"z": 3, "y": 2})]
+    # (a call missing a required argument binds it as missing: forward itself raises its TypeError)
+    for fn in (hf, star, plain):
+        sig = inspect.signature(fn)
+        params = tuple((n, int(p.kind), p.default) for n, p in sig.parameters.items())
+        guard = Guard(Signature("m", params, (None,) * len(params)))
+        for args, kwargs in calls:
+            try:
+                bound = sig.bind(*args, **kwargs).arguments
+                want = [bound.get(n, _MISSING) for n in sig.parameters]
+            except TypeError:
+                want = None
+            assert guard._bind(args, kwargs) == want, (fn.__name__, args, kwargs)
+
+
 # -- dynamic_dims checked at convert -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dims, words", [
