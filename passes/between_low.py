@@ -32,12 +32,12 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .. import ops
-from ..meta import BETWEEN_LOW, COST_SCALE, RECORD, BetweenLow, numel, out_infos, record
+from ..meta import BETWEEN_LOW, COST_SCALE, RECORD, BetweenLow, record
 from ..ops import Category
 from ..report.records import Decision, Rule
 from .cast_model import needed_casts, out_of
 from .context import PassContext
-from .nodes import joined
+from .nodes import elements, joined
 
 
 Paint = Callable[[fx.GraphModule, PassContext], None]
@@ -118,18 +118,7 @@ def _painted_casts(gm: fx.GraphModule, ctx: PassContext, records: dict[fx.Node, 
         if isinstance(d, Decision):
             casts |= needed_casts(n, d.dtype, out_of, ctx.keeps_output_dtype)
     _restore(nodes, records)
-    return sum(_elements(value, ctx) for value, _ in casts if value.op != "get_attr")
-
-
-def _elements(value: fx.Node, ctx: PassContext) -> int:
-    infos = out_infos(value)
-    if not infos:
-        return 1
-    count = numel(infos[0])
-    if isinstance(count, int):
-        return count
-    at = ctx.symbols.at_example(count)  # symbolic sizes at their example values
-    return int(at) if at is not None else 1
+    return sum(elements(value, ctx.symbols.at_example) for value, _ in casts if value.op != "get_attr")
 
 
 def _restore(nodes: list[fx.Node], records: dict[fx.Node, Any]) -> None:

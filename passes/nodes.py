@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import out_infos, record
+from ..meta import numel, out_infos, record
 from ..ops import Category, Result, custom_ops
 from ..report.records import CastInfo, Decision, Rule
 from ..runtime import CASTABLE
@@ -30,6 +30,24 @@ def view_group(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> set[fx.Node
             group.add(n)
             stack.extend(u for u in n.users if is_view(u))
     return group
+
+
+def elements(n: fx.Node, symbolic: Callable[[Any], Any]) -> int:
+    """Elements of ``n``'s first output; a symbolic count as ``symbolic(count)`` gives it (its least value, its value
+    at the example inputs), 1 where that or the output is unknown.
+
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> elements(x, lambda count: None)
+    1
+    """
+    infos = out_infos(n)
+    if not infos:
+        return 1
+    count = numel(infos[0])
+    if isinstance(count, int):
+        return count
+    at = symbolic(count)
+    return int(at) if at is not None else 1
 
 
 def joined(members: list[fx.Node]) -> dict[fx.Node, fx.Node]:

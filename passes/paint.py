@@ -44,14 +44,14 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..meta import RECORD, decision, numel, out_infos
+from ..meta import RECORD, decision, out_infos
 from ..ops import Category, Result
 from ..report.records import GEMM_COST_RULES, Decision, Rule, dtype_name
 from ..runtime import CASTABLE
 from .context import PassContext
 from . import between_low, fidelity
 from .cast_model import fp32_slot_inputs, needed_casts, upcast_reads
-from .nodes import DYNAMIC, carries_float, joined, original_dtype, pass_result, selects_float, written
+from .nodes import DYNAMIC, carries_float, elements, joined, original_dtype, pass_result, selects_float, written
 
 PAINTABLE = (Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY)
 SIZE_RULES = (Rule.SHAPE_SMALL_REDUCTION, Rule.SHAPE_LARGE_REDUCTION, Rule.SHAPE_SIZE_UNKNOWN)
@@ -416,13 +416,8 @@ def _move_to_float32(cluster: list[fx.Node], dec: dict[fx.Node, Decision], count
 
 def _numel(n: fx.Node, ctx: PassContext) -> int:
     """Elements of ``n``'s first output (symbolic sizes at their least; 1 if unknown)."""
-    infos = out_infos(n)
-    if not infos:
-        return 1
-    count = numel(infos[0])
-    if not isinstance(count, int):
-        count = ctx.symbols.bounds(count)[0] if ctx.symbols is not None else 1
-    return max(int(count), 1)
+    least = (lambda count: ctx.symbols.bounds(count)[0]) if ctx.symbols is not None else (lambda count: None)
+    return max(elements(n, least), 1)
 
 
 def _itemsize(dtype: object) -> int:
