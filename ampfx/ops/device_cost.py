@@ -186,6 +186,14 @@ class Table:
         (BreakEven(flops=33554432, rows=0, never=False), BreakEven(flops=9437184, rows=0, never=False))
         >>> Table("cpu: example", "2.13", "bfloat16", tuple(lin)).break_even(conv=True)  # none measured
         BreakEven(flops=33554432, rows=0, never=False)
+
+        A threshold is kept only where it makes fewer mistakes than "never": one small size that pays below larger
+        ones that lose says nothing of a break-even.
+
+        >>> slow = [Point(64, 64, 1.0, 3.6), Point(256, 256, 1.0, 28.0)]
+        >>> odd = [Point(128, 16, 1.0, 0.8, 9), Point(512, 16, 1.0, 2.2, 9), Point(128, 64, 1.0, 6.0, 9)]
+        >>> Table("cpu: avx2", "2.13", "bfloat16", (*slow, *odd)).break_even(conv=True).never
+        True
         """
         if conv and self.convs_measured and not between_low:
             convs = [p for p in self.points if p.taps > 1]
@@ -218,6 +226,8 @@ class Table:
         # between low neighbours only the sizes that lose alone were measured: nothing under the smallest is known
         least = {0} if not between else set()
         best = min(fit(f, r) for f in {*least, *(p.flops for p in pays)} for r in {0, *(p.rows for p in pays)})
+        if best[0] >= len(pays):  # no threshold tells them apart better than "never" (a lone paying size amid
+            return BreakEven(0, 0, never=True)  # larger ones that lose is noise, not a break-even)
         return BreakEven(best[2], best[3])
 
     @property
