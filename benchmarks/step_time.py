@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -252,6 +253,14 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
         if compiled:  # the backend: torch.compile(model, backend="ampfx"), each graph dynamo captures converted
             run = torch.compile(run, backend=ampfx.backend(dtype) if tool == "backend" else "inductor")
         runs[tool] = training_step(run, model, inp, spec, dtype if tool == "autocast" else None)
+    for tool in list(runs):  # a tool that cannot train this model (autocast's bfloat16 LSTM needs oneDNN's
+        try:               # avx512_bf16 kernels) is reported, and the others compared without it
+            runs[tool]()
+        except Exception as e:  # noqa: BLE001 - the row says so
+            if tool in ("float32", "ampfx"):
+                raise
+            r[f"{tool}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            del runs[tool]
     times = {tool: [] for tool in runs}
     for k in range(reps + 2):
         for tool, step in runs.items():
@@ -262,19 +271,23 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
     for tool, ts in times.items():
         r[f"{tool}_ms"] = statistics.median(ts) * 1e3
     for tool in ("autocast", "ampfx"):
+        if tool not in runs:
+            continue
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             runs[tool]()
             wall = time.perf_counter() - t0
         r[f"{tool}_outside_ms"] = (wall - _aten_seconds(prof)) * 1e3
     for tool in ("autocast", "ampfx"):  # dtype-changing copies of one step (forward, backward, the SGD step)
-        r[f"{tool}_casts"] = ampfx.count_casts(runs[tool])
-    r["ratio"] = r["ampfx_ms"] / r["autocast_ms"]
-    r["best_ratio"] = r["ampfx_ms"] / min(r["float32_ms"], r["autocast_ms"])
+        if tool in runs:
+            r[f"{tool}_casts"] = ampfx.count_casts(runs[tool])
+    auto = r.get("autocast_ms")  # None where autocast failed: ratios against it are not made
+    r["ratio"] = r["ampfx_ms"] / auto if auto else None
+    r["best_ratio"] = r["ampfx_ms"] / min(r["float32_ms"], auto or math.inf)
     if all_low:
-        r["all_low_ratio"] = r["all_low_ms"] / r["autocast_ms"]
+        r["all_low_ratio"] = r["all_low_ms"] / auto if auto and "all_low_ms" in r else None
     if compiled:
-        r["backend_ratio"] = r["backend_ms"] / r["autocast_ms"]
+        r["backend_ratio"] = r["backend_ms"] / auto if auto and "backend_ms" in r else None
     return r
 
 
@@ -294,9 +307,23 @@ def _recheck(args, rows) -> None:
             print(f"recheck {res['model']}: ERROR {str(again.get('error', ''))[-300:]}", flush=True)
             continue
         print(f"recheck {res['model']:24s} {3 * args.reps} steps alone: float32 {again['float32_ms']:8.2f} ms  "
-              f"autocast {again['autocast_ms']:8.2f}  ampfx {again['ampfx_ms']:8.2f}  ampfx/best "
+              f"autocast {_ms(again, 'autocast')}  ampfx {again['ampfx_ms']:8.2f}  ampfx/best "
               f"{again['best_ratio']:5.2f}x (was {res['best_ratio']:.2f}x)", flush=True)
-        res.update({k: again[k] for k in ("float32_ms", "autocast_ms", "ampfx_ms", "ratio", "best_ratio")})
+        res.update({k: again.get(k) for k in ("float32_ms", "autocast_ms", "ampfx_ms", "ratio", "best_ratio")})
+
+
+def _ms(res: dict, tool: str, width: int = 8) -> str:
+    value = res.get(f"{tool}_ms")
+    return f"{value:{width}.2f}" if value is not None else f"{'failed':>{width}s}"
+
+
+def _x(ratio) -> str:
+    return f"{ratio:5.2f}x" if ratio is not None else "    -"
+
+
+def _median(ratios) -> str:
+    seen = [x for x in ratios if x is not None]
+    return f"{statistics.median(seen):.2f}x" if seen else "-"
 
 
 def whole(capture) -> bool:
@@ -358,35 +385,43 @@ def main() -> None:
                       flush=True)
                 continue
             print(f"{name:24s} {'compiled' if compiled else 'eager':8s} float32 {res['float32_ms']:8.2f} ms  "
-                  f"autocast {res['autocast_ms']:8.2f}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
-                  f"{res['ratio']:5.2f}x  ampfx/best {res['best_ratio']:5.2f}x  outside ATen: autocast {res['autocast_outside_ms']:6.2f} ampfx "
-                  f"{res['ampfx_outside_ms']:6.2f} ms  {'whole' if whole(res.get('capture')) else 'parts'}"
+                  f"autocast {_ms(res, 'autocast')}  ampfx {res['ampfx_ms']:8.2f}  ampfx/autocast "
+                  f"{_x(res['ratio'])}  ampfx/best {res['best_ratio']:5.2f}x  outside ATen: autocast "
+                  f"{_ms(res, 'autocast_outside', 6)} ampfx {res['ampfx_outside_ms']:6.2f} ms  "
+                  f"{'whole' if whole(res.get('capture')) else 'parts'}"
                   f"  small GEMMs float32 {res.get('small_gemms', 0)} of {res.get('gemm_nodes', 0)}"
-                  f"  casts: autocast {res['autocast_casts']} ampfx {res['ampfx_casts']}"
-                  + (f"  every GEMM low {res['all_low_ms']:8.2f} ({res['all_low_ratio']:.2f}x)" if args.all_low else "")
-                  + (f"  backend {res['backend_ms']:8.2f} ({res['backend_ratio']:.2f}x)" if compiled else ""),
+                  f"  casts: autocast {res.get('autocast_casts', '-')} ampfx {res['ampfx_casts']}"
+                  + (f"  every GEMM low {_ms(res, 'all_low')} ({_x(res['all_low_ratio'])})" if args.all_low else "")
+                  + (f"  backend {_ms(res, 'backend')} ({_x(res['backend_ratio'])})" if compiled else ""),
                   flush=True)
+            for tool in ("autocast", "all_low", "backend"):
+                if f"{tool}_error" in res:
+                    print(f"{'':33s} {tool} failed: {res[tool + '_error']}", flush=True)
     if args.recheck is not None:
         _recheck(args, rows)
     for compiled in modes:
         done = [r for r in rows if r["compiled"] == compiled and "ratio" in r]
         if not done:
             continue
-        ratios = [r["ratio"] for r in done]
+        ratios = [r["ratio"] for r in done if r["ratio"] is not None]
         best = [r["best_ratio"] for r in done]
-        more = [r["model"] for r in done if r["ampfx_casts"] > r["autocast_casts"]]
+        more = [r["model"] for r in done if r["ampfx_casts"] > r.get("autocast_casts", math.inf)]
+        failed = [r["model"] for r in done if "autocast_error" in r]
+        if failed:
+            print(f"{'compiled' if compiled else 'eager'}: autocast failed on {failed} (ampfx / best is over float32 "
+                  "there; ampfx / autocast leaves them out)")
         print(f"{'compiled' if compiled else 'eager'}: casts a step, ampfx's default over autocast's: "
               f"{more or 'none'}")
         print(f"{'compiled' if compiled else 'eager'}: ampfx / min(float32, autocast): median "
               f"{statistics.median(best):.2f}x, above 1.10x: {[r['model'] for r in done if r['best_ratio'] > 1.10] or 'none'}")
-        above = [r["model"] for r in done if r["ratio"] > 1.05]
-        whole_above = [r["model"] for r in done if whole(r.get("capture")) and r["ratio"] > 1.0]
+        above = [r["model"] for r in done if (r["ratio"] or 0) > 1.05]
+        whole_above = [r["model"] for r in done if whole(r.get("capture")) and (r["ratio"] or 0) > 1.0]
         print(f"{'compiled' if compiled else 'eager'}: {len(done)} models, median ampfx/autocast "
               f"{statistics.median(ratios):.2f}x, above 1.05x: {above or 'none'}; captured whole above 1.0x: "
               f"{whole_above or 'none'}"
-              + (f"; the ampfx backend: median {statistics.median(r['backend_ratio'] for r in done):.2f}x"
+              + (f"; the ampfx backend: median {_median(r['backend_ratio'] for r in done)}"
                  if compiled else "")
-              + (f"; every GEMM low: median {statistics.median(r['all_low_ratio'] for r in done):.2f}x"
+              + (f"; every GEMM low: median {_median(r['all_low_ratio'] for r in done)}"
                  if args.all_low else ""))
     Path("/tmp/step_time.json").write_text(json.dumps(rows, indent=1, default=str))
 
