@@ -260,6 +260,25 @@ def test_convolutions_and_gemms_between_low_neighbours_have_break_evens_of_their
     assert "conv3x3" in text and "convolutions' break-even" in text and "between low neighbours:" in text
 
 
+def test_a_lone_small_size_that_pays_amid_larger_ones_that_lose_is_noise_not_a_break_even():
+    """Rule: a threshold is kept only where it tells fewer measured sizes wrong than "never" does. The table is the
+    shape of one measured on an AVX2-only CPU (bfloat16 emulated): the smallest convolution read 0.85x between low
+    neighbours, every larger one 2-7x slower; that is no break-even from 589,824 FLOPs up. Each kind's "never" line
+    names the largest size of its own kind measured."""
+    convs = (Point(128, 16, 1.0, 1.01, 9, (1.0, 0.85)), Point(512, 16, 1.0, 2.97, 9, (1.0, 2.15)),
+             Point(128, 64, 1.0, 6.0, 9, (1.0, 6.75)), Point(512, 32, 1.0, 5.8, 9, (1.0, 6.8)))
+    table = _table((*EMULATED, *convs))
+    assert {table.break_even(conv=c, between_low=b).never for c in (False, True) for b in (False, True)} == {True}
+    text = "\n".join(table.lines())
+    assert f"convolutions' break-even: the low dtype is slower than float32 at every size measured (up to " \
+           f"{2 * 512 * 32 ** 2 * 9:,} FLOPs)" in text
+    assert f"break-even: the low dtype is slower than float32 at every size measured (up to {2 * 64 * 1024 ** 2:,} " \
+           "FLOPs)" in text
+    # a lone paying size that is the largest measured still gives a break-even (nothing larger says otherwise)
+    assert _table((Point(64, 64, 1.0, 3.0), Point(256, 256, 1.0, 2.0), Point(1024, 1024, 1.0, 0.6))).break_even() \
+        == gemm_cost.BreakEven(2 * 1024 ** 3, 0)
+
+
 class Widening(nn.Module):
     """A linear that pays alone (256 -> 256 over 512 rows) feeding a small one (256 -> 8)."""
 

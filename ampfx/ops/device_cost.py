@@ -260,9 +260,11 @@ class Table:
             return CACHE_MIN_NUMEL
         return max(0, math.ceil(self.handoff_ns / (2 * self.cast_ns * (1 - MARGIN))))
 
-    def largest(self) -> Point | None:
-        """The largest size measured in the low dtype."""
-        seen = [p for p in self.points if p.ratio is not None]
+    def largest(self, conv: bool = False) -> Point | None:
+        """The largest size measured in the low dtype: of the linear layers, or (``conv``) of the convolutions where
+        they have a break-even of their own (:attr:`convs_measured`)."""
+        own = conv and self.convs_measured
+        seen = [p for p in self.points if p.ratio is not None and (p.taps > 1) == own]
         return max(seen, key=lambda p: p.flops) if seen else None
 
     def lines(self) -> list[str]:
@@ -329,7 +331,7 @@ def describe(be: BreakEven, table: Table | None = None, conv: bool = False) -> s
     """
     gemms = "convolutions" if conv else "GEMMs"
     if be.never:
-        largest = table.largest() if table is not None else None
+        largest = table.largest(conv) if table is not None else None
         upto = f" (up to {largest.flops:,} FLOPs)" if largest is not None else ""
         return f"the low dtype is slower than float32 at every size measured{upto}: every {gemms[:-1]} stays float32"
     if not be.flops and not be.rows:
