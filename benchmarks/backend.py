@@ -128,10 +128,10 @@ def times(name, reps):
     for step in runs.values():
         step(), step(), step()
     got = {tool: [] for tool in runs}
-    for _ in range(reps):
-        for tool, step in runs.items():
+    for k in range(reps):
+        for tool in step_time.interleaved(list(runs), k):  # each tool after each other about as often
             t0 = time.perf_counter()
-            step()
+            runs[tool]()
             got[tool].append(time.perf_counter() - t0)
     return {tool: statistics.median(ts) * 1e3 for tool, ts in got.items()}
 

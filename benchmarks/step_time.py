@@ -5,7 +5,8 @@ SGD step) of float32, ``torch.autocast`` and ``ampfx.convert`` on real models of
 configurations with random weights (no downloads): CNNs with batch norm, ViTs, encoder and decoder LMs (one trained
 with Hugging Face gradient checkpointing, one mixture of experts), seq2seq text and speech models, a diffusion UNet,
 RNNs, a recommender and a graph network. The three runs are interleaved step by step in one process per model,
-after two warm-up steps, and the median of the repeats is kept; on the CPU with one thread. Per model it prints
+after two warm-up steps, in an order shuffled anew at each repeat (:func:`interleaved`), and the median of the
+repeats is kept; on the CPU with one thread. Per model it prints
 each tool's median step, ampfx / autocast, and the time per step spent outside ATen ops (torch.profiler: a step's
 wall time less its top-level ATen ops) for both tools; ``--compile`` adds the same with ``torch.compile``
 (inductor) around each (slow on the CPU: minutes per model). Rows of one run compare; runs on other machines or
@@ -190,6 +191,19 @@ def training_step(run, model, inp, spec, autocast=None, loss=None):
     return step
 
 
+def interleaved(tools: list, k: int) -> list:
+    """The order the tools run in at repeat ``k``: shuffled, a seed per repeat. A step runs slower right after
+    another tool's step that filled the caches with other tensors (on an AVX2-only CPU whichever tool ran right
+    after autocast's bfloat16 step read 7-8% slower than when run after another), so a fixed order favours
+    one tool; a shuffle gives each tool each neighbour about as often, the same in every run.
+
+    >>> interleaved(["float32", "autocast", "ampfx"], 0) == interleaved(["float32", "autocast", "ampfx"], 0)
+    True
+    """
+    import random
+    return random.Random(k).sample(tools, len(tools))
+
+
 def _aten_seconds(prof) -> float:
     """Seconds of a profiled step spent in top-level ATen ops (an ATen op inside another counts once)."""
     total = 0.0
@@ -263,7 +277,8 @@ def run_case(name: str, dt: str, reps: int, compiled: bool, all_low: bool = Fals
             del runs[tool]
     times = {tool: [] for tool in runs}
     for k in range(reps + 2):
-        for tool, step in runs.items():
+        for tool in interleaved(list(runs), k):
+            step = runs[tool]
             t0 = time.perf_counter()
             step()
             if k >= 2:
