@@ -164,6 +164,8 @@ class AmpGraphModule(fx.GraphModule):
                 return attr.__get__(model, type(model))  # zero-argument super() needs an instance of its class
             return attr.__get__(self, type(self))
 
+    __getattr__._ampfx_modules_first = True  # children from _modules first (ampfx.runtime.lowered reads so)
+
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_ampfx_model")
         if name == "_is_full_backward_hook" and self.__dict__.get("_ampfx_shared_hooks"):

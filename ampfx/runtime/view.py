@@ -80,6 +80,8 @@ class Mirror:
             return modules[name]
         return super().__getattr__(name)
 
+    __getattr__._ampfx_modules_first = True  # children from _modules first (ampfx.runtime.lowered reads so)
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith(("_ampfx", "ampfx_")) or name == "_modules":
             object.__setattr__(self, name, value)
