@@ -438,3 +438,84 @@ class _Reads(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.body[1].weight * 2, self.body[1].bias)
+
+
+class _Scaled(nn.Module):
+    """Reads a parameter and a plain attribute of its own (``self.eps``) in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_a_graph_reads_its_own_parameters_and_the_models_attributes_through_the_dicts_at_every_call():
+    """Rule: a converted graph's reads of its module's own parameters and of the model module's plain attributes
+    (``self.eps``, which the converted module finds only after ``nn.Module``'s lookup fails: an exception a read)
+    go through the dicts that hold them, read at each call: a new value shows through without converting again."""
+    from ampfx.runtime import lowered
+
+    net = _Scaled()
+    amp = ampfx.convert(net, example_inputs=(torch.randn(2, 4),))
+    fast = lowered.forward(amp)
+    assert fast is not None and "ampfx_op_read_0_eps()" in fast.__ampfx_source__
+    assert "ampfx_op_read_1_weight()" in fast.__ampfx_source__
+    x = torch.randn(3, 4)
+    assert torch.equal(amp(x), net(x))
+    net.eps = 4.0
+    with torch.no_grad():
+        net.weight.mul_(3)
+    assert torch.equal(amp(x), net(x)) and amp.variants() == []
+    net.weight = nn.Parameter(torch.full((4,), 2.0))  # replaced
+    assert torch.equal(amp(x), net(x))
+
+
+class _Region(nn.Module):
+    """A region under ``torch.no_grad()`` holding one under ``torch.autocast(enabled=False)``, as a rotary embedding
+    writes its tables: torch.export keeps each as a higher-order op around a graph of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freq", torch.arange(4.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.freq[None, :].float()
+            with torch.autocast("cpu", enabled=False):
+                table = (t * x.float()).cos()
+        return x * table
+
+
+def test_an_exported_region_runs_as_its_python_runs_it_with_its_body_lowered():
+    """Rule: export's ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` regions run in the fast code as their
+    ``__call__`` runs them (grad mode or autocast set around the body, restored after, on an error too), without
+    the dynamo wrapper each call makes; the body's own ops are bound to their handles too, and export's dtype
+    assertions are dropped from it as from the graph around it."""
+    from ampfx.runtime import lowered
+
+    net = _Region()
+    amp = ampfx.convert(net, example_inputs=(torch.randn(2, 4),), tracer="export")
+    source = lowered.forward(amp).__ampfx_source__
+    assert "ampfx_op_plain_wrap_with_set_grad_enabled(" in source
+    bodies = [m for name, m in amp.named_modules(remove_duplicate=False) if name] + \
+        [v for k, v in amp.__dict__.items() if isinstance(v, torch.fx.GraphModule)]
+    nodes = [n for b in bodies for sub in b.modules() if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes]
+    assert nodes and not [n for n in nodes if "assert_tensor_metadata" in str(n.target)]
+    x = torch.randn(3, 4, requires_grad=True)
+    out = amp(x)
+    assert torch.equal(out, net(x)) and torch.is_grad_enabled()
+    out.sum().backward()
+    expected = torch.autograd.grad(net(x).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+    lowered_bodies = [sub for b in bodies for sub in b.modules() if "_ampfx_lowered" in type(sub).__dict__]
+    assert lowered_bodies and all(getattr(type(b).forward, "_ampfx_plain", None) for b in lowered_bodies)
+
+    def failing(y):
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        lowered._grad_enabled(False, failing, x)
+    assert torch.is_grad_enabled()

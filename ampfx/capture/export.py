@@ -388,14 +388,7 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
             graph.erase_node(node)
             dropped["input guards"] = dropped.get("input guards", 0) + 1
             continue
-        if node.op == "call_function" and str(node.target).startswith("aten._assert_tensor_metadata"):
-            graph.erase_node(node)
-            dropped["dtype assertions"] = dropped.get("dtype assertions", 0) + 1
-            continue
-        if _full_slice(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-            dropped["whole-dimension slices"] = dropped.get("whole-dimension slices", 0) + 1
+        if _dropped(node, dropped):
             continue
         if node.op == "get_attr":
             target = str(node.target)
@@ -416,8 +409,28 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
                     clean[key] = (path, value[1]) if isinstance(value, tuple) else value
             node.meta["nn_module_stack"] = clean
         _mark_user_float32(node)
+    for path, body in gm.named_modules():  # the bodies of regions (with torch.no_grad(), with torch.autocast)
+        if path and isinstance(body, fx.GraphModule):
+            if [_dropped(node, dropped) for node in list(body.graph.nodes)].count(True):
+                body.recompile()
     notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
     return constants, notes
+
+
+def _dropped(node: fx.Node, dropped: dict[str, int]) -> bool:
+    """Drop ``node`` from its graph if it is one of export's dtype assertions or a whole-dimension slice
+    (:func:`_full_slice`), counted in ``dropped``; whether it was."""
+    graph = node.graph
+    if node.op == "call_function" and str(node.target).startswith("aten._assert_tensor_metadata"):
+        graph.erase_node(node)
+        dropped["dtype assertions"] = dropped.get("dtype assertions", 0) + 1
+        return True
+    if _full_slice(node):
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+        dropped["whole-dimension slices"] = dropped.get("whole-dimension slices", 0) + 1
+        return True
+    return False
 
 
 def _full_slice(node: fx.Node) -> bool:

@@ -165,6 +165,7 @@ class AmpGraphModule(fx.GraphModule):
             return attr.__get__(self, type(self))
 
     __getattr__._ampfx_modules_first = True  # children from _modules first (ampfx.runtime.lowered reads so)
+    __getattr__._ampfx_falls_back_to = "_ampfx_model"  # then the model module's attributes (lowered reads them so)
 
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_ampfx_model")

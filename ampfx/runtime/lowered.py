@@ -59,13 +59,56 @@ def _handle(op: Any) -> Callable | None:
     return getattr(op, "_op", None)
 
 
+def _grad_enabled(enable_grad: bool, wrapped: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``torch.ops.higher_order.wrap_with_set_grad_enabled`` run as its ``__call__`` runs it (grad mode set around the
+    call), without the ``torch._dynamo.disable`` wrapper that call makes anew each time (about 200 us on a slow CPU:
+    an exported ``with torch.no_grad()`` region, a rotary embedding's, cost 3x its module); restored on an error too."""
+    before = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(enable_grad)
+    try:
+        return _body(wrapped)(*args, **kwargs)
+    finally:
+        torch._C._set_grad_enabled(before)
+
+
+def _autocast(device_type: str, dtype: Any, enabled: bool, cache_enabled: Any, wrapped: Callable, *args: Any,
+              **kwargs: Any) -> Any:
+    """``torch.ops.higher_order.wrap_with_autocast`` run as its ``__call__`` runs it, without the dynamo wrapper."""
+    with torch.autocast(device_type, dtype, enabled, cache_enabled):
+        return _body(wrapped)(*args, **kwargs)
+
+
+def _body(wrapped: Any) -> Any:
+    """A region's body, an fx graph module an export made, with its own code's ops bound to their handles too (once,
+    at its first run: a copy of the converted module copies its bodies as plain graph modules)."""
+    cls = type(wrapped)
+    if "_ampfx_lowered" not in cls.__dict__ and isinstance(wrapped, fx.GraphModule):
+        cls._ampfx_lowered = True
+        fast = forward(wrapped)
+        if fast is not None:
+            cls.forward = either(cls.forward, fast)
+    return wrapped
+
+
+@functools.cache
+def plain_ops() -> dict[Any, Callable]:
+    """Higher-order ops an export writes for a region of the forward (``with torch.no_grad()``, ``with torch.autocast``)
+    whose ``__call__`` wraps a function in ``torch._dynamo.disable`` at each call and then runs it plainly: the plain
+    run each stands for in the fast code (under ``torch.compile`` the code fx wrote runs, the op itself). Looked up at
+    first need: ``torch.ops.higher_order`` loads torch's higher-order ops."""
+    return {getattr(torch.ops.higher_order, name): run for name, run in
+            (("wrap_with_set_grad_enabled", _grad_enabled), ("wrap_with_autocast", _autocast))
+            if hasattr(torch.ops.higher_order, name)}
+
+
 class _Slot:
     """An op as fx's code generation sees it while :func:`forward` runs it: not torch's (so fx names a global for
     it, ``ampfx_op_<namespace>_<op>_<overload>``), the handle to bind that global to."""
 
-    def __init__(self, op: torch._ops.OpOverload, handle: Callable) -> None:
+    def __init__(self, op: Any, handle: Callable) -> None:
         self.__module__ = "ampfx_op"
-        self.__name__ = f"{op.namespace}_{op._opname}_{op._overloadname}"
+        self.__name__ = f"{op.namespace}_{op._opname}_{op._overloadname}" if isinstance(op, torch._ops.OpOverload) \
+            else f"plain_{op._name}"
         self.handle, self.op = handle, op
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # never run: its global is bound to the handle
@@ -86,17 +129,22 @@ class _Read:
 
 
 def _readers(gm: fx.GraphModule, targets: set[str]) -> dict[str, Callable]:
-    """For each nested ``target`` of ``gm`` (``"features.1.block.0.weight"``), a function reading it through the
-    module dicts (``_modules`` at each level, then the dict of ``_parameters`` / ``_buffers`` / ``_modules`` that
+    """For each ``target`` of ``gm`` (``"features.1.block.0.weight"``, ``"weight"``), a function reading it through
+    the module dicts (``_modules`` at each level, then the dict of ``_parameters`` / ``_buffers`` / ``_modules`` that
     holds the last name now): what ``nn.Module.__getattr__`` does at each level, without its failed attribute
-    lookup first (about 1 us a level on a slow CPU). None for a path that does not read so now, or that passes a
-    module whose ``__getattr__`` is its own. A read that finds no entry where it looks (a parameter deleted or
-    parametrized, an attribute that is no child) takes fx's own path, the ``getattr`` chain. ``gm`` is held
-    weakly: the functions are bound into its own class's ``forward``. All are compiled as one source."""
+    lookup first (about 1 us a level on a slow CPU). A name of ``gm``'s own that no dict holds is read from the
+    instance dict its class's ``__getattr__`` falls back to (:func:`_fallback`: a converted module's model module's
+    attributes, ``self.eps``, cost an exception there, 3-7 us a read). None for a path that does not read so now,
+    that passes a module whose ``__getattr__`` is its own, or that ``gm``'s class or instance dict would answer
+    first. A read that finds no entry where it looks (a parameter deleted or parametrized, an attribute that is no
+    child) takes fx's own path, the ``getattr`` chain. ``gm`` is held weakly: the functions are bound into its own
+    class's ``forward``. All are compiled as one source."""
     lines, scope = [], {"ref": weakref.ref(gm)}
     names = {}
     for i, target in enumerate(sorted(targets)):
         *path, leaf = target.split(".")
+        if not path and (leaf in gm.__dict__ or inspect.getattr_static(type(gm), leaf, None) is not None):
+            continue  # found before any __getattr__: a read as fast as the dicts'
         try:
             along = _along(gm, path)
         except (KeyError, AttributeError, TypeError):
@@ -104,16 +152,35 @@ def _readers(gm: fx.GraphModule, targets: set[str]) -> dict[str, Callable]:
         last = along[-1]
         store = next((kind for kind in ("_parameters", "_buffers", "_modules")
                       if isinstance(getattr(last, kind, None), dict) and leaf in getattr(last, kind)), None)
-        if store is None or not all(_plain_getattr(m) for m in along):
+        if not all(_plain_getattr(m) for m in along):
             continue
         walk = "".join(f"._modules[{name!r}]" for name in path)
+        if store is not None:
+            read = f"root{walk}.{store}[{leaf!r}]"
+        elif not path and leaf in getattr(_fallback(gm), "__dict__", {}):
+            read = f"root.__dict__[{leaf!r}] if {leaf!r} in root.__dict__ else root.__dict__[{_fallback_name(gm)!r}]" \
+                   f".__dict__[{leaf!r}]"
+        else:
+            continue
         scope[f"_slow{i}"] = functools.partial(_getattr_chain, names=(*path, leaf))
-        lines.append(f"def read{i}():\n    root = ref()\n    try:\n        return root{walk}.{store}[{leaf!r}]\n"
+        lines.append(f"def read{i}():\n    root = ref()\n    try:\n        return {read}\n"
                      f"    except (KeyError, AttributeError, TypeError):\n        return _slow{i}(root)\n")
         names[target] = f"read{i}"
     if names:  # code of names read from the graph's own targets, each a literal
         exec(compile("".join(lines), "<ampfx read>", "exec"), scope)  # noqa: S102
     return {target: scope[name] for target, name in names.items()}
+
+
+def _fallback_name(gm: nn.Module) -> str | None:
+    """The key of ``gm``'s instance dict holding the object whose own instance dict ``gm``'s class's ``__getattr__``
+    reads after ``nn.Module``'s lookup fails (``_ampfx_falls_back_to`` on that ``__getattr__``), if it says so."""
+    return getattr(getattr(type(gm), "__getattr__", None), "_ampfx_falls_back_to", None)
+
+
+def _fallback(gm: nn.Module) -> Any:
+    """The object :func:`_fallback_name` names, or None."""
+    name = _fallback_name(gm)
+    return gm.__dict__.get(name) if name is not None else None
 
 
 def _calling(read: Callable) -> Callable:
@@ -159,9 +226,12 @@ def forward(gm: fx.GraphModule) -> Callable | None:
     if _enriched():
         return None
     graph = gm.graph
-    handles = {target: _handle(target) for target in {n.target for n in graph.nodes if n.op == "call_function"}}
+    plain = plain_ops() if any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in graph.nodes) else {}
+    handles = {target: plain.get(target) or _handle(target)
+               for target in {n.target for n in graph.nodes if n.op == "call_function"}}
     handles = {target: handle for target, handle in handles.items() if handle is not None}
-    readers = _readers(gm, {n.target for n in graph.nodes if n.op in ("get_attr", "call_module") and "." in n.target})
+    readers = _readers(gm, {n.target for n in graph.nodes
+                            if n.op == "get_attr" or (n.op == "call_module" and "." in n.target)})
     if not handles and not readers:
         return None
     copy = fx.Graph(tracer_cls=graph._tracer_cls)
