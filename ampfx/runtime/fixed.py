@@ -48,6 +48,7 @@ import copy
 import dataclasses
 import enum
 import importlib
+import operator
 import sys
 import types
 from dataclasses import dataclass, field
@@ -264,8 +265,9 @@ class Fixed:
         self._kinds = {self.low: torch.float32}
         self._metas = [(self._kinds.get(dtype, dtype), device) for _, _, dtype, device, _ in self.tensors]
         self.seen = RemovableHandle.next_id
-        slots = len(self.eq) + len(self.same) + len(self.tensors) + len(self.ranges) + len(self.held)
-        self._values_hold = _compile(self) if slots <= COMPILED_SLOTS else self._loop
+        self._groups = _grouped(self.eq)
+        terms = len(self._groups) + len(self.same) + len(self.tensors) + len(self.ranges) + len(self.held)
+        self._values_hold = _compile(self) if terms <= COMPILED_SLOTS else self._loop
 
     def holds(self) -> bool:
         """Does every value the graph fixed still hold? (One generated expression over the slots, then the
@@ -286,7 +288,8 @@ class Fixed:
     def _loop(self) -> bool:
         """:func:`_compile`'s expression as loops over the slots (for a graph with many: one expression of
         thousands of terms takes seconds to compile, the loops cost about 0.1 us a slot)."""
-        if self.eq and [list(d) if k is _KEYS else d.get(k, _MISSING) for d, k, _, _ in self.eq] != self._values:
+        if not all(list(d) == v if k is _KEYS else d.get(k, _MISSING) == v if get is None
+                   else d.keys() >= k and get(d) == v for d, k, v, get in self._groups):
             return False
         if self.same and not all(d.get(k, _MISSING) is v for (d, k, _, _), v in zip(self.same, self._objects)):
             return False
@@ -393,7 +396,48 @@ class Held:
 
 
 COMPILED_SLOTS = 512
-"""Up to this many slots a :class:`Fixed` checks them in one generated expression (:func:`_compile`)."""
+"""Up to this many terms (:func:`_grouped`) a :class:`Fixed` checks its slots in one generated expression
+(:func:`_compile`)."""
+
+
+def _grouped(eq: list[tuple[dict, Any, Any, str]]) -> list[tuple[dict, Any, Any, Any]]:
+    """``eq``'s slots as terms ``(dict, key or keys, value or values, getter)``: the slots of one dict whose keys
+    were present as one term, its keys' values read at once (``operator.itemgetter``, compared as a tuple: one
+    C call for a configuration object's hundred fields, where a term a field cost about 0.1 us each); the others
+    (the keys of a dict, a key that was absent) one term each, getter ``None``.
+
+    >>> d = {"a": 1, "b": 2}
+    >>> terms = _grouped([(d, "a", 1, ""), (d, "b", 2, ""), (d, "c", _MISSING, "")])
+    >>> [(sorted(key) if get else key, get(d) if get else None) for _, key, _, get in terms]
+    [(['a', 'b'], (1, 2)), ('c', None)]
+    """
+    by_dict: dict[int, list[tuple[dict, Any, Any, str]]] = {}
+    single = []
+    for slot in eq:
+        d, k, v, _ = slot
+        if k is _KEYS or v is _MISSING:
+            single.append((d, k, v, None))
+        else:
+            by_dict.setdefault(id(d), []).append(slot)
+    out = []
+    for slots in by_dict.values():
+        if len(slots) == 1:
+            d, k, v, _ = slots[0]
+            out.append((d, k, v, None))
+            continue
+        keys = tuple(k for _, k, _, _ in slots)
+        out.append((slots[0][0], frozenset(keys), tuple(v for _, _, v, _ in slots), operator.itemgetter(*keys)))
+    return out + single
+
+
+def _same_values(d: dict, get: Any, values: tuple) -> Any:
+    """A check of no arguments: do ``d``'s keys that ``get`` reads hold ``values`` (a key gone: no)?"""
+    def same() -> bool:
+        try:
+            return get(d) == values
+        except KeyError:
+            return False
+    return same
 
 
 def _compile(fixed: Fixed) -> Any:
@@ -402,9 +446,11 @@ def _compile(fixed: Fixed) -> Any:
     and value bound by name (a loop over the slots costs several times more per call)."""
     names: dict[str, Any] = {"M": _MISSING, "NUM": (float, int)}
     terms = []
-    for i, (d, k, v, _) in enumerate(fixed.eq):
+    for i, (d, k, v, get) in enumerate(fixed._groups):
         names[f"d{i}"], names[f"k{i}"], names[f"v{i}"] = d, k, v
-        terms.append(f"list(d{i}) == v{i}" if k is _KEYS else f"d{i}.get(k{i}, M) == v{i}")
+        names[f"g{i}"] = _same_values(d, get, v) if get is not None else None
+        terms.append(f"list(d{i}) == v{i}" if k is _KEYS else f"d{i}.get(k{i}, M) == v{i}" if get is None
+                     else f"g{i}()")
     for i, (d, k, v, _) in enumerate(fixed.same):
         names[f"s{i}"], names[f"sk{i}"], names[f"o{i}"] = d, k, v
         terms.append(f"s{i}.get(sk{i}, M) is o{i}")

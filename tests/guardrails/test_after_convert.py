@@ -499,7 +499,7 @@ class Reads(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin, self.drop, self.cfg = nn.Linear(8, 8), nn.Dropout(0.0), type("Cfg", (), {})()
-        self.cfg.shift, self.cfg.act = False, torch.tanh
+        self.cfg.shift, self.cfg.act, self.cfg.width, self.cfg.name = False, torch.tanh, 8, "cfg"
 
     def forward(self, x):
         y = self.drop(self.lin(x))
@@ -523,6 +523,8 @@ def test_values_read_elsewhere_than_the_modules_own_attributes_are_checked(chang
     if change == "class default":
         model.use_shift = True
     elif change == "config field":
+        # a configuration's fields are checked as one term (ampfx.runtime.fixed._grouped)
+        assert any(get is not None for *_, get in amp._rt.fixed._groups)
         model.cfg.shift = True
     elif change == "module-level object":
         monkeypatch.setattr(CONFIG, "shift", True)
