@@ -54,7 +54,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.graph_module import _CodeOnlyModule
 
 from .. import runtime
-from ..errors import BakedValueError, PlanSizeError
+from ..errors import BakedValueError, GuardError, PlanSizeError
 from ..state import TORCH_KEYS
 from . import lowered
 from .entries import ModeUnavailable, PendingMode, Runtime, run, stands_for
@@ -255,6 +255,12 @@ class AmpGraphModule(fx.GraphModule):
                 if entry is not None:
                     return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
+                return run(rt.for_values(self, args, kwargs, e), args, kwargs)
+            except GuardError as e:  # outside its signature (structure, kind, sizes): the caller's own to fix...
+                if not rt.where:
+                    raise
+                # ...but a module below the root is called by the model's Python, with what that passes (a mask
+                # left None, a batch of 1 at inference): converted again for the call, as a changed value is
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
         cache = rt.weights
         if cache is None:

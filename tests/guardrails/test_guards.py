@@ -368,3 +368,44 @@ def test_without_example_inputs_sizes_and_kinds_are_not_guarded():
 def test_guard_errors_are_value_errors():
     """Existing `except ValueError` clauses keep working."""
     assert issubclass(GuardError, ValueError) and issubclass(ExampleInputsError, ValueError)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        y = self.lin(x)
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+class _Gated(nn.Module):
+    """Python no capture keeps (a value read with ``.item()``) around a child it calls with what it decides: a mask
+    or ``None``, the whole batch or one row."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Masked()
+
+    def forward(self, x, masked: bool = True, rows: int = 0):
+        if x.sum().item() > 1e9:
+            return x
+        x = x[:rows] if rows else x
+        return self.block(x, (x > 1.0) if masked else None)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_module_the_models_python_calls_outside_its_signature_is_converted_again_for_the_call(tracer):
+    """A module below the root is called by the model's own Python, with what that passes: a mask left ``None``,
+    one row at inference (torch.export's graph holds for two rows and more). Outside its signature it is converted
+    again for that call (the right numbers, a new entry), never run as it is and never a GuardError the user cannot
+    fix at the call they make; the root, which the user calls, still raises one (see above)."""
+    model = _Gated()
+    x = torch.randn(4, 8)
+    amp = ampfx.convert(model, example_inputs=(x,), tracer=tracer, gemm_min_flops=0)
+    for kwargs in ({"masked": False}, {"rows": 1}):
+        torch.testing.assert_close(amp(x, **kwargs).float(), model(x, **kwargs), atol=0.05, rtol=0.05)
+    # fx's graph holds for any rows (one entry, for the mask); export's for two rows and more (two)
+    assert len(amp.block.variants()) == {"fx": 1, "export": 2}[tracer]
+    assert amp.block.variants()[0].ampfx_report  # each entry made again carries its own log
