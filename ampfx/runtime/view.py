@@ -97,9 +97,17 @@ class Mirror:
             delattr(self._ampfx_model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The check, then ``nn.Module.__call__``'s steps. A mirror that crosses nothing calls ``_call_impl`` itself,
+        as ``nn.Module.__call__`` would: its model's Python then runs as deep in the stack as it runs in the model
+        (CPython 3.11 allocates frames in 16 KiB chunks, and a recursive function such as torch's pytree flattening,
+        called again and again across a chunk's end, frees and allocates one at each call: Mixtral's mask, built
+        two frames deeper, took 5.3 ms against 4.6 ms)."""
         check = self._ampfx_check
         if check is not None:
             check(self)
+        if self._ampfx_hand is None and self._ampfx_cross is None and \
+                self.__dict__.get("_compiled_call_impl") is None:
+            return self._call_impl(*args, **kwargs)
         return _crossed(self, super().__call__, args, kwargs)
 
     @staticmethod
