@@ -557,3 +557,24 @@ def test_the_models_own_python_runs_as_deep_in_the_stack_as_in_the_model():
     model_depths = [d - here for d in (net.depths[-1], net.inner.depths[-1])]
     amp(x)
     assert [d - here for d in (net.depths[-1], net.inner.depths[-1])] == model_depths
+
+
+class _OwnCall(_Deep):
+    """A module whose class has a ``__call__`` of its own (as a Hugging Face checkpointing layer checkpoints in it)."""
+
+    calls = 0
+
+    def __call__(self, *args, **kwargs):
+        _OwnCall.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_module_class_with_its_own_call_runs_it_in_the_converted_model():
+    """Rule: a module that keeps its Python runs its class's own ``__call__`` where it has one (Hugging Face's
+    ``GradientCheckpointingLayer`` checkpoints there: skipping it trains without recomputing, with the memory
+    that takes)."""
+    net = _Deep(_OwnCall())
+    amp = ampfx.convert(net, example_inputs=(torch.randn(2, 4),))
+    before = _OwnCall.calls
+    amp(torch.randn(2, 4))
+    assert _OwnCall.calls == before + 1

@@ -63,6 +63,7 @@ class Mirror:
     :class:`~ampfx.runtime.handing.Handing` mode (:func:`ampfx.runtime.handing.hand_on`, here without hooks)."""
 
     __slots__ = ()
+    _ampfx_plain_call = False  # its model class's __call__ is nn.Module's (set per class by mirror_class)
 
     @property
     def _modules(self) -> dict:
@@ -97,15 +98,16 @@ class Mirror:
             delattr(self._ampfx_model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The check, then ``nn.Module.__call__``'s steps. A mirror that crosses nothing calls ``_call_impl`` itself,
-        as ``nn.Module.__call__`` would: its model's Python then runs as deep in the stack as it runs in the model
-        (CPython 3.11 allocates frames in 16 KiB chunks, and a recursive function such as torch's pytree flattening,
-        called again and again across a chunk's end, frees and allocates one at each call: Mixtral's mask, built
-        two frames deeper, took 5.3 ms against 4.6 ms)."""
+        """The check, then its class's ``__call__``. A mirror that crosses nothing, of a class whose ``__call__`` is
+        ``nn.Module``'s (not a checkpointing layer's own), calls ``_call_impl`` itself, as that ``__call__`` would:
+        its model's Python then runs as deep in the stack as it runs in the model (CPython 3.11 allocates frames in
+        16 KiB chunks, and a recursive function such as torch's pytree flattening, called again and again across a
+        chunk's end, frees and allocates one at each call: Mixtral's mask, built four frames deeper, took 5.3 ms
+        against 4.6 ms)."""
         check = self._ampfx_check
         if check is not None:
             check(self)
-        if self._ampfx_hand is None and self._ampfx_cross is None and \
+        if type(self)._ampfx_plain_call and self._ampfx_hand is None and self._ampfx_cross is None and \
                 self.__dict__.get("_compiled_call_impl") is None:
             return self._call_impl(*args, **kwargs)
         return _crossed(self, super().__call__, args, kwargs)
@@ -168,6 +170,8 @@ def mirror_class(cls: type) -> type:
     if made is None:
         extra = {"__getitem__": _sliced} if issubclass(cls, (nn.ModuleList, nn.Sequential)) else {}
         made = type(cls.__name__, (Mirror, cls), {"__slots__": _SLOTS, "_ampfx_base": cls,
+                                                   # its class's __call__ is nn.Module's: none of its own to run
+                                                   "_ampfx_plain_call": cls.__call__ is nn.Module.__call__,
                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                                    "__doc__": cls.__doc__, **extra})
         _CLASSES[cls] = made
