@@ -578,3 +578,57 @@ def test_a_module_class_with_its_own_call_runs_it_in_the_converted_model():
     before = _OwnCall.calls
     amp(torch.randn(2, 4))
     assert _OwnCall.calls == before + 1
+
+
+class _SliceUnderNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            ref = h[:, :]  # a constant for the loss: a view that takes no gradient
+        return h * ref
+
+
+def test_a_whole_slice_made_under_no_grad_in_an_exported_region_stays_a_view_without_gradient():
+    """Rule: in a region's body only export's dtype assertions are dropped; a whole-dimension slice there is the
+    view that takes no gradient (dropping it returned the sliced tensor, and the weight's gradient doubled)."""
+    net = _SliceUnderNoGrad()
+    x = torch.randn(4, 8)
+    amp = ampfx.convert(net, example_inputs=(x,), tracer="export", gemm_min_flops=0)
+    amp(x).float().sum().backward()
+    got = net.lin.weight.grad.clone()
+    net.zero_grad()
+    net(x).sum().backward()
+    torch.testing.assert_close(got, net.lin.weight.grad, atol=0.05, rtol=0.05)
+
+
+def test_a_mirror_is_called_through_nn_module_call_while_a_tracer_or_the_profiler_watches_it():
+    """Rule: a mirror calls ``_call_impl`` itself only while ``nn.Module.__call__`` is torch's own and the profiler
+    is off: fx's tracers patch ``__call__`` to keep leaves (a leaf mirror is recorded, not traced into) and the
+    profiler names modules by its frame."""
+    import torch.fx as fx
+
+    class Leaf(fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, _Deep) or super().is_leaf_module(m, name)
+
+    class Wrap(nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+
+        def forward(self, x):
+            return self.k(x) * 2
+
+    amp = ampfx.convert(_Deep(_Deep()), example_inputs=(torch.randn(2, 4),))
+    assert isinstance(amp.inner, runtime.view.Mirror)
+    graph = Leaf().trace(Wrap(amp.inner))
+    assert [n.target for n in graph.nodes if n.op == "call_module"] == ["k"]
+    amp(torch.randn(2, 4))
+    with torch.profiler.profile(with_modules=True, with_stack=True) as prof:
+        amp(torch.randn(2, 4))
+    names = {e.name for e in prof.profiler.function_events if e.name.startswith("nn.Module")}
+    assert {"nn.Module: _Deep_0", "nn.Module: _Deep_1"} <= names, sorted(names)

@@ -410,22 +410,23 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
             node.meta["nn_module_stack"] = clean
         _mark_user_float32(node)
     for path, body in gm.named_modules():  # the bodies of regions (with torch.no_grad(), with torch.autocast)
-        if path and isinstance(body, fx.GraphModule):
-            if [_dropped(node, dropped) for node in list(body.graph.nodes)].count(True):
+        if path and isinstance(body, fx.GraphModule):  # their dtype assertions only: a whole-dimension slice made
+            # under no_grad is a view that takes no gradient, where the tensor it slices does
+            if [_dropped(node, dropped, slices=False) for node in list(body.graph.nodes)].count(True):
                 body.recompile()
     notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
     return constants, notes
 
 
-def _dropped(node: fx.Node, dropped: dict[str, int]) -> bool:
-    """Drop ``node`` from its graph if it is one of export's dtype assertions or a whole-dimension slice
-    (:func:`_full_slice`), counted in ``dropped``; whether it was."""
+def _dropped(node: fx.Node, dropped: dict[str, int], slices: bool = True) -> bool:
+    """Drop ``node`` from its graph if it is one of export's dtype assertions or (``slices``) a whole-dimension
+    slice (:func:`_full_slice`), counted in ``dropped``; whether it was."""
     graph = node.graph
     if node.op == "call_function" and str(node.target).startswith("aten._assert_tensor_metadata"):
         graph.erase_node(node)
         dropped["dtype assertions"] = dropped.get("dtype assertions", 0) + 1
         return True
-    if _full_slice(node):
+    if slices and _full_slice(node):
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
         dropped["whole-dimension slices"] = dropped.get("whole-dimension slices", 0) + 1
