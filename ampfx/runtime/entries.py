@@ -312,8 +312,32 @@ class Runtime:
         if self.reconvert is None or not self.reconvert.limit:
             raise error
         entry = self._accepting(gm, args, kwargs)
+        if entry is not _NONE:
+            return entry
+        if _inside_autograd():  # a conversion runs its own backward: not inside checkpointing's machinery
+            raise error
         what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
-        return entry if entry is not _NONE else self._made(self._accepting, gm, args, kwargs, None, [what])
+        return self._made(self._accepting, gm, args, kwargs, None, [what])
+
+    def for_signature(self, gm: nn.Module, args: tuple, kwargs: dict, error: GuardError) -> nn.Module:
+        """The entry for a call outside the graph's signature (``error``: structure, kind or sizes) of a module
+        below the root, which the model's own Python calls with what it passes (a mask left ``None``, one row):
+        one made earlier whose guard takes the call, or a new one. ``error`` itself, the caller's to fix, at the
+        root (the user's own call), inside autograd's machinery, with no conversion left to make or where making it
+        fails (chained to why)."""
+        if not self.where:
+            raise error
+        entry = self._accepting(gm, args, kwargs)
+        if entry is not _NONE:
+            return entry
+        make = self.reconvert
+        if make is None or len(self.variants) >= make.limit or _inside_autograd():
+            raise error
+        what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
+        try:
+            return self._made(self._accepting, gm, args, kwargs, None, [what])
+        except StaleModelError as e:
+            raise error from e
 
     def for_sizes(self, gm: nn.Module, args: tuple, kwargs: dict, error: Exception) -> nn.Module | None:
         """The entry for a call whose sizes cross a size-dependent dtype decision (``error``, a

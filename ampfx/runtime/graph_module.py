@@ -256,12 +256,8 @@ class AmpGraphModule(fx.GraphModule):
                     return run(entry, args, kwargs)
             except BakedValueError as e:  # an argument the graph holds as traced (None, a flag) differs
                 return run(rt.for_values(self, args, kwargs, e), args, kwargs)
-            except GuardError as e:  # outside its signature (structure, kind, sizes): the caller's own to fix...
-                if not rt.where:
-                    raise
-                # ...but a module below the root is called by the model's Python, with what that passes (a mask
-                # left None, a batch of 1 at inference): converted again for the call, as a changed value is
-                return run(rt.for_values(self, args, kwargs, e), args, kwargs)
+            except GuardError as e:  # outside its signature: below the root, converted again for the call
+                return run(rt.for_signature(self, args, kwargs, e), args, kwargs)
         cache = rt.weights
         if cache is None:
             return type(self)._ampfx_graph_forward(self, *args, **kwargs)

@@ -409,3 +409,21 @@ def test_a_module_the_models_python_calls_outside_its_signature_is_converted_aga
     # fx's graph holds for any rows (one entry, for the mask); export's for two rows and more (two)
     assert len(amp.block.variants()) == {"fx": 1, "export": 2}[tracer]
     assert amp.block.variants()[0].ampfx_report  # each entry made again carries its own log
+
+
+def test_a_module_below_the_root_is_not_converted_again_inside_checkpointing_nor_for_the_users_own_bad_input():
+    """Outside its signature inside activation checkpointing (a conversion runs its own backward, which checkpoint's
+    hooks would take for its recompute) the module raises its GuardError, as it does where converting again fails
+    (an integer input the user passed through the model's Python: still a ValueError, naming the input)."""
+    import torch.utils.checkpoint as cp
+
+    model = _Gated()
+    amp = ampfx.convert(model, example_inputs=(torch.randn(4, 8),), tracer="export", gemm_min_flops=0)
+    one = torch.randn(1, 8, requires_grad=True)
+    with pytest.raises(GuardError, match="dim 0 is 1"):
+        cp.checkpoint(amp, one, use_reentrant=False)
+    assert amp.block.variants() == []
+    with pytest.raises(GuardError, match="int64"):
+        amp(torch.ones(4, 8, dtype=torch.int64))
+    out = amp(one, rows=0)  # outside checkpointing: converted again for one row
+    torch.testing.assert_close(out.float(), model(one), atol=0.05, rtol=0.05)
