@@ -49,6 +49,10 @@ from ..state import CONTAINERS, origin_of, same_contents
 
 log = logging.getLogger(__name__)
 
+_MODULE_CALL = nn.Module.__call__
+"""``nn.Module.__call__`` as torch defines it (a tracer replaces it while it traces)."""
+_profiling = torch._C._autograd._profiler_enabled
+
 _SLOTS = ("_ampfx_modules", "_ampfx_model", "_ampfx_cross", "_ampfx_check", "_ampfx_hand", "ampfx_report")
 
 
@@ -108,7 +112,8 @@ class Mirror:
         if check is not None:
             check(self)
         if type(self)._ampfx_plain_call and self._ampfx_hand is None and self._ampfx_cross is None and \
-                self.__dict__.get("_compiled_call_impl") is None:
+                self.__dict__.get("_compiled_call_impl") is None and nn.Module.__call__ is _MODULE_CALL and \
+                not _profiling():  # (fx's tracers patch nn.Module.__call__; the profiler names modules by its frame)
             return self._call_impl(*args, **kwargs)
         return _crossed(self, super().__call__, args, kwargs)
 
