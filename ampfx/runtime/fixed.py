@@ -400,6 +400,11 @@ COMPILED_SLOTS = 512
 (:func:`_compile`)."""
 
 
+_PLAIN_MAPPINGS = (dict, types.MappingProxyType)
+"""The dicts :func:`_grouped` reads a key at a time with ``itemgetter``: no ``__missing__`` (a ``defaultdict`` would
+make a deleted key anew)."""
+
+
 def _grouped(eq: list[tuple[dict, Any, Any, str]]) -> list[tuple[dict, Any, Any, Any]]:
     """``eq``'s slots as terms ``(dict, key or keys, value or values, getter)``: the slots of one dict whose keys
     were present as one term, its keys' values read at once (``operator.itemgetter``, compared as a tuple: one
@@ -415,7 +420,7 @@ def _grouped(eq: list[tuple[dict, Any, Any, str]]) -> list[tuple[dict, Any, Any,
     single = []
     for slot in eq:
         d, k, v, _ = slot
-        if k is _KEYS or v is _MISSING:
+        if k is _KEYS or v is _MISSING or type(d) not in _PLAIN_MAPPINGS:
             single.append((d, k, v, None))
         else:
             by_dict.setdefault(id(d), []).append(slot)

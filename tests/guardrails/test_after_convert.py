@@ -646,3 +646,15 @@ def test_inference_copies_follow_weights_re_pointed_with_data():
     amp(X)
     vector_to_parameters(parameters_to_vector(model.parameters()) * -1, model.parameters())
     assert rel(amp(X), model(X)) < 0.03
+
+
+def test_a_fixed_value_of_a_dict_with_a_default_is_checked_a_key_at_a_time():
+    """A dict with ``__missing__`` (a ``defaultdict``) would make a deleted key anew, with its default, when its keys
+    are read at once: its slots stay terms of their own (``get(key, missing)``), which see the key gone."""
+    import collections
+
+    from ampfx.runtime import fixed
+    d = collections.defaultdict(int, a=0, b=1)
+    assert all(get is None for *_, get in fixed._grouped([(d, "a", 0, ""), (d, "b", 1, "")]))
+    plain = {"a": 0, "b": 1}
+    assert [get is None for *_, get in fixed._grouped([(plain, "a", 0, ""), (plain, "b", 1, "")])] == [False]
