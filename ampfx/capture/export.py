@@ -412,7 +412,7 @@ def _clean(gm: fx.GraphModule, model: nn.Module, paths: set[str]) -> tuple[dict[
     for path, body in gm.named_modules():  # the bodies of regions (with torch.no_grad(), with torch.autocast)
         if path and isinstance(body, fx.GraphModule):  # their dtype assertions only: a whole-dimension slice made
             # under no_grad is a view that takes no gradient, where the tensor it slices does
-            if [_dropped(node, dropped, slices=False) for node in list(body.graph.nodes)].count(True):
+            if sum(_dropped(node, dropped, slices=False) for node in list(body.graph.nodes)):
                 body.recompile()
     notes = [f"dropped export's {k} ({n})" for k, n in dropped.items()]
     return constants, notes

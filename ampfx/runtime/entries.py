@@ -327,16 +327,9 @@ class Runtime:
         fails (chained to why)."""
         if not self.where:
             raise error
-        entry = self._accepting(gm, args, kwargs)
-        if entry is not _NONE:
-            return entry
-        make = self.reconvert
-        if make is None or len(self.variants) >= make.limit or _inside_autograd():
-            raise error
-        what = str(error).split(" (", 1)[0].removeprefix("ampfx: ")
         try:
-            return self._made(self._accepting, gm, args, kwargs, None, [what])
-        except StaleModelError as e:
+            return self.for_values(gm, args, kwargs, error)
+        except StaleModelError as e:  # past reconvert_limit, or converting again failed
             raise error from e
 
     def for_sizes(self, gm: nn.Module, args: tuple, kwargs: dict, error: Exception) -> nn.Module | None:
